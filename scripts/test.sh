@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# scripts/test.sh — run the whole test suite (unit, integration and doc tests).
+#
+# Usage:  bash scripts/test.sh [cargo test arguments...]
+#   e.g.  bash scripts/test.sh                      everything
+#         bash scripts/test.sh --test redelivery    one integration test file
+#         bash scripts/test.sh -- --nocapture       show the tests' output
+#
+# What it does:
+# 1. makes sure the programs the tests start themselves are installed: they
+#    run private `redis-server` and `initdb`/`pg_ctl` instances, so it installs
+#    the Debian packages redis-server and postgresql if those are missing;
+# 2. exports TASKHUB_PG_BIN, the directory holding initdb and pg_ctl (Debian
+#    keeps them in /usr/lib/postgresql/<version>/bin, outside PATH);
+# 3. makes sure Redis and PostgreSQL answer at the defaults (scripts/services.sh);
+# 4. runs `cargo test` with RUST_BACKTRACE=1, passing your arguments through.
+# The exit status is cargo test's.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+if [[ -f $HOME/.cargo/env ]]; then
+    # shellcheck source=/dev/null
+    source "$HOME/.cargo/env"
+fi
+command -v cargo >/dev/null 2>&1 || {
+    echo "test.sh: cargo not found; install Rust with rustup (https://rustup.rs)" >&2
+    exit 1
+}
+
+# Directory holding initdb and pg_ctl, or nothing: TASKHUB_PG_BIN if set and
+# valid, else the newest /usr/lib/postgresql/*/bin, else wherever PATH has them.
+pg_bin_dir() {
+    local d
+    if [[ -n ${TASKHUB_PG_BIN:-} && -x $TASKHUB_PG_BIN/initdb ]]; then
+        printf '%s\n' "$TASKHUB_PG_BIN"
+        return 0
+    fi
+    d=$(printf '%s\n' /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
+    if [[ -x $d/initdb && -x $d/pg_ctl ]]; then
+        printf '%s\n' "$d"
+        return 0
+    fi
+    if command -v initdb >/dev/null 2>&1 && command -v pg_ctl >/dev/null 2>&1; then
+        dirname "$(readlink -f "$(command -v initdb)")"
+        return 0
+    fi
+    return 1
+}
+
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+pg_bin_dir >/dev/null || missing+=(postgresql)
+if ((${#missing[@]})); then
+    echo "test.sh: installing ${missing[*]} (the tests start their own servers)" >&2
+    sudo=()
+    [[ $EUID -eq 0 ]] || sudo=(sudo)
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+TASKHUB_PG_BIN=$(pg_bin_dir) || {
+    echo "test.sh: initdb/pg_ctl still not found; set TASKHUB_PG_BIN to their directory" >&2
+    exit 1
+}
+export TASKHUB_PG_BIN
+export RUST_BACKTRACE=${RUST_BACKTRACE:-1}
+
+bash scripts/services.sh
+
+echo "test.sh: cargo test $* (TASKHUB_PG_BIN=$TASKHUB_PG_BIN)" >&2
+cargo test "$@"

@@ -1,0 +1,395 @@
+//! Configuration: one [`Builder`] whose `Default` holds every default, and
+//! `build()` that validates it.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::connect::redact;
+use crate::error::Error;
+use crate::handler::Handler;
+use crate::run::Worker;
+
+/// The validated settings of a [`Worker`]. Build one with [`Worker::builder`].
+#[derive(Clone)]
+pub struct Config {
+    pub(crate) redis_url: String,
+    pub(crate) database_url: String,
+    pub(crate) streams: Vec<String>,
+    pub(crate) group: String,
+    pub(crate) consumer: String,
+    pub(crate) scope: Option<String>,
+    pub(crate) start_id: String,
+    pub(crate) workers: usize,
+    pub(crate) count: usize,
+    pub(crate) block: Duration,
+    pub(crate) marker_ttl: Duration,
+    pub(crate) shutdown_timeout: Duration,
+    pub(crate) until_idle: bool,
+    pub(crate) max_attempts: u32,
+    pub(crate) backoff_base: Duration,
+    pub(crate) backoff_cap: Duration,
+    pub(crate) max_retry_after: Duration,
+    pub(crate) reclaim_interval: Duration,
+    pub(crate) reclaim_min_idle: Duration,
+    pub(crate) max_event_id_bytes: usize,
+    pub(crate) max_entry_bytes: usize,
+}
+
+impl Config {
+    /// The idempotency scope: the configured one, else the group.
+    pub fn scope(&self) -> &str {
+        self.scope.as_deref().unwrap_or(&self.group)
+    }
+
+    /// The consumer name of this instance.
+    pub fn consumer(&self) -> &str {
+        &self.consumer
+    }
+
+    /// The consumer group.
+    pub fn group(&self) -> &str {
+        &self.group
+    }
+
+    /// The streams read.
+    pub fn streams(&self) -> &[String] {
+        &self.streams
+    }
+
+    /// At most this many entries are read but not finished at once.
+    pub(crate) fn max_in_flight(&self) -> usize {
+        self.workers * self.count * 2
+    }
+}
+
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Config")
+            .field("redis_url", &redact(&self.redis_url))
+            .field("database_url", &redact(&self.database_url))
+            .field("streams", &self.streams)
+            .field("group", &self.group)
+            .field("consumer", &self.consumer)
+            .field("scope", &self.scope())
+            .field("start_id", &self.start_id)
+            .field("workers", &self.workers)
+            .field("count", &self.count)
+            .field("block", &self.block)
+            .field("marker_ttl", &self.marker_ttl)
+            .field("shutdown_timeout", &self.shutdown_timeout)
+            .field("until_idle", &self.until_idle)
+            .field("max_attempts", &self.max_attempts)
+            .field("backoff_base", &self.backoff_base)
+            .field("backoff_cap", &self.backoff_cap)
+            .field("max_retry_after", &self.max_retry_after)
+            .field("reclaim_interval", &self.reclaim_interval)
+            .field("reclaim_min_idle", &self.reclaim_min_idle)
+            .field("max_event_id_bytes", &self.max_event_id_bytes)
+            .field("max_entry_bytes", &self.max_entry_bytes)
+            .finish()
+    }
+}
+
+/// The default consumer name: the host name, which stays the same across
+/// restarts of one instance. Run a second instance on the same host with its
+/// own `consumer` name.
+pub fn default_consumer_name() -> String {
+    let host = gethostname::gethostname().to_string_lossy().into_owned();
+    if host.is_empty() {
+        "taskhub".to_owned()
+    } else {
+        host
+    }
+}
+
+/// Builds a [`Worker`]. Every setter documents its default.
+#[derive(Debug, Clone)]
+pub struct Builder {
+    config: Config,
+}
+
+impl Default for Builder {
+    fn default() -> Builder {
+        Builder {
+            config: Config {
+                redis_url: "redis://127.0.0.1:6379".into(),
+                database_url: "postgres://postgres:taskhub@127.0.0.1:5432/taskhub".into(),
+                streams: Vec::new(),
+                group: "workers".into(),
+                consumer: default_consumer_name(),
+                scope: None,
+                start_id: "0".into(),
+                workers: 8,
+                count: 16,
+                block: Duration::from_secs(2),
+                marker_ttl: Duration::from_secs(24 * 3600),
+                shutdown_timeout: Duration::from_secs(30),
+                until_idle: false,
+                max_attempts: 5,
+                backoff_base: Duration::from_millis(200),
+                backoff_cap: Duration::from_secs(30),
+                max_retry_after: Duration::from_secs(120),
+                reclaim_interval: Duration::from_secs(30),
+                reclaim_min_idle: Duration::from_secs(300),
+                max_event_id_bytes: 256,
+                max_entry_bytes: 1024 * 1024,
+            },
+        }
+    }
+}
+
+macro_rules! setter {
+    ($(#[$doc:meta])* $name:ident: $ty:ty) => {
+        $(#[$doc])*
+        pub fn $name(mut self, value: $ty) -> Builder {
+            self.config.$name = value.into();
+            self
+        }
+    };
+}
+
+impl Builder {
+    setter!(
+        /// Redis URL (`redis://[:password@]host:port[/db]`).
+        /// Defaults to `redis://127.0.0.1:6379`.
+        redis_url: &str
+    );
+    setter!(
+        /// PostgreSQL URL or key-value string.
+        /// Defaults to `postgres://postgres:taskhub@127.0.0.1:5432/taskhub`.
+        database_url: &str
+    );
+    setter!(
+        /// The consumer group; created (with MKSTREAM) when missing.
+        /// Defaults to `workers`.
+        group: &str
+    );
+    setter!(
+        /// This instance's consumer name. It must be stable across restarts
+        /// (its pending entries are re-read at start) and unique among running
+        /// instances. Defaults to the host name.
+        consumer: &str
+    );
+    setter!(
+        /// Where a new group starts reading: `0` (the whole stream) or `$`
+        /// (only new entries). Defaults to `0`.
+        start_id: &str
+    );
+    setter!(
+        /// Number of worker threads. Defaults to 8.
+        workers: usize
+    );
+    setter!(
+        /// Entries per XREADGROUP (`COUNT`). Defaults to 16.
+        count: usize
+    );
+    setter!(
+        /// How long one XREADGROUP blocks (`BLOCK`); a shutdown is seen within
+        /// this time. Defaults to 2 s.
+        block: Duration
+    );
+    setter!(
+        /// Lifetime of the Redis duplicate marker. Defaults to 24 h.
+        marker_ttl: Duration
+    );
+    setter!(
+        /// How long a graceful shutdown may take. Defaults to 30 s.
+        shutdown_timeout: Duration
+    );
+    setter!(
+        /// Stop once nothing new arrives and the group has nothing pending.
+        /// Defaults to false.
+        until_idle: bool
+    );
+    setter!(
+        /// All attempts of one event, the first included, before it is
+        /// dead-lettered; Redis deliveries count too. Defaults to 5.
+        max_attempts: u32
+    );
+    setter!(
+        /// First retry delay; doubles with each attempt. Defaults to 200 ms.
+        backoff_base: Duration
+    );
+    setter!(
+        /// Longest retry delay. Defaults to 30 s.
+        backoff_cap: Duration
+    );
+    setter!(
+        /// Longest `Retry-After` honoured; a longer one is cut to this.
+        /// Defaults to 120 s.
+        max_retry_after: Duration
+    );
+    setter!(
+        /// How often the reclaimer runs XAUTOCLAIM. Defaults to 30 s.
+        reclaim_interval: Duration
+    );
+    setter!(
+        /// How long an entry must sit unacknowledged before another consumer
+        /// may take it over. Must exceed the longest handler run plus the
+        /// longest retry wait. Defaults to 300 s.
+        reclaim_min_idle: Duration
+    );
+    setter!(
+        /// Longest accepted `event_id`, in bytes. Defaults to 256.
+        max_event_id_bytes: usize
+    );
+    setter!(
+        /// Largest accepted entry (all names and values), in bytes.
+        /// Defaults to 1 MiB.
+        max_entry_bytes: usize
+    );
+
+    /// Adds a stream to read; one reader thread per stream. At least one is
+    /// required. Defaults to none.
+    pub fn stream(mut self, stream: &str) -> Builder {
+        self.config.streams.push(stream.to_owned());
+        self
+    }
+
+    /// The idempotency scope: events are applied once per scope. Defaults to
+    /// the group name, so two groups reading one stream each apply their own
+    /// effect once.
+    pub fn scope(mut self, scope: &str) -> Builder {
+        self.config.scope = Some(scope.to_owned());
+        self
+    }
+
+    /// Validates the configuration and returns a worker that runs `handler`.
+    /// Nothing is connected yet; [`Worker::run`] does that.
+    pub fn build(self, handler: impl Handler) -> Result<Worker, Error> {
+        let config = self.validate()?;
+        Ok(Worker::new(config, Arc::new(handler)))
+    }
+
+    /// Checks the configuration without building a worker.
+    pub fn validate(self) -> Result<Config, Error> {
+        let c = self.config;
+        let err = |m: String| Err(Error::config(m));
+        if c.streams.is_empty() {
+            return err("at least one stream is required".into());
+        }
+        for name in c.streams.iter().chain([&c.group, &c.consumer]) {
+            if name.is_empty() || name.chars().any(char::is_control) {
+                return err(format!(
+                    "names must be non-empty and free of control characters: {name:?}"
+                ));
+            }
+        }
+        let mut seen = std::collections::HashSet::new();
+        for s in &c.streams {
+            if !seen.insert(s) {
+                return err(format!("stream {s:?} is given twice"));
+            }
+        }
+        if c.scope.as_deref() == Some("") {
+            return err("scope must not be empty".into());
+        }
+        if c.start_id != "0" && c.start_id != "$" {
+            return err(format!("start id must be 0 or $, not {:?}", c.start_id));
+        }
+        if c.workers == 0 || c.workers > 1024 {
+            return err(format!(
+                "workers must be between 1 and 1024, not {}",
+                c.workers
+            ));
+        }
+        if c.count == 0 || c.count > 10_000 {
+            return err(format!(
+                "count must be between 1 and 10000, not {}",
+                c.count
+            ));
+        }
+        if c.block < Duration::from_millis(1) || c.block > Duration::from_secs(60) {
+            return err(format!(
+                "block must be between 1 ms and 60 s, not {:?}",
+                c.block
+            ));
+        }
+        if c.marker_ttl < Duration::from_secs(1) {
+            return err("marker TTL must be at least 1 s".into());
+        }
+        if c.max_attempts == 0 {
+            return err("max attempts must be at least 1".into());
+        }
+        if c.backoff_base.is_zero() || c.backoff_cap < c.backoff_base {
+            return err(format!(
+                "backoff base must be positive and not above the cap ({:?} > {:?})",
+                c.backoff_base, c.backoff_cap
+            ));
+        }
+        if c.reclaim_interval.is_zero() {
+            return err("reclaim interval must be positive".into());
+        }
+        let longest_wait = c.backoff_cap.max(c.max_retry_after);
+        if c.reclaim_min_idle <= longest_wait {
+            return err(format!(
+                "reclaim min-idle ({:?}) must exceed the longest retry wait ({:?}), or entries \
+                 waiting for a retry would be taken over by other consumers",
+                c.reclaim_min_idle, longest_wait
+            ));
+        }
+        if c.max_event_id_bytes == 0 || c.max_event_id_bytes > 2048 {
+            return err(
+                "max event_id bytes must be between 1 and 2048 (a PostgreSQL index limit)".into(),
+            );
+        }
+        if c.max_entry_bytes == 0 {
+            return err("max entry bytes must be positive".into());
+        }
+        Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate_once_a_stream_is_given() {
+        assert!(Builder::default().validate().is_err());
+        let c = Builder::default().stream("s").validate().unwrap();
+        assert_eq!(c.scope(), "workers");
+        assert_eq!(c.max_attempts, 5);
+    }
+
+    #[test]
+    fn bad_values_are_rejected_with_a_message() {
+        let b = || Builder::default().stream("s");
+        for (builder, needle) in [
+            (b().workers(0), "workers"),
+            (b().count(0), "count"),
+            (b().block(Duration::ZERO), "block"),
+            (b().max_attempts(0), "attempts"),
+            (
+                b().backoff_base(Duration::from_secs(9))
+                    .backoff_cap(Duration::from_secs(1)),
+                "backoff",
+            ),
+            (b().reclaim_min_idle(Duration::from_secs(1)), "min-idle"),
+            (b().stream("s"), "twice"),
+            (b().start_id("7"), "start id"),
+        ] {
+            let e = builder.validate().unwrap_err();
+            assert!(
+                e.to_string().contains(needle),
+                "{e} should mention {needle}"
+            );
+        }
+    }
+
+    #[test]
+    fn debug_hides_passwords() {
+        let c = Builder::default()
+            .stream("s")
+            .database_url("postgres://u:secret@h/db")
+            .redis_url("redis://:hunter2@h:6379")
+            .validate()
+            .unwrap();
+        let text = format!("{c:?}");
+        assert!(
+            !text.contains("secret") && !text.contains("hunter2"),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,360 @@
+//! Dead letters: their format in `<stream>:dlq`, and the dedicated thread that
+//! writes them.
+//!
+//! A dead letter carries everything needed to understand and replay the
+//! event: the original entry id, stream, group, consumer, event_id, every
+//! original field (`f:<name>`, raw bytes), the last reason, the kind, the
+//! attempt count and history, and the first-failure and dead-at times.
+//!
+//! The XADD to the dead-letter stream and the XACK of the original entry go in
+//! one MULTI/EXEC: an event is never both dead and pending, nor acked and
+//! missing. The dead-letter stream is never trimmed by taskhub.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crossbeam_channel::Receiver;
+
+use crate::delivery::Attempt;
+use crate::event::Fields;
+use crate::run::Shared;
+use crate::stats::{Server, Stats};
+
+/// Why an event was dead-lettered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Kind {
+    /// The handler said retrying cannot help.
+    Permanent,
+    /// Every allowed attempt failed.
+    Exhausted,
+    /// The event was delivered more times than attempts are allowed without
+    /// ever finishing: it most likely kills the process that handles it.
+    CrashLoop,
+    /// The entry breaks the message contract or cannot be decoded.
+    Invalid,
+}
+
+impl Kind {
+    /// All kinds.
+    pub const ALL: [Kind; 4] = [
+        Kind::Permanent,
+        Kind::Exhausted,
+        Kind::CrashLoop,
+        Kind::Invalid,
+    ];
+
+    /// The name stored in the `kind` field.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Permanent => "permanent",
+            Kind::Exhausted => "exhausted",
+            Kind::CrashLoop => "crash_loop",
+            Kind::Invalid => "invalid",
+        }
+    }
+
+    /// Parses a stored kind name.
+    pub fn parse(s: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+}
+
+impl std::fmt::Display for Kind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One dead letter, as written to and read from `<stream>:dlq`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetter {
+    /// Its entry id in the dead-letter stream (`None` before it is written).
+    pub id: Option<String>,
+    /// The entry id it had in the original stream.
+    pub original_id: String,
+    /// The original stream.
+    pub stream: String,
+    /// The consumer group that gave up on it.
+    pub group: String,
+    /// The consumer that gave up on it.
+    pub consumer: String,
+    /// Its event_id, when it had a readable one.
+    pub event_id: Option<String>,
+    /// Why it is dead.
+    pub kind: Kind,
+    /// The last error.
+    pub reason: String,
+    /// Attempts made.
+    pub attempts: u32,
+    /// Each attempt's error and time.
+    pub history: Vec<Attempt>,
+    /// When it first failed (ms since the Unix epoch).
+    pub first_failed_at: u64,
+    /// When it was dead-lettered (ms since the Unix epoch).
+    pub dead_at: u64,
+    /// Every original field, raw.
+    pub fields: Fields,
+}
+
+/// The dead-letter stream of `stream`. With a hash tag in the stream name
+/// (`{tasks}:events`), both land in the same Redis Cluster slot.
+pub fn dead_letter_stream(stream: &str) -> String {
+    format!("{stream}:dlq")
+}
+
+/// Prefix of original fields inside a dead letter.
+const FIELD_PREFIX: &[u8] = b"f:";
+
+pub(crate) fn millis(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn history_json(history: &[Attempt]) -> String {
+    let items: Vec<serde_json::Value> = history
+        .iter()
+        .map(|a| {
+            serde_json::json!({
+                "attempt": a.attempt,
+                "at": a.at.map(millis),
+                "error": a.error,
+            })
+        })
+        .collect();
+    serde_json::Value::Array(items).to_string()
+}
+
+fn parse_history(text: &str) -> Result<Vec<Attempt>, String> {
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("history is not JSON: {e}"))?;
+    let items = value.as_array().ok_or("history is not a JSON array")?;
+    items
+        .iter()
+        .map(|item| {
+            let attempt = item["attempt"]
+                .as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or("history item without attempt")?;
+            let at = match &item["at"] {
+                serde_json::Value::Null => None,
+                v => {
+                    Some(UNIX_EPOCH + Duration::from_millis(v.as_u64().ok_or("bad history time")?))
+                }
+            };
+            let error = item["error"]
+                .as_str()
+                .ok_or("history item without error")?
+                .to_owned();
+            Ok(Attempt { attempt, at, error })
+        })
+        .collect()
+}
+
+impl DeadLetter {
+    /// The fields written to the dead-letter stream.
+    pub fn to_fields(&self) -> Fields {
+        let mut out: Fields = Vec::with_capacity(12 + self.fields.len());
+        let mut put = |k: &str, v: String| out.push((k.as_bytes().to_vec(), v.into_bytes()));
+        put("original_id", self.original_id.clone());
+        put("stream", self.stream.clone());
+        put("group", self.group.clone());
+        put("consumer", self.consumer.clone());
+        if let Some(id) = &self.event_id {
+            put("event_id", id.clone());
+        }
+        put("kind", self.kind.as_str().to_owned());
+        put("reason", self.reason.clone());
+        put("attempts", self.attempts.to_string());
+        put("history", history_json(&self.history));
+        put("first_failed_at", self.first_failed_at.to_string());
+        put("dead_at", self.dead_at.to_string());
+        for (k, v) in &self.fields {
+            let mut name = FIELD_PREFIX.to_vec();
+            name.extend_from_slice(k);
+            out.push((name, v.clone()));
+        }
+        out
+    }
+
+    /// Reads a dead letter back from its stream entry.
+    pub fn from_fields(id: Option<String>, raw: &Fields) -> Result<DeadLetter, String> {
+        let text = |name: &str| -> Result<String, String> {
+            let v = raw
+                .iter()
+                .find(|(k, _)| k.as_slice() == name.as_bytes())
+                .ok_or_else(|| format!("dead letter without {name}"))?;
+            String::from_utf8(v.1.clone()).map_err(|_| format!("{name} is not UTF-8"))
+        };
+        let number = |name: &str| -> Result<u64, String> {
+            text(name)?
+                .parse()
+                .map_err(|_| format!("{name} is not a number"))
+        };
+        let kind_text = text("kind")?;
+        Ok(DeadLetter {
+            id,
+            original_id: text("original_id")?,
+            stream: text("stream")?,
+            group: text("group")?,
+            consumer: text("consumer")?,
+            event_id: text("event_id").ok(),
+            kind: Kind::parse(&kind_text).ok_or_else(|| format!("unknown kind {kind_text:?}"))?,
+            reason: text("reason")?,
+            attempts: u32::try_from(number("attempts")?).map_err(|_| "attempts too large")?,
+            history: parse_history(&text("history")?)?,
+            first_failed_at: number("first_failed_at")?,
+            dead_at: number("dead_at")?,
+            fields: raw
+                .iter()
+                .filter_map(|(k, v)| {
+                    k.strip_prefix(FIELD_PREFIX)
+                        .map(|name| (name.to_vec(), v.clone()))
+                })
+                .collect(),
+        })
+    }
+
+    /// An original field, raw.
+    pub fn field(&self, name: &str) -> Option<&[u8]> {
+        self.fields
+            .iter()
+            .find(|(k, _)| k.as_slice() == name.as_bytes())
+            .map(|(_, v)| v.as_slice())
+    }
+}
+
+/// A dead letter on its way to the writer, with the in-flight key to release.
+#[derive(Debug)]
+pub(crate) struct Job {
+    pub letter: DeadLetter,
+    pub in_flight_key: String,
+}
+
+/// Adds one dead letter and acks its original entry, atomically, to `pipe`.
+pub(crate) fn add_to_pipeline(pipe: &mut redis::Pipeline, letter: &DeadLetter) {
+    pipe.cmd("MULTI").ignore();
+    let mut xadd = redis::cmd("XADD");
+    xadd.arg(dead_letter_stream(&letter.stream)).arg("*");
+    for (k, v) in letter.to_fields() {
+        xadd.arg(k).arg(v);
+    }
+    pipe.add_command(xadd).ignore();
+    pipe.cmd("XACK")
+        .arg(&letter.stream)
+        .arg(&letter.group)
+        .arg(&letter.original_id)
+        .ignore();
+    pipe.cmd("EXEC").ignore();
+}
+
+/// The dead-letter writer thread: writes what the workers hand it, in
+/// pipelined batches of MULTI/EXEC blocks, retrying through Redis outages.
+/// Exits when every sender is gone and the channel is drained, or, during a
+/// Redis outage, when a shutdown is asked for (what is left stays pending in
+/// its stream and is delivered again: nothing is lost).
+pub(crate) fn writer_thread(shared: &Shared, jobs: &Receiver<Job>) {
+    let mut attempt = 0u32;
+    while let Ok(first) = jobs.recv() {
+        let mut batch = vec![first];
+        while batch.len() < 128 {
+            match jobs.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        loop {
+            match write(shared, &batch) {
+                Ok(()) => {
+                    shared.health.up(Server::Redis);
+                    attempt = 0;
+                    break;
+                }
+                Err(e) => {
+                    shared.health.down(Server::Redis, &e);
+                    attempt += 1;
+                    let wait = shared.outage_backoff(attempt);
+                    if shared.shutdown.sleep(wait) && attempt > 3 {
+                        log::error!(
+                            "dead-letter writer: giving up on {} dead letters at shutdown; they stay pending and will be delivered again",
+                            batch.len()
+                        );
+                        for job in &batch {
+                            shared.in_flight.finish(&job.in_flight_key);
+                        }
+                        batch.clear();
+                        break;
+                    }
+                }
+            }
+        }
+        for job in batch {
+            let l = &job.letter;
+            let counter = match l.kind {
+                Kind::Permanent => &shared.stats.dead_permanent,
+                Kind::Exhausted => &shared.stats.dead_exhausted,
+                Kind::CrashLoop => &shared.stats.dead_crash_loop,
+                Kind::Invalid => &shared.stats.dead_invalid,
+            };
+            Stats::add(counter, 1);
+            log::warn!(
+                "{}/{}: dead-lettered ({}, event_id {:?}, {} attempts): {}",
+                l.stream,
+                l.original_id,
+                l.kind,
+                l.event_id.as_deref().unwrap_or(""),
+                l.attempts,
+                l.reason
+            );
+            shared.in_flight.finish(&job.in_flight_key);
+        }
+    }
+}
+
+fn write(shared: &Shared, batch: &[Job]) -> redis::RedisResult<()> {
+    let mut conn = shared.redis_conn()?;
+    let mut pipe = redis::pipe();
+    for job in batch {
+        add_to_pipeline(&mut pipe, &job.letter);
+    }
+    pipe.query::<()>(&mut *conn)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip() {
+        let letter = DeadLetter {
+            id: Some("5-0".into()),
+            original_id: "1-0".into(),
+            stream: "s".into(),
+            group: "g".into(),
+            consumer: "c".into(),
+            event_id: Some("e".into()),
+            kind: Kind::Exhausted,
+            reason: "downstream 500".into(),
+            attempts: 3,
+            history: vec![
+                Attempt {
+                    attempt: 1,
+                    at: None,
+                    error: "x".into(),
+                },
+                Attempt {
+                    attempt: 2,
+                    at: Some(UNIX_EPOCH + Duration::from_millis(5)),
+                    error: "y".into(),
+                },
+            ],
+            first_failed_at: 5,
+            dead_at: 9,
+            fields: vec![
+                (b"event_id".to_vec(), b"e".to_vec()),
+                (b"bin".to_vec(), vec![0, 255]),
+            ],
+        };
+        let back = DeadLetter::from_fields(Some("5-0".into()), &letter.to_fields()).unwrap();
+        assert_eq!(back, letter);
+    }
+}

@@ -1,0 +1,307 @@
+//! Errors, in two families.
+//!
+//! [`Error`] is what the library's own operations return: a server that cannot
+//! be reached at start-up, a bad configuration, a failed migration. It has a
+//! [`kind()`](Error::kind) and keeps its cause in `source()`.
+//!
+//! [`HandlerError`] is what a [`Handler`](crate::Handler) returns for one
+//! event. It says what should happen next: retry later (optionally not before a
+//! downstream's `Retry-After`), give up at once (permanent), or treat the event
+//! as undecodable (invalid). A `postgres::Error` converts into it with the
+//! right class, so `?` in a handler does the right thing.
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::time::Duration;
+
+type Cause = Box<dyn StdError + Send + Sync + 'static>;
+
+/// An error from the library: configuration, connections, migrations.
+#[derive(Debug)]
+pub struct Error {
+    kind: ErrorKind,
+    message: String,
+    source: Option<Cause>,
+}
+
+/// What went wrong, for callers that branch on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The configuration was rejected by `build()`.
+    Config,
+    /// Redis could not be reached or answered with an error.
+    Redis,
+    /// PostgreSQL could not be reached or answered with an error.
+    Postgres,
+    /// A migration failed.
+    Migration,
+    /// Shutdown did not finish before its deadline.
+    ShutdownTimeout,
+    /// A thread of the worker died in a way it could not recover from.
+    Thread,
+}
+
+impl Error {
+    pub(crate) fn new(kind: ErrorKind, message: impl Into<String>) -> Error {
+        Error {
+            kind,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    pub(crate) fn with_source(
+        kind: ErrorKind,
+        message: impl Into<String>,
+        source: impl Into<Cause>,
+    ) -> Error {
+        Error {
+            kind,
+            message: message.into(),
+            source: Some(source.into()),
+        }
+    }
+
+    pub(crate) fn config(message: impl Into<String>) -> Error {
+        Error::new(ErrorKind::Config, message)
+    }
+
+    /// What kind of error this is.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)?;
+        // The cause is shown here too: most callers print only `Display`, and a
+        // one-line "what failed: why" is what an operator needs.
+        if let Some(source) = &self.source {
+            write!(f, ": {source}")?;
+        }
+        Ok(())
+    }
+}
+
+impl StdError for Error {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.source
+            .as_ref()
+            .map(|e| e.as_ref() as &(dyn StdError + 'static))
+    }
+}
+
+/// How a failed event should be treated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum FailureClass {
+    /// Try again after a backoff; counts as an attempt.
+    Retryable,
+    /// Retrying cannot change the outcome: dead-letter at once.
+    Permanent,
+    /// The event cannot be decoded: dead-letter at once as `invalid`.
+    Invalid,
+    /// A server we depend on is down. Not the event's fault: it is retried
+    /// after the outage without counting an attempt.
+    Outage,
+}
+
+/// The error a [`Handler`](crate::Handler) returns for one event.
+#[derive(Debug)]
+pub struct HandlerError {
+    class: FailureClass,
+    retry_after: Option<Duration>,
+    message: String,
+    source: Option<Cause>,
+}
+
+impl HandlerError {
+    fn new(class: FailureClass, message: String, source: Option<Cause>) -> HandlerError {
+        HandlerError {
+            class,
+            retry_after: None,
+            message,
+            source,
+        }
+    }
+
+    /// A failure that may go away: the event is retried after a backoff.
+    pub fn retryable(message: impl fmt::Display) -> HandlerError {
+        HandlerError::new(FailureClass::Retryable, message.to_string(), None)
+    }
+
+    /// A failure that retrying cannot fix: the event is dead-lettered at once.
+    pub fn permanent(message: impl fmt::Display) -> HandlerError {
+        HandlerError::new(FailureClass::Permanent, message.to_string(), None)
+    }
+
+    /// The event cannot be decoded: it is dead-lettered at once as `invalid`.
+    pub fn invalid(message: impl fmt::Display) -> HandlerError {
+        HandlerError::new(FailureClass::Invalid, message.to_string(), None)
+    }
+
+    /// A dependency is down; the event is not at fault and no attempt is
+    /// counted.
+    pub fn outage(message: impl fmt::Display) -> HandlerError {
+        HandlerError::new(FailureClass::Outage, message.to_string(), None)
+    }
+
+    /// Do not retry sooner than `after` (a downstream's `Retry-After`). Only
+    /// meaningful for retryable failures; bounded by the worker's
+    /// `max_retry_after`.
+    pub fn with_retry_after(mut self, after: Duration) -> HandlerError {
+        self.retry_after = Some(after);
+        self
+    }
+
+    /// Keeps `source` as the cause of this error.
+    pub fn with_source(mut self, source: impl Into<Cause>) -> HandlerError {
+        self.source = Some(source.into());
+        self
+    }
+
+    /// The class that decides what happens next.
+    pub fn class(&self) -> FailureClass {
+        self.class
+    }
+
+    /// Whether the event will be tried again (retryable or outage).
+    pub fn is_retryable(&self) -> bool {
+        matches!(self.class, FailureClass::Retryable | FailureClass::Outage)
+    }
+
+    /// The earliest retry a downstream asked for, if any.
+    pub fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
+    }
+}
+
+impl fmt::Display for HandlerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl StdError for HandlerError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.source
+            .as_ref()
+            .map(|e| e.as_ref() as &(dyn StdError + 'static))
+    }
+}
+
+/// Classifies a PostgreSQL SQLSTATE code (see the failure table in the README).
+pub fn classify_sqlstate(code: &str) -> FailureClass {
+    match code {
+        // Connection exceptions, admin shutdown, crash shutdown, cannot connect
+        // now, too many connections: the server is (momentarily) not there.
+        c if c.starts_with("08") => FailureClass::Outage,
+        "57P01" | "57P02" | "57P03" | "53300" => FailureClass::Outage,
+        // Serialization failure, deadlock, lock not available, read-only
+        // transaction (a failover in progress): trying again can succeed.
+        "40001" | "40P01" | "55P03" | "25006" => FailureClass::Retryable,
+        // Data exceptions, integrity constraint violations, syntax errors and
+        // access rule violations: the same event fails the same way again.
+        c if c.starts_with("22") || c.starts_with("23") || c.starts_with("42") => {
+            FailureClass::Permanent
+        }
+        // Anything else (out of disk, internal errors, ...) might pass.
+        _ => FailureClass::Retryable,
+    }
+}
+
+/// Classifies any PostgreSQL client error: a closed connection or an I/O error
+/// is an outage, a server error goes by its SQLSTATE.
+pub fn classify_postgres(err: &postgres::Error) -> FailureClass {
+    if err.is_closed() {
+        return FailureClass::Outage;
+    }
+    if let Some(db) = err.as_db_error() {
+        return classify_sqlstate(db.code().code());
+    }
+    if let Some(code) = err.code() {
+        return classify_sqlstate(code.code());
+    }
+    // No SQLSTATE: a transport failure (I/O, TLS, protocol) or a client-side
+    // conversion problem. Transport errors have an io::Error somewhere in the
+    // chain; conversion errors are the event's fault.
+    let mut cause: Option<&(dyn StdError + 'static)> = err.source();
+    while let Some(c) = cause {
+        if c.is::<std::io::Error>() {
+            return FailureClass::Outage;
+        }
+        cause = c.source();
+    }
+    if err.to_string().contains("error serializing") || err.to_string().contains("deserializ") {
+        FailureClass::Permanent
+    } else {
+        FailureClass::Outage
+    }
+}
+
+/// Whether a Redis error means the connection or server is unavailable.
+pub(crate) fn redis_is_outage(err: &redis::RedisError) -> bool {
+    err.is_io_error()
+        || err.is_connection_dropped()
+        || err.is_connection_refusal()
+        || err.is_timeout()
+        || matches!(
+            err.kind(),
+            redis::ErrorKind::Server(redis::ServerErrorKind::BusyLoading)
+                | redis::ErrorKind::Server(redis::ServerErrorKind::TryAgain)
+                | redis::ErrorKind::Server(redis::ServerErrorKind::ClusterDown)
+                | redis::ErrorKind::Server(redis::ServerErrorKind::MasterDown)
+                | redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly)
+        )
+}
+
+impl From<postgres::Error> for HandlerError {
+    fn from(err: postgres::Error) -> HandlerError {
+        let class = classify_postgres(&err);
+        let message = match err.as_db_error() {
+            Some(db) => format!("postgres {}: {}", db.code().code(), db.message()),
+            None => format!("postgres: {err}"),
+        };
+        HandlerError::new(class, message, Some(Box::new(err)))
+    }
+}
+
+impl From<redis::RedisError> for HandlerError {
+    fn from(err: redis::RedisError) -> HandlerError {
+        let class = if redis_is_outage(&err) {
+            FailureClass::Outage
+        } else {
+            FailureClass::Retryable
+        };
+        HandlerError::new(class, format!("redis: {err}"), Some(Box::new(err)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlstates_from_the_issue_are_classified() {
+        for code in ["40001", "40P01", "55P03", "25006"] {
+            assert_eq!(classify_sqlstate(code), FailureClass::Retryable, "{code}");
+        }
+        for code in ["57P01", "57P02", "57P03", "53300", "08000", "08006"] {
+            assert_eq!(classify_sqlstate(code), FailureClass::Outage, "{code}");
+        }
+        for code in ["22001", "22P02", "23505", "23503", "42601", "42P01"] {
+            assert_eq!(classify_sqlstate(code), FailureClass::Permanent, "{code}");
+        }
+        assert_eq!(classify_sqlstate("53100"), FailureClass::Retryable);
+    }
+
+    #[test]
+    fn handler_error_keeps_retry_after() {
+        let e = HandlerError::retryable("429").with_retry_after(Duration::from_secs(2));
+        assert!(e.is_retryable());
+        assert_eq!(e.retry_after(), Some(Duration::from_secs(2)));
+        assert!(!HandlerError::permanent("bad").is_retryable());
+    }
+}

@@ -1,0 +1,67 @@
+//! Fault injection for the crash tests: stop the process at a named point.
+//!
+//! Set `TASKHUB_FAULT=<point>` (or `<point>@<event_id>` to stop only on one
+//! event). When the point is reached, the process prints
+//! `taskhub-fault: <point> <event_id>` to stderr and freezes the thread, so
+//! the test can SIGKILL it at exactly that moment. Unset (always, in
+//! production), each check is one load of a cached `None`.
+
+use std::io::Write;
+use std::sync::OnceLock;
+
+/// Named points in the path of an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Point {
+    /// Inside the handler call, before it runs.
+    InHandler,
+    /// After the handler, before COMMIT.
+    BeforeCommit,
+    /// After COMMIT, before the Redis marker.
+    AfterCommit,
+    /// After the Redis marker, before XACK.
+    AfterMarker,
+}
+
+impl Point {
+    fn name(self) -> &'static str {
+        match self {
+            Point::InHandler => "in-handler",
+            Point::BeforeCommit => "before-commit",
+            Point::AfterCommit => "after-commit",
+            Point::AfterMarker => "after-marker",
+        }
+    }
+}
+
+fn armed() -> &'static Option<(String, Option<String>)> {
+    static ARMED: OnceLock<Option<(String, Option<String>)>> = OnceLock::new();
+    ARMED.get_or_init(|| {
+        let spec = std::env::var("TASKHUB_FAULT").ok()?;
+        Some(match spec.split_once('@') {
+            Some((point, id)) => (point.to_owned(), Some(id.to_owned())),
+            None => (spec, None),
+        })
+    })
+}
+
+/// Whether `point` is armed at all (for any event).
+pub(crate) fn is_armed(point: Point) -> bool {
+    matches!(armed(), Some((p, _)) if p == point.name())
+}
+
+/// Freezes here forever if `point` is armed for `event_id`.
+pub(crate) fn hit(point: Point, event_id: &str) {
+    let Some((p, only)) = armed() else { return };
+    if p != point.name() || only.as_deref().is_some_and(|id| id != event_id) {
+        return;
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "taskhub-fault: {} {event_id}",
+        point.name()
+    );
+    let _ = std::io::stderr().flush();
+    loop {
+        std::thread::park();
+    }
+}

@@ -1,0 +1,115 @@
+//! The extension point: a [`Handler`] applies one event's effect inside the
+//! transaction that also records the event as processed.
+//!
+//! Whatever the handler writes through the [`Tx`] commits together with the
+//! `processed_events` row, or not at all. That is what makes the effect happen
+//! exactly once: a redelivered event finds its row and is skipped, a failed one
+//! leaves no row and can run again.
+
+use std::collections::HashMap;
+use std::ops::{Deref, DerefMut};
+
+use crate::error::HandlerError;
+use crate::event::Event;
+
+/// Applies events. Implement it for a struct, or wrap a closure with
+/// [`handler_fn`].
+///
+/// A handler is shared by all worker threads, hence `Send + Sync`. It must do
+/// its database work through `tx` (anything done elsewhere, such as an HTTP
+/// call, is not undone by a rollback and must itself be idempotent, keyed by
+/// [`Event::event_id`]).
+pub trait Handler: Send + Sync + 'static {
+    /// Applies the effect of `event` in `tx`. Returning an error rolls back
+    /// the transaction; the error's class decides between retry, dead letter
+    /// and waiting out an outage.
+    fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError>;
+
+    /// A short name for logs. Defaults to `"handler"`.
+    fn name(&self) -> &str {
+        "handler"
+    }
+}
+
+/// The open PostgreSQL transaction of one event, with a per-connection cache
+/// of prepared statements.
+///
+/// It dereferences to [`postgres::Transaction`], so `tx.execute(...)` and
+/// `tx.query(...)` work as usual. [`prepare_cached`](Tx::prepare_cached) saves
+/// the parse round trip on every event after the first.
+pub struct Tx<'a> {
+    pub(crate) tx: postgres::Transaction<'a>,
+    pub(crate) cache: &'a mut StatementCache,
+}
+
+/// Prepared statements of one connection, by SQL text.
+pub(crate) type StatementCache = HashMap<String, postgres::Statement>;
+
+impl Tx<'_> {
+    /// Prepares `sql` once per connection and returns the cached statement
+    /// afterwards.
+    pub fn prepare_cached(&mut self, sql: &str) -> Result<postgres::Statement, postgres::Error> {
+        prepare_cached(&mut self.tx, self.cache, sql)
+    }
+}
+
+/// Prepares `sql` on `client` unless `cache` has it already.
+pub(crate) fn prepare_cached(
+    client: &mut impl postgres::GenericClient,
+    cache: &mut StatementCache,
+    sql: &str,
+) -> Result<postgres::Statement, postgres::Error> {
+    if let Some(statement) = cache.get(sql) {
+        return Ok(statement.clone());
+    }
+    let statement = client.prepare(sql)?;
+    cache.insert(sql.to_owned(), statement.clone());
+    Ok(statement)
+}
+
+impl<'a> Deref for Tx<'a> {
+    type Target = postgres::Transaction<'a>;
+
+    fn deref(&self) -> &postgres::Transaction<'a> {
+        &self.tx
+    }
+}
+
+impl<'a> DerefMut for Tx<'a> {
+    fn deref_mut(&mut self) -> &mut postgres::Transaction<'a> {
+        &mut self.tx
+    }
+}
+
+/// A [`Handler`] made from a closure.
+pub struct FnHandler<F>(F);
+
+/// Wraps a closure as a [`Handler`], so simple cases need no struct.
+///
+/// ```
+/// use taskhub::{handler_fn, Event, HandlerError, Tx};
+///
+/// let handler = handler_fn(|event: &Event, tx: &mut Tx<'_>| {
+///     tx.execute(
+///         "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)",
+///         &[&event.event_id(), &event.payload()],
+///     )?;
+///     Ok::<(), HandlerError>(())
+/// });
+/// # let _ = handler;
+/// ```
+pub fn handler_fn<F>(f: F) -> FnHandler<F>
+where
+    F: Fn(&Event, &mut Tx<'_>) -> Result<(), HandlerError> + Send + Sync + 'static,
+{
+    FnHandler(f)
+}
+
+impl<F> Handler for FnHandler<F>
+where
+    F: Fn(&Event, &mut Tx<'_>) -> Result<(), HandlerError> + Send + Sync + 'static,
+{
+    fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        (self.0)(event, tx)
+    }
+}

@@ -1,0 +1,120 @@
+//! Flow control: the set of entries read but not finished yet.
+//!
+//! A reader reserves room before each XREADGROUP and blocks while the worker
+//! holds `capacity` entries (in the channel, in a worker, waiting for a retry
+//! or for the dead-letter writer). A slow database therefore slows reading and
+//! memory stays flat. The set also tells the reclaimer and the restart path
+//! which entries this process is already working on, so none runs twice here.
+
+use std::collections::HashSet;
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::shutdown::Shutdown;
+
+#[derive(Debug)]
+pub(crate) struct InFlight {
+    state: Mutex<State>,
+    changed: Condvar,
+    capacity: usize,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    entries: HashSet<String>,
+    reserved: usize,
+}
+
+/// The key of an entry: stream and entry id.
+pub(crate) fn key(stream: &str, entry_id: &str) -> String {
+    let mut k = String::with_capacity(stream.len() + entry_id.len() + 1);
+    k.push_str(stream);
+    k.push('\n');
+    k.push_str(entry_id);
+    k
+}
+
+impl InFlight {
+    pub fn new(capacity: usize) -> InFlight {
+        InFlight {
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+            capacity: capacity.max(1),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits for room and reserves up to `want` places. Returns 0 only when a
+    /// shutdown was asked for.
+    pub fn reserve(&self, want: usize, shutdown: &Shutdown) -> usize {
+        let mut state = self.lock();
+        loop {
+            if shutdown.is_shutdown() {
+                return 0;
+            }
+            let used = state.entries.len() + state.reserved;
+            if used < self.capacity {
+                let n = want.min(self.capacity - used);
+                state.reserved += n;
+                return n;
+            }
+            state = self
+                .changed
+                .wait_timeout(state, Duration::from_millis(100))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Turns a reservation of `reserved` places into the entries actually
+    /// read. Returns, per key, whether it was newly admitted (`false`: this
+    /// process already holds it, skip it).
+    pub fn admit<'a>(&self, reserved: usize, keys: impl IntoIterator<Item = &'a str>) -> Vec<bool> {
+        let mut state = self.lock();
+        state.reserved = state.reserved.saturating_sub(reserved);
+        let admitted = keys
+            .into_iter()
+            .map(|k| state.entries.insert(k.to_owned()))
+            .collect();
+        self.changed.notify_all();
+        admitted
+    }
+
+    /// Marks an entry finished (acked, dead-lettered or abandoned).
+    pub fn finish(&self, key: &str) {
+        let mut state = self.lock();
+        state.entries.remove(key);
+        self.changed.notify_all();
+    }
+
+    /// Entries held now (reservations not counted).
+    pub fn len(&self) -> usize {
+        self.lock().entries.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserve_admit_finish() {
+        let f = InFlight::new(3);
+        let s = Shutdown::new();
+        assert_eq!(f.reserve(2, &s), 2);
+        assert_eq!(f.reserve(5, &s), 1);
+        assert_eq!(f.admit(2, ["a", "b"]), [true, true]);
+        assert_eq!(f.admit(1, ["a"]), [false]);
+        assert_eq!(f.len(), 2);
+        assert_eq!(f.reserve(5, &s), 1);
+        f.admit(1, []);
+        f.finish("a");
+        f.finish("b");
+        assert_eq!(f.len(), 0);
+        s.shutdown();
+        assert_eq!(f.reserve(1, &s), 0);
+    }
+}

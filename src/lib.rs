@@ -1,0 +1,91 @@
+//! taskhub turns the at-least-once delivery of Redis Streams into exactly-once
+//! effects in PostgreSQL, with plain threads: no async runtime.
+//!
+//! # The path of a message
+//!
+//! 1. A **reader** thread per stream (`reader.rs`) blocks in
+//!    `XREADGROUP ... BLOCK` and sends batches over a bounded channel.
+//! 2. A fixed pool of **worker** threads (`pool.rs`) takes them and
+//!    **processes** each event (`process.rs`): a Redis marker as fast path,
+//!    then one PostgreSQL transaction that inserts `(scope, event_id)` into
+//!    `processed_events` and runs your [`Handler`], then COMMIT, marker, XACK.
+//! 3. A retryable failure goes to the **retry** thread (`retry.rs`), which
+//!    hands it back after a [`Backoff`] without blocking other events; a
+//!    permanent one, or one out of attempts, goes to the **dead-letter**
+//!    writer (`dead_letter.rs`), which moves it to `<stream>:dlq` and acks it
+//!    in one MULTI/EXEC.
+//! 4. The **reclaimer** (`reclaim.rs`) takes over entries left pending by
+//!    consumers that died.
+//!
+//! # Embedding
+//!
+//! ```no_run
+//! use taskhub::{handler_fn, Event, HandlerError, Tx, Worker};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! taskhub::migrate("postgres://postgres@127.0.0.1/taskhub")?;
+//! let worker = Worker::builder()
+//!     .redis_url("redis://127.0.0.1:6379")
+//!     .database_url("postgres://postgres@127.0.0.1/taskhub")
+//!     .stream("tasks:events")
+//!     .group("workers")
+//!     .build(handler_fn(|event: &Event, tx: &mut Tx<'_>| {
+//!         tx.execute(
+//!             "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)",
+//!             &[&event.event_id(), &event.payload()],
+//!         )?;
+//!         Ok::<(), HandlerError>(())
+//!     }))?;
+//! let stop = worker.shutdown_handle(); // call stop.shutdown() from anywhere
+//! # drop(stop);
+//! let summary = worker.run()?; // blocks until stopped
+//! println!("{summary}");
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The library never installs a signal handler or a logger: it logs through
+//! the `log` crate and stops when its [`Shutdown`] handle fires.
+
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+mod backoff;
+mod config;
+mod connect;
+mod dead_letter;
+mod delivery;
+mod error;
+mod event;
+mod fault;
+mod handler;
+mod in_flight;
+mod migrate;
+mod pool;
+mod process;
+mod produce;
+mod reader;
+mod reclaim;
+mod retry;
+mod run;
+mod shutdown;
+mod sql_handler;
+mod stats;
+mod streams;
+
+pub use backoff::Backoff;
+pub use config::{default_consumer_name, Builder, Config};
+pub use connect::redact;
+pub use dead_letter::{dead_letter_stream, DeadLetter, Kind as DeadLetterKind};
+pub use delivery::Attempt;
+pub use error::{
+    classify_postgres, classify_sqlstate, Error, ErrorKind, FailureClass, HandlerError,
+};
+pub use event::{Event, Fields, Invalid};
+pub use handler::{handler_fn, FnHandler, Handler, Tx};
+pub use migrate::migrate;
+pub use produce::Producer;
+pub use run::Worker;
+pub use shutdown::Shutdown;
+pub use sql_handler::{SqlHandler, DEFAULT_STATEMENT};
+pub use stats::Summary;

@@ -1,0 +1,278 @@
+//! The `taskhub` binary: parses flags, sets up logging and signals, calls the
+//! library, maps errors to exit codes (0 ok, 1 failure, 2 usage).
+
+use std::io::{BufRead, Write};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use taskhub::{Producer, SqlHandler, Worker};
+
+/// Exactly-once effects from Redis Streams, with retries and dead letters.
+#[derive(Parser, Debug)]
+#[command(name = "taskhub", version, about, long_about = None)]
+struct Cli {
+    #[command(flatten)]
+    servers: Servers,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args, Debug)]
+struct Servers {
+    /// Redis URL.
+    #[arg(
+        long,
+        env = "REDIS_URL",
+        default_value = "redis://127.0.0.1:6379",
+        global = true,
+        hide_env_values = true
+    )]
+    redis_url: String,
+    /// PostgreSQL URL.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres:taskhub@127.0.0.1:5432/taskhub",
+        global = true,
+        hide_env_values = true,
+        hide_default_value = true
+    )]
+    database_url: String,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Apply the database migrations (safe to run from several instances at once).
+    Migrate,
+    /// Consume streams and apply each event's effect exactly once.
+    Run(RunArgs),
+    /// Add events to a stream: JSON lines on stdin, or --count demo events.
+    Produce(ProduceArgs),
+}
+
+fn duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s)
+        .map_err(|e| format!("{e} (expected a duration such as 20ms, 1s or 5m)"))
+}
+
+#[derive(Args, Debug)]
+struct RunArgs {
+    /// Stream to read (repeat for several streams; one reader thread each).
+    #[arg(long, default_value = "tasks:events")]
+    stream: Vec<String>,
+    /// Consumer group (created when missing).
+    #[arg(long, default_value = "workers")]
+    group: String,
+    /// Consumer name, stable across restarts and unique per instance [default: host name].
+    #[arg(long, env = "TASKHUB_CONSUMER")]
+    consumer: Option<String>,
+    /// Idempotency scope [default: the group].
+    #[arg(long)]
+    scope: Option<String>,
+    /// Worker threads.
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// Entries per XREADGROUP.
+    #[arg(long, default_value_t = 16)]
+    count: usize,
+    /// XREADGROUP BLOCK in milliseconds; a shutdown is seen within this time.
+    #[arg(long, default_value_t = 2000)]
+    block_ms: u64,
+    /// Exit 0 once nothing new arrives and the group has nothing pending.
+    #[arg(long)]
+    until_idle: bool,
+    /// SQL run per event in its transaction: $1 event_id, $2 payload, $3 fields as JSON.
+    #[arg(long, default_value = taskhub::DEFAULT_STATEMENT)]
+    sql: String,
+    /// All attempts of an event, the first included, before it is dead-lettered.
+    #[arg(long, default_value_t = 5)]
+    max_attempts: u32,
+    /// First retry delay (doubles per attempt, equal jitter).
+    #[arg(long, default_value = "200ms", value_parser = duration)]
+    backoff_base: Duration,
+    /// Longest retry delay.
+    #[arg(long, default_value = "30s", value_parser = duration)]
+    backoff_cap: Duration,
+    /// Longest Retry-After honoured.
+    #[arg(long, default_value = "2m", value_parser = duration)]
+    max_retry_after: Duration,
+    /// How often to look for entries abandoned by dead consumers.
+    #[arg(long, default_value = "30s", value_parser = duration)]
+    reclaim_interval: Duration,
+    /// Idle time after which another consumer's pending entry is taken over;
+    /// must exceed the longest handler run and retry wait.
+    #[arg(long, default_value = "5m", value_parser = duration)]
+    reclaim_min_idle: Duration,
+    /// Lifetime of the Redis duplicate marker.
+    #[arg(long, default_value = "24h", value_parser = duration)]
+    marker_ttl: Duration,
+    /// Deadline for a graceful shutdown.
+    #[arg(long, default_value = "30s", value_parser = duration)]
+    shutdown_timeout: Duration,
+    /// Largest accepted entry in bytes; larger ones are dead-lettered as invalid.
+    #[arg(long, default_value_t = 1024 * 1024)]
+    max_entry_bytes: usize,
+    /// Where a newly created group starts: 0 (whole stream) or $ (new entries only).
+    #[arg(long, default_value = "0")]
+    start_id: String,
+}
+
+#[derive(Args, Debug)]
+struct ProduceArgs {
+    /// Stream to add to.
+    #[arg(long, default_value = "tasks:events")]
+    stream: String,
+    /// Add this many demo events instead of reading stdin.
+    #[arg(long)]
+    count: Option<u64>,
+    /// Approximate payload size of demo events, in bytes.
+    #[arg(long, default_value_t = 200)]
+    payload_bytes: usize,
+    /// Do not print the entry ids.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
+        .format_timestamp_millis()
+        .init();
+    let result = match cli.command {
+        Command::Migrate => taskhub::migrate(&cli.servers.database_url)
+            .map(|n| println!("migrations applied: {n}"))
+            .map_err(|e| e.to_string()),
+        Command::Run(args) => run(&cli.servers, args),
+        Command::Produce(args) => produce(&cli.servers, args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("taskhub: error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(servers: &Servers, args: RunArgs) -> Result<(), String> {
+    let mut builder = Worker::builder()
+        .redis_url(&servers.redis_url)
+        .database_url(&servers.database_url)
+        .group(&args.group)
+        .workers(args.workers)
+        .count(args.count)
+        .block(Duration::from_millis(args.block_ms))
+        .until_idle(args.until_idle)
+        .max_attempts(args.max_attempts)
+        .backoff_base(args.backoff_base)
+        .backoff_cap(args.backoff_cap)
+        .max_retry_after(args.max_retry_after)
+        .reclaim_interval(args.reclaim_interval)
+        .reclaim_min_idle(args.reclaim_min_idle)
+        .marker_ttl(args.marker_ttl)
+        .shutdown_timeout(args.shutdown_timeout)
+        .max_entry_bytes(args.max_entry_bytes)
+        .start_id(&args.start_id);
+    for stream in &args.stream {
+        builder = builder.stream(stream);
+    }
+    if let Some(consumer) = &args.consumer {
+        builder = builder.consumer(consumer);
+    }
+    if let Some(scope) = &args.scope {
+        builder = builder.scope(scope);
+    }
+    let worker = builder
+        .build(SqlHandler::new(args.sql))
+        .map_err(|e| e.to_string())?;
+
+    // First SIGINT/SIGTERM: graceful shutdown. Second: exit at once.
+    let stop = worker.shutdown_handle();
+    ctrlc::set_handler(move || {
+        if stop.is_shutdown() {
+            eprintln!("taskhub: second signal, exiting now (unfinished entries stay pending)");
+            std::process::exit(130);
+        }
+        log::info!("taskhub: signal received, shutting down gracefully (again to force)");
+        stop.shutdown();
+    })
+    .map_err(|e| format!("cannot install the signal handler: {e}"))?;
+
+    let summary = worker.run().map_err(|e| e.to_string())?;
+    println!("{summary}");
+    Ok(())
+}
+
+fn produce(servers: &Servers, args: ProduceArgs) -> Result<(), String> {
+    let mut producer =
+        Producer::connect(&servers.redis_url, &args.stream).map_err(|e| e.to_string())?;
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    let mut flush = |batch: &mut Vec<Vec<(String, String)>>| -> Result<(), String> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let ids = producer.send_batch(batch).map_err(|e| e.to_string())?;
+        batch.clear();
+        if !args.quiet {
+            for id in ids {
+                writeln!(out, "{id}").map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(())
+    };
+    let mut batch = Vec::with_capacity(1000);
+    if let Some(count) = args.count {
+        let filler = "x".repeat(args.payload_bytes.saturating_sub(90));
+        for n in 0..count {
+            let event_id = uuid::Uuid::new_v4().to_string();
+            let payload = serde_json::json!({"n": n, "kind": "demo", "message": format!("demo event {n}"), "pad": filler}).to_string();
+            batch.push(vec![
+                ("event_id".into(), event_id),
+                ("payload".into(), payload),
+            ]);
+            if batch.len() == 1000 {
+                flush(&mut batch)?;
+            }
+        }
+    } else {
+        for (number, line) in std::io::stdin().lock().lines().enumerate() {
+            let line = line.map_err(|e| format!("stdin: {e}"))?;
+            if line.trim().is_empty() {
+                continue;
+            }
+            batch.push(
+                fields_from_json(&line).map_err(|e| format!("stdin line {}: {e}", number + 1))?,
+            );
+            if batch.len() == 1000 {
+                flush(&mut batch)?;
+            }
+        }
+    }
+    flush(&mut batch)
+}
+
+/// One JSON object → stream fields. `event_id` defaults to a new UUID;
+/// string values are kept as they are, other values as JSON text.
+fn fields_from_json(line: &str) -> Result<Vec<(String, String)>, String> {
+    let value: serde_json::Value =
+        serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
+    let serde_json::Value::Object(map) = value else {
+        return Err(
+            "expected a JSON object such as {\"event_id\":\"e1\",\"payload\":\"...\"}".into(),
+        );
+    };
+    let mut fields = Vec::with_capacity(map.len() + 1);
+    if !map.contains_key("event_id") {
+        fields.push(("event_id".to_owned(), uuid::Uuid::new_v4().to_string()));
+    }
+    for (k, v) in map {
+        let text = match v {
+            serde_json::Value::String(s) => s,
+            other => other.to_string(),
+        };
+        fields.push((k, text));
+    }
+    Ok(fields)
+}

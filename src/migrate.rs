@@ -1,0 +1,84 @@
+//! Schema migrations: the SQL files of `migrations/`, embedded in the binary
+//! and applied once each, in order.
+//!
+//! Each migration runs in its own transaction together with its row in
+//! `taskhub_migrations`, under a transaction-scoped advisory lock, so two
+//! instances starting at the same moment apply every migration exactly once
+//! (the second waits for the lock, then sees the version recorded).
+
+use crate::error::{Error, ErrorKind};
+
+/// The migrations, in order: (version, name, SQL).
+const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "processed_events",
+        include_str!("../migrations/0001_processed_events.sql"),
+    ),
+    (
+        2,
+        "dead_letters_archive",
+        include_str!("../migrations/0002_dead_letters_archive.sql"),
+    ),
+];
+
+/// An arbitrary constant naming taskhub's advisory lock.
+const LOCK_KEY: i64 = 0x7461_736b_6875_62;
+
+/// Applies the migrations not applied yet to the database at `database_url`.
+/// Returns how many were applied by this call.
+pub fn migrate(database_url: &str) -> Result<usize, Error> {
+    let mut client = crate::connect::postgres(database_url)?;
+    migrate_client(&mut client)
+}
+
+pub(crate) fn migrate_client(client: &mut postgres::Client) -> Result<usize, Error> {
+    let fail = |what: &str, e: postgres::Error| {
+        Error::with_source(ErrorKind::Migration, format!("migration: {what}"), e)
+    };
+    client
+        .batch_execute(
+            "CREATE TABLE IF NOT EXISTS taskhub_migrations (
+                 version    integer     PRIMARY KEY,
+                 name       text        NOT NULL,
+                 applied_at timestamptz NOT NULL DEFAULT now()
+             )",
+        )
+        .or_else(|e| {
+            // Two instances racing on CREATE TABLE IF NOT EXISTS can collide on
+            // the catalog's unique index; the table then exists, which is all
+            // we wanted.
+            if e.code().map(|c| c.code()) == Some("23505") {
+                Ok(())
+            } else {
+                Err(fail("cannot create taskhub_migrations", e))
+            }
+        })?;
+    let mut applied = 0;
+    for &(version, name, sql) in MIGRATIONS {
+        let mut tx = client.transaction().map_err(|e| fail("cannot begin", e))?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK_KEY])
+            .map_err(|e| fail("cannot take the migration lock", e))?;
+        let done = tx
+            .query_opt(
+                "SELECT 1 FROM taskhub_migrations WHERE version = $1",
+                &[&version],
+            )
+            .map_err(|e| fail("cannot read taskhub_migrations", e))?
+            .is_some();
+        if done {
+            continue;
+        }
+        tx.batch_execute(sql)
+            .map_err(|e| fail(&format!("{version:04}_{name} failed"), e))?;
+        tx.execute(
+            "INSERT INTO taskhub_migrations (version, name) VALUES ($1, $2)",
+            &[&version, &name],
+        )
+        .map_err(|e| fail("cannot record the migration", e))?;
+        tx.commit().map_err(|e| fail("cannot commit", e))?;
+        log::info!("migration {version:04}_{name}: applied");
+        applied += 1;
+    }
+    Ok(applied)
+}

@@ -1,0 +1,47 @@
+//! The worker pool: a fixed number of threads taking jobs from the bounded
+//! channel and processing them (see `process.rs`).
+//!
+//! Handler panics are caught where the handler is called. Anything else that
+//! panics while processing a job is caught here too: the thread logs it, leaves
+//! the job's entries pending (they will be delivered again) and goes on, so
+//! the pool stays at full size.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::dead_letter;
+use crate::delivery::Job;
+use crate::process::Processor;
+use crate::retry::Retry;
+use crate::run::Shared;
+
+/// One worker thread: runs until every sender of `jobs` is gone and the
+/// channel is drained.
+pub(crate) fn worker_thread(
+    shared: Arc<Shared>,
+    jobs: &Receiver<Job>,
+    retry: Sender<Retry>,
+    dead: Sender<dead_letter::Job>,
+) {
+    let mut processor = Processor::new(shared.clone(), retry, dead);
+    while let Ok(job) = jobs.recv() {
+        let keys: Vec<String> = job.iter().map(|d| d.key()).collect();
+        if catch_unwind(AssertUnwindSafe(|| processor.process(job))).is_err() {
+            log::error!(
+                "{}: processing a batch panicked; its {} entries stay pending and will be delivered again",
+                std::thread::current().name().unwrap_or("worker"),
+                keys.len()
+            );
+            for key in &keys {
+                shared.in_flight.finish(key);
+            }
+            processor = Processor::new(
+                shared.clone(),
+                processor.retry_sender(),
+                processor.dead_sender(),
+            );
+        }
+    }
+}

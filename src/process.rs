@@ -1,0 +1,438 @@
+//! Step 2 of a message's path: apply each event's effect exactly once, then
+//! acknowledge it. This is where the guarantee is made.
+//!
+//! For a batch of one stream, in this order:
+//! 1. invalid entries go to the dead-letter writer;
+//! 2. fast path: one pipelined round trip asks Redis for the
+//!    `processed:<scope>:<event_id>` markers; a marked event is a duplicate;
+//! 3. for every other event, one PostgreSQL transaction: insert
+//!    `(scope, event_id)` into `processed_events` with `ON CONFLICT DO
+//!    NOTHING`; 0 rows means duplicate; 1 row means run the handler in the
+//!    same transaction, then COMMIT;
+//! 4. after the commits, one pipelined round trip sets the markers (with a
+//!    TTL) and XACKs everything finished.
+//!
+//! The marker is written only after PostgreSQL committed, so it is a cache of
+//! the truth and never a lock: a crash anywhere leaves the entry pending, and
+//! its redelivery finds the `processed_events` row. Nothing is acked that was
+//! not committed. Failures go to the retry thread or the dead-letter writer.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+use crossbeam_channel::Sender;
+
+use crate::connect::PgConn;
+use crate::dead_letter::{self, DeadLetter, Kind};
+use crate::delivery::{Attempt, Delivery, Job};
+use crate::error::{FailureClass, HandlerError};
+use crate::event::Event;
+use crate::fault::{self, Point};
+use crate::handler::{prepare_cached as prepare, StatementCache, Tx};
+use crate::retry::Retry;
+use crate::run::Shared;
+use crate::stats::{Server, Stats};
+
+const INSERT_PROCESSED: &str =
+    "INSERT INTO processed_events (scope, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING";
+const SELECT_PROCESSED: &str = "SELECT 1 FROM processed_events WHERE scope = $1 AND event_id = $2";
+
+/// The outcome of applying one event.
+enum Applied {
+    /// The effect was committed now.
+    New,
+    /// The effect had been committed before.
+    Duplicate,
+    /// Delivered more often than attempts are allowed, never applied.
+    CrashLoop,
+}
+
+/// The state of one worker thread: its PostgreSQL connection with its
+/// prepared statements, and the channels to the retry and dead-letter threads.
+pub(crate) struct Processor {
+    shared: Arc<Shared>,
+    pg: Option<PgConn>,
+    cache: StatementCache,
+    retry: Sender<Retry>,
+    dead: Sender<dead_letter::Job>,
+}
+
+/// The marker key of an event.
+pub(crate) fn marker_key(scope: &str, event_id: &str) -> String {
+    format!("processed:{scope}:{event_id}")
+}
+
+impl Processor {
+    pub fn new(
+        shared: Arc<Shared>,
+        retry: Sender<Retry>,
+        dead: Sender<dead_letter::Job>,
+    ) -> Processor {
+        Processor {
+            shared,
+            pg: None,
+            cache: StatementCache::new(),
+            retry,
+            dead,
+        }
+    }
+
+    pub fn retry_sender(&self) -> Sender<Retry> {
+        self.retry.clone()
+    }
+
+    pub fn dead_sender(&self) -> Sender<dead_letter::Job> {
+        self.dead.clone()
+    }
+
+    /// Processes one job: entries of one stream.
+    pub fn process(&mut self, job: Job) {
+        let Some(first) = job.first() else { return };
+        let stream = first.stream.clone();
+        let mut valid = Vec::with_capacity(job.len());
+        for delivery in job {
+            match &delivery.body {
+                Ok(_) => valid.push(delivery),
+                Err((_, why)) => {
+                    let reason = why.to_string();
+                    self.dead_letter(delivery, Kind::Invalid, reason);
+                }
+            }
+        }
+        if valid.is_empty() {
+            return;
+        }
+        // Step 2: the fast path.
+        let Some(marked) = self.with_redis(|conn, scope| {
+            let mut pipe = redis::pipe();
+            for d in &valid {
+                pipe.cmd("EXISTS")
+                    .arg(marker_key(scope, event(d).event_id()));
+            }
+            pipe.query::<Vec<bool>>(conn)
+        }) else {
+            return self.abandon(valid);
+        };
+        // Step 3: one transaction per event.
+        let mut finished: Vec<Delivery> = Vec::with_capacity(valid.len());
+        let mut to_mark: Vec<usize> = Vec::with_capacity(valid.len());
+        for (delivery, marked) in valid.into_iter().zip(marked) {
+            if marked {
+                Stats::add(&self.shared.stats.duplicates, 1);
+                log::debug!(
+                    "{}/{}: duplicate (marker)",
+                    delivery.stream,
+                    delivery.entry_id
+                );
+                finished.push(delivery);
+                continue;
+            }
+            match self.apply_through_outages(&delivery) {
+                None => self.abandon(vec![delivery]),
+                Some(Ok(Applied::New)) => {
+                    Stats::add(&self.shared.stats.applied, 1);
+                    to_mark.push(finished.len());
+                    finished.push(delivery);
+                }
+                Some(Ok(Applied::Duplicate)) => {
+                    Stats::add(&self.shared.stats.duplicates, 1);
+                    log::debug!(
+                        "{}/{}: duplicate (processed_events)",
+                        delivery.stream,
+                        delivery.entry_id
+                    );
+                    to_mark.push(finished.len());
+                    finished.push(delivery);
+                }
+                Some(Ok(Applied::CrashLoop)) => {
+                    let reason = format!(
+                        "delivered {} times without finishing (max attempts {}): the event likely crashes its consumer",
+                        delivery.delivery_count, self.shared.config.max_attempts
+                    );
+                    self.dead_letter(delivery, Kind::CrashLoop, reason);
+                }
+                Some(Err(e)) => self.failed(delivery, e),
+            }
+        }
+        // Step 4: markers, then acks.
+        self.mark_and_ack(&stream, &finished, &to_mark);
+    }
+
+    /// Applies one event, waiting out PostgreSQL outages (they are not the
+    /// event's fault). `None` when a shutdown interrupted the wait.
+    fn apply_through_outages(
+        &mut self,
+        delivery: &Delivery,
+    ) -> Option<Result<Applied, HandlerError>> {
+        let mut outages = 0u32;
+        loop {
+            match self.apply(delivery) {
+                Err(e) if e.class() == FailureClass::Outage => {
+                    if self.pg.as_ref().is_some_and(|c| c.is_closed()) || outages > 0 {
+                        self.pg = None;
+                    }
+                    self.shared.health.down(Server::Postgres, &e);
+                    outages += 1;
+                    if self
+                        .shared
+                        .shutdown
+                        .sleep(self.shared.outage_backoff(outages))
+                    {
+                        return None;
+                    }
+                }
+                result => {
+                    if result.is_ok() {
+                        self.shared.health.up(Server::Postgres);
+                    }
+                    return Some(result);
+                }
+            }
+        }
+    }
+
+    fn connection(&mut self) -> Result<&mut PgConn, HandlerError> {
+        if self.pg.as_ref().is_some_and(|c| c.is_closed()) {
+            self.pg = None;
+        }
+        if self.pg.is_none() {
+            let conn = self
+                .shared
+                .pg
+                .get()
+                .map_err(|e| HandlerError::outage(format!("no PostgreSQL connection: {e}")))?;
+            self.cache.clear();
+            self.pg = Some(conn);
+        }
+        Ok(self.pg.as_mut().expect("connection was just set"))
+    }
+
+    /// Step 3 for one event.
+    fn apply(&mut self, delivery: &Delivery) -> Result<Applied, HandlerError> {
+        let event = event(delivery);
+        let scope = self.shared.config.scope().to_owned();
+        let crash_loop = delivery.prior_attempts() >= self.shared.config.max_attempts;
+        self.connection()?;
+        let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
+            unreachable!("connection() sets it")
+        };
+        if crash_loop {
+            // Dead-letter it without running the handler again, unless an
+            // earlier delivery committed it before crashing.
+            let select = prepare(&mut **conn, cache, SELECT_PROCESSED)?;
+            let done = conn
+                .query_opt(&select, &[&scope, &event.event_id()])?
+                .is_some();
+            return Ok(if done {
+                Applied::Duplicate
+            } else {
+                Applied::CrashLoop
+            });
+        }
+        let insert = prepare(&mut **conn, cache, INSERT_PROCESSED)?;
+        let mut tx = Tx {
+            tx: conn.transaction()?,
+            cache,
+        };
+        if tx.execute(&insert, &[&scope, &event.event_id()])? == 0 {
+            return Ok(Applied::Duplicate); // dropping tx rolls back
+        }
+        fault::hit(Point::InHandler, event.event_id());
+        let started = Instant::now();
+        let handled = catch_unwind(AssertUnwindSafe(|| {
+            self.shared.handler.handle(event, &mut tx)
+        }));
+        log::trace!(
+            "{}/{}: handler ran in {:?}",
+            delivery.stream,
+            delivery.entry_id,
+            started.elapsed()
+        );
+        match handled {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(panic) => {
+                Stats::add(&self.shared.stats.panics, 1);
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "unknown payload".into());
+                return Err(HandlerError::retryable(format!("handler panicked: {what}")));
+            }
+        }
+        fault::hit(Point::BeforeCommit, event.event_id());
+        tx.tx.commit()?;
+        fault::hit(Point::AfterCommit, event.event_id());
+        Ok(Applied::New)
+    }
+
+    /// Step 4: set markers for `finished[to_mark]`, then XACK all of
+    /// `finished`, in one round trip; through Redis outages.
+    fn mark_and_ack(&mut self, stream: &str, finished: &[Delivery], to_mark: &[usize]) {
+        if finished.is_empty() {
+            return;
+        }
+        let ttl = self.shared.config.marker_ttl.as_secs();
+        let group = self.shared.config.group.clone();
+        let split = fault::is_armed(Point::AfterMarker);
+        let done = self.with_redis(|conn, scope| {
+            let mut pipe = redis::pipe();
+            for &i in to_mark {
+                pipe.cmd("SET")
+                    .arg(marker_key(scope, event(&finished[i]).event_id()))
+                    .arg(1)
+                    .arg("EX")
+                    .arg(ttl)
+                    .ignore();
+            }
+            if split {
+                // Crash test: Redis applied the markers, then we died.
+                pipe.query::<()>(conn)?;
+                pipe = redis::pipe();
+                for &i in to_mark {
+                    fault::hit(Point::AfterMarker, event(&finished[i]).event_id());
+                }
+            }
+            pipe.cmd("XACK")
+                .arg(stream)
+                .arg(&group)
+                .arg(
+                    finished
+                        .iter()
+                        .map(|d| d.entry_id.as_str())
+                        .collect::<Vec<_>>(),
+                )
+                .ignore();
+            pipe.query::<()>(conn)
+        });
+        if done.is_none() {
+            log::warn!("{stream}: shutdown during a Redis outage; {} committed entries stay pending and will be skipped as duplicates", finished.len());
+        }
+        for d in finished {
+            self.shared.in_flight.finish(&d.key());
+        }
+    }
+
+    /// Runs `f` with a pooled Redis connection, retrying through outages.
+    /// `None` when a shutdown interrupted the wait.
+    fn with_redis<T>(
+        &self,
+        mut f: impl FnMut(&mut redis::Connection, &str) -> redis::RedisResult<T>,
+    ) -> Option<T> {
+        let mut failures = 0u32;
+        loop {
+            let result = self
+                .shared
+                .redis_conn()
+                .and_then(|mut conn| f(&mut conn, self.shared.config.scope()));
+            match result {
+                Ok(value) => {
+                    if failures > 0 {
+                        self.shared.health.up(Server::Redis);
+                    }
+                    return Some(value);
+                }
+                Err(e) => {
+                    if crate::error::redis_is_outage(&e) {
+                        self.shared.health.down(Server::Redis, &e);
+                    } else {
+                        log::error!("redis: {e}");
+                    }
+                    failures += 1;
+                    if self
+                        .shared
+                        .shutdown
+                        .sleep(self.shared.outage_backoff(failures))
+                    {
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+
+    /// A failed attempt: retry later or dead-letter.
+    fn failed(&mut self, mut delivery: Delivery, error: HandlerError) {
+        let attempt = delivery.attempts() + 1;
+        delivery.failures.push(Attempt {
+            attempt,
+            at: Some(SystemTime::now()),
+            error: error.to_string(),
+        });
+        let config = &self.shared.config;
+        let kind = match error.class() {
+            FailureClass::Permanent => Some(Kind::Permanent),
+            FailureClass::Invalid => Some(Kind::Invalid),
+            _ if attempt >= config.max_attempts => Some(Kind::Exhausted),
+            _ => None,
+        };
+        if let Some(kind) = kind {
+            return self.dead_letter(delivery, kind, error.to_string());
+        }
+        let delay = self.shared.backoff.delay(attempt, error.retry_after());
+        log::debug!(
+            "{}/{}: attempt {attempt} failed ({error}); retrying in {delay:?}",
+            delivery.stream,
+            delivery.entry_id
+        );
+        Stats::add(&self.shared.stats.retries, 1);
+        let due = Instant::now() + delay;
+        if let Err(back) = self.retry.send(Retry { due, delivery }) {
+            // The retry thread is gone (shutdown): leave the entry pending.
+            self.abandon(vec![back.into_inner().delivery]);
+        }
+    }
+
+    fn dead_letter(&mut self, delivery: Delivery, kind: Kind, reason: String) {
+        let config = &self.shared.config;
+        let now = SystemTime::now();
+        let history = delivery.history();
+        let first_failed = delivery.failures.first().and_then(|a| a.at).unwrap_or(now);
+        let letter = DeadLetter {
+            id: None,
+            original_id: delivery.entry_id.clone(),
+            stream: delivery.stream.to_string(),
+            group: config.group.clone(),
+            consumer: config.consumer.clone(),
+            event_id: delivery.event_id().map(str::to_owned),
+            kind,
+            reason,
+            attempts: delivery.attempts(),
+            history,
+            first_failed_at: dead_letter::millis(first_failed),
+            dead_at: dead_letter::millis(now),
+            fields: match delivery.body {
+                Ok(event) => event.fields,
+                Err((fields, _)) => fields,
+            },
+        };
+        let in_flight_key = crate::in_flight::key(&letter.stream, &letter.original_id);
+        if self
+            .dead
+            .send(dead_letter::Job {
+                letter,
+                in_flight_key: in_flight_key.clone(),
+            })
+            .is_err()
+        {
+            log::error!("dead-letter writer is gone; the entry stays pending");
+            self.shared.in_flight.finish(&in_flight_key);
+        }
+    }
+
+    /// Leaves entries pending in Redis (they will be delivered again).
+    fn abandon(&self, deliveries: Vec<Delivery>) {
+        for d in deliveries {
+            self.shared.in_flight.finish(&d.key());
+        }
+    }
+}
+
+fn event(delivery: &Delivery) -> &Event {
+    delivery
+        .body
+        .as_ref()
+        .expect("only valid deliveries reach this point")
+}

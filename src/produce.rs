@@ -1,0 +1,62 @@
+//! Adding events to a stream: what `taskhub produce` does, and a helper for
+//! programs and tests that publish events.
+
+use crate::connect;
+use crate::error::{Error, ErrorKind};
+
+/// Publishes events to one stream.
+pub struct Producer {
+    conn: redis::Connection,
+    stream: String,
+}
+
+impl Producer {
+    /// Connects to Redis at `redis_url` to publish to `stream`.
+    pub fn connect(redis_url: &str, stream: &str) -> Result<Producer, Error> {
+        let client = connect::redis_client(redis_url)?;
+        let conn = connect::redis_connection(&client, connect::REDIS_COMMAND_TIMEOUT)
+            .map_err(|e| connect::redis_unreachable(redis_url, e))?;
+        Ok(Producer {
+            conn,
+            stream: stream.to_owned(),
+        })
+    }
+
+    /// Adds one entry with the given fields and returns its entry id.
+    pub fn send<K, V>(&mut self, fields: &[(K, V)]) -> Result<String, Error>
+    where
+        K: redis::ToRedisArgs,
+        V: redis::ToRedisArgs,
+    {
+        Ok(self.send_batch(std::slice::from_ref(&fields))?.remove(0))
+    }
+
+    /// Adds several entries in one round trip and returns their entry ids.
+    pub fn send_batch<K, V, F>(&mut self, entries: &[F]) -> Result<Vec<String>, Error>
+    where
+        K: redis::ToRedisArgs,
+        V: redis::ToRedisArgs,
+        F: AsRef<[(K, V)]>,
+    {
+        let mut pipe = redis::pipe();
+        for fields in entries {
+            let mut cmd = redis::cmd("XADD");
+            cmd.arg(&self.stream).arg("*");
+            for (k, v) in fields.as_ref() {
+                cmd.arg(k).arg(v);
+            }
+            pipe.add_command(cmd);
+        }
+        pipe.query(&mut self.conn).map_err(|e| {
+            Error::with_source(ErrorKind::Redis, format!("{}: XADD failed", self.stream), e)
+        })
+    }
+
+    /// Adds one event (`event_id` and optional `payload`), returns its entry id.
+    pub fn send_event(&mut self, event_id: &str, payload: Option<&str>) -> Result<String, Error> {
+        match payload {
+            Some(p) => self.send(&[("event_id", event_id), ("payload", p)]),
+            None => self.send(&[("event_id", event_id)]),
+        }
+    }
+}

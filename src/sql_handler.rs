@@ -1,0 +1,105 @@
+//! The built-in handler of `taskhub run`: one parameterized SQL statement per
+//! event, run in the event's transaction.
+//!
+//! Parameters: `$1` the event_id, `$2` the payload (NULL when absent), `$3`
+//! all fields as a JSON object. A statement may use any prefix of them. When a
+//! parameter is of type `json` or `jsonb`, the value is parsed as JSON first,
+//! and an event whose payload is not JSON is dead-lettered as invalid.
+
+use postgres::types::{ToSql, Type};
+
+use crate::error::HandlerError;
+use crate::event::Event;
+use crate::handler::{Handler, Tx};
+
+/// The book's example effect: one row in `notifications` per event.
+pub const DEFAULT_STATEMENT: &str = "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)";
+
+/// Runs one SQL statement per event. See the module docs for the parameters.
+#[derive(Debug, Clone)]
+pub struct SqlHandler {
+    statement: String,
+}
+
+impl SqlHandler {
+    /// A handler that runs `statement` for each event.
+    pub fn new(statement: impl Into<String>) -> SqlHandler {
+        SqlHandler {
+            statement: statement.into(),
+        }
+    }
+
+    /// The statement this handler runs.
+    pub fn statement(&self) -> &str {
+        &self.statement
+    }
+}
+
+impl Default for SqlHandler {
+    /// Inserts into `notifications (event_id, payload)`.
+    fn default() -> SqlHandler {
+        SqlHandler::new(DEFAULT_STATEMENT)
+    }
+}
+
+fn invalid(why: impl std::fmt::Display) -> HandlerError {
+    HandlerError::invalid(why)
+}
+
+fn is_json(ty: &Type) -> bool {
+    *ty == Type::JSON || *ty == Type::JSONB
+}
+
+impl Handler for SqlHandler {
+    fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        let statement = tx.prepare_cached(&self.statement)?;
+        let types = statement.params();
+        if types.len() > 3 {
+            return Err(HandlerError::permanent(format!(
+                "the SQL statement uses {} parameters; only $1 (event_id), $2 (payload) and $3 (fields) exist",
+                types.len()
+            )));
+        }
+        let event_id = event.event_id();
+        let payload_text = match event.field("payload") {
+            None => None,
+            Some(raw) => {
+                Some(std::str::from_utf8(raw).map_err(|_| invalid("payload is not UTF-8"))?)
+            }
+        };
+        let payload_json: Option<serde_json::Value> = match types.get(1) {
+            Some(ty) if is_json(ty) => payload_text
+                .map(serde_json::from_str)
+                .transpose()
+                .map_err(|e| invalid(format!("payload is not JSON: {e}")))?,
+            _ => None,
+        };
+        let fields_text: Option<String> = match types.get(2) {
+            Some(_) => Some(event.fields_json().map_err(invalid)?),
+            None => None,
+        };
+        let fields_json: Option<serde_json::Value> = match (types.get(2), &fields_text) {
+            (Some(ty), Some(text)) if is_json(ty) => Some(
+                serde_json::from_str(text)
+                    .map_err(|e| invalid(format!("fields are not JSON: {e}")))?,
+            ),
+            _ => None,
+        };
+        let mut params: Vec<&(dyn ToSql + Sync)> = Vec::with_capacity(types.len());
+        for (i, ty) in types.iter().enumerate() {
+            match i {
+                0 => params.push(&event_id),
+                1 if is_json(ty) => params.push(&payload_json),
+                1 => params.push(&payload_text),
+                _ if is_json(ty) => params.push(&fields_json),
+                _ => params.push(&fields_text),
+            }
+        }
+        tx.execute(&statement, &params)?;
+        Ok(())
+    }
+
+    fn name(&self) -> &str {
+        "sql"
+    }
+}

@@ -1,0 +1,140 @@
+//! Counters of what a worker did, and the health of its two servers.
+//!
+//! Counters are plain atomics bumped on the hot path; [`Stats::snapshot`]
+//! copies them for the `--until-idle` summary and for metrics. [`Health`]
+//! turns a stream of connection errors into one log line when a server goes
+//! away and one when it is back, instead of one line per event.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// Counters of one worker.
+#[derive(Debug, Default)]
+pub(crate) struct Stats {
+    pub read: AtomicU64,
+    pub applied: AtomicU64,
+    pub duplicates: AtomicU64,
+    pub retries: AtomicU64,
+    pub dead_permanent: AtomicU64,
+    pub dead_exhausted: AtomicU64,
+    pub dead_crash_loop: AtomicU64,
+    pub dead_invalid: AtomicU64,
+    pub reclaimed: AtomicU64,
+    pub deleted_while_pending: AtomicU64,
+    pub panics: AtomicU64,
+}
+
+/// A copy of the counters at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Summary {
+    /// Entries read from the streams (including redeliveries).
+    pub read: u64,
+    /// Events whose effect this worker committed.
+    pub applied: u64,
+    /// Deliveries skipped because the event was already applied.
+    pub duplicates: u64,
+    /// Retries scheduled after a retryable failure.
+    pub retries: u64,
+    /// Events dead-lettered, all kinds.
+    pub dead_lettered: u64,
+    /// ... of which permanent failures.
+    pub dead_permanent: u64,
+    /// ... of which exhausted retries.
+    pub dead_exhausted: u64,
+    /// ... of which crash loops.
+    pub dead_crash_loop: u64,
+    /// ... of which invalid entries.
+    pub dead_invalid: u64,
+    /// Entries taken over from other consumers.
+    pub reclaimed: u64,
+    /// Handler panics caught.
+    pub panics: u64,
+}
+
+impl Stats {
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> Summary {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let dead = [
+            get(&self.dead_permanent),
+            get(&self.dead_exhausted),
+            get(&self.dead_crash_loop),
+            get(&self.dead_invalid),
+        ];
+        Summary {
+            read: get(&self.read),
+            applied: get(&self.applied),
+            duplicates: get(&self.duplicates),
+            retries: get(&self.retries),
+            dead_lettered: dead.iter().sum(),
+            dead_permanent: dead[0],
+            dead_exhausted: dead[1],
+            dead_crash_loop: dead[2],
+            dead_invalid: dead[3],
+            reclaimed: get(&self.reclaimed),
+            panics: get(&self.panics),
+        }
+    }
+}
+
+impl std::fmt::Display for Summary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "read={} applied={} duplicates={} retries={} dead_lettered={} \
+             (permanent={} exhausted={} crash_loop={} invalid={}) reclaimed={}",
+            self.read,
+            self.applied,
+            self.duplicates,
+            self.retries,
+            self.dead_lettered,
+            self.dead_permanent,
+            self.dead_exhausted,
+            self.dead_crash_loop,
+            self.dead_invalid,
+            self.reclaimed
+        )
+    }
+}
+
+/// A server the worker depends on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Server {
+    Redis,
+    Postgres,
+}
+
+/// Whether each server is reachable, as last seen.
+#[derive(Debug, Default)]
+pub(crate) struct Health {
+    redis_down: AtomicBool,
+    postgres_down: AtomicBool,
+}
+
+impl Health {
+    fn flag(&self, server: Server) -> &AtomicBool {
+        match server {
+            Server::Redis => &self.redis_down,
+            Server::Postgres => &self.postgres_down,
+        }
+    }
+
+    /// Records that `server` failed; logs only the first failure of an outage.
+    pub fn down(&self, server: Server, why: &dyn std::fmt::Display) {
+        if !self.flag(server).swap(true, Ordering::SeqCst) {
+            log::error!(
+                "{server:?}: unavailable ({why}); pausing and reconnecting with backoff, no event is failed because of this"
+            );
+        }
+    }
+
+    /// Records that `server` works; logs the end of an outage.
+    pub fn up(&self, server: Server) {
+        if self.flag(server).swap(false, Ordering::SeqCst) {
+            log::info!("{server:?}: reachable again, resuming");
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! The Redis Streams commands the threads use, in one place: create the group,
+//! read new or pending entries, look up delivery counts, claim idle entries.
+
+use std::collections::HashMap;
+
+use redis::{Connection, RedisResult};
+
+use crate::event::{parse_entries, parse_read_reply, RawEntry};
+
+fn protocol_error(what: String) -> redis::RedisError {
+    redis::RedisError::from((redis::ErrorKind::Parse, "unexpected reply", what))
+}
+
+/// Creates `group` on `stream` (and the stream) unless it exists.
+pub(crate) fn ensure_group(
+    conn: &mut Connection,
+    stream: &str,
+    group: &str,
+    start_id: &str,
+) -> RedisResult<()> {
+    let created: RedisResult<()> = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(stream)
+        .arg(group)
+        .arg(start_id)
+        .arg("MKSTREAM")
+        .query(conn);
+    match created {
+        Ok(()) => {
+            log::info!("{stream}: created consumer group {group} at {start_id}");
+            Ok(())
+        }
+        Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether an error means the group (or the stream) is gone.
+pub(crate) fn is_nogroup(e: &redis::RedisError) -> bool {
+    e.code() == Some("NOGROUP")
+}
+
+/// XREADGROUP of one stream: `from` is `>` for new entries (blocking up to
+/// `block_ms`) or an id for this consumer's pending entries after it.
+pub(crate) fn read_group(
+    conn: &mut Connection,
+    stream: &str,
+    group: &str,
+    consumer: &str,
+    count: usize,
+    block_ms: Option<u64>,
+    from: &str,
+) -> RedisResult<Vec<RawEntry>> {
+    let mut cmd = redis::cmd("XREADGROUP");
+    cmd.arg("GROUP")
+        .arg(group)
+        .arg(consumer)
+        .arg("COUNT")
+        .arg(count);
+    if let Some(ms) = block_ms {
+        cmd.arg("BLOCK").arg(ms);
+    }
+    cmd.arg("STREAMS").arg(stream).arg(from);
+    let reply: redis::Value = cmd.query(conn)?;
+    let mut streams = parse_read_reply(reply).map_err(protocol_error)?;
+    Ok(streams
+        .pop()
+        .map(|(_, entries)| entries)
+        .unwrap_or_default())
+}
+
+/// Delivery counts of pending entries between `first` and `last`, owned by
+/// `consumer`.
+pub(crate) fn delivery_counts(
+    conn: &mut Connection,
+    stream: &str,
+    group: &str,
+    consumer: &str,
+    first: &str,
+    last: &str,
+    count: usize,
+) -> RedisResult<HashMap<String, u64>> {
+    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg(group)
+        .arg(first)
+        .arg(last)
+        .arg(count)
+        .arg(consumer)
+        .query(conn)?;
+    Ok(rows
+        .into_iter()
+        .map(|(id, _, _, times)| (id, times))
+        .collect())
+}
+
+/// Number of entries pending in the group (all consumers).
+pub(crate) fn pending_count(conn: &mut Connection, stream: &str, group: &str) -> RedisResult<u64> {
+    let reply: redis::Value = redis::cmd("XPENDING").arg(stream).arg(group).query(conn)?;
+    match reply {
+        redis::Value::Array(items) => match items.into_iter().next() {
+            Some(redis::Value::Int(n)) => Ok(u64::try_from(n).unwrap_or(0)),
+            other => Err(protocol_error(format!("XPENDING summary {other:?}"))),
+        },
+        other => Err(protocol_error(format!("XPENDING summary {other:?}"))),
+    }
+}
+
+/// The result of one XAUTOCLAIM call.
+pub(crate) struct Claimed {
+    pub next: String,
+    pub entries: Vec<RawEntry>,
+    pub deleted: Vec<String>,
+}
+
+/// XAUTOCLAIM: takes over up to `count` entries idle for at least
+/// `min_idle_ms`, scanning from `start`.
+pub(crate) fn autoclaim(
+    conn: &mut Connection,
+    stream: &str,
+    group: &str,
+    consumer: &str,
+    min_idle_ms: u64,
+    start: &str,
+    count: usize,
+) -> RedisResult<Claimed> {
+    let reply: redis::Value = redis::cmd("XAUTOCLAIM")
+        .arg(stream)
+        .arg(group)
+        .arg(consumer)
+        .arg(min_idle_ms)
+        .arg(start)
+        .arg("COUNT")
+        .arg(count)
+        .query(conn)?;
+    let redis::Value::Array(mut parts) = reply else {
+        return Err(protocol_error("XAUTOCLAIM reply is not an array".into()));
+    };
+    if parts.len() < 2 {
+        return Err(protocol_error("XAUTOCLAIM reply too short".into()));
+    }
+    // Redis 7 adds a third element: ids deleted while pending.
+    let deleted = if parts.len() >= 3 {
+        match parts.remove(2) {
+            redis::Value::Array(ids) => ids
+                .into_iter()
+                .filter_map(crate::event::bytes)
+                .filter_map(|b| String::from_utf8(b).ok())
+                .collect(),
+            _ => Vec::new(),
+        }
+    } else {
+        Vec::new()
+    };
+    let entries = parse_entries(parts.remove(1)).map_err(protocol_error)?;
+    let next = crate::event::bytes(parts.remove(0))
+        .and_then(|b| String::from_utf8(b).ok())
+        .ok_or_else(|| protocol_error("XAUTOCLAIM cursor".into()))?;
+    Ok(Claimed {
+        next,
+        entries,
+        deleted,
+    })
+}
+
+/// XACK of `ids`.
+pub(crate) fn ack(
+    conn: &mut Connection,
+    stream: &str,
+    group: &str,
+    ids: &[&str],
+) -> RedisResult<()> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    redis::cmd("XACK")
+        .arg(stream)
+        .arg(group)
+        .arg(ids)
+        .query(conn)
+}
