@@ -1,0 +1,528 @@
+//! Shared test support: unique names, a fresh database per test, private
+//! Redis and PostgreSQL servers for tests that stop or kill them, and the
+//! binary as a subprocess.
+//!
+//! Tests run in parallel: each one uses its own stream names and its own
+//! database, so they never see each other. Tests that stop, restart or kill a
+//! server start a private one on a free port and never touch the shared ones.
+
+#![allow(dead_code)] // each test file uses a different part of this module
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// The shared Redis of the machine (never stopped by tests).
+pub fn redis_url() -> String {
+    std::env::var("TASKHUB_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// A URL of the shared PostgreSQL server, database `postgres`, for creating
+/// test databases.
+pub fn pg_admin_url() -> String {
+    std::env::var("TASKHUB_TEST_PG_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+/// A name no other test (or earlier run) uses.
+pub fn unique(prefix: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!(
+        "{prefix}_{}_{}_{nanos:x}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    )
+}
+
+/// Polls `f` every 20 ms until it is true or `timeout` passes.
+pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A fresh database with the migrations applied, dropped at the end.
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+    admin_url: String,
+}
+
+impl TestDb {
+    /// On the shared server.
+    pub fn new() -> TestDb {
+        TestDb::on(&pg_admin_url())
+    }
+
+    /// On the server of `admin_url` (a URL whose database can be replaced).
+    pub fn on(admin_url: &str) -> TestDb {
+        let name = unique("taskhub_test").to_lowercase();
+        let mut admin = postgres::Client::connect(admin_url, postgres::NoTls)
+            .unwrap_or_else(|e| panic!("cannot connect to {admin_url}: {e}"));
+        admin
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .unwrap();
+        let url = replace_db(admin_url, &name);
+        taskhub::migrate(&url).expect("migrations apply");
+        TestDb {
+            name,
+            url,
+            admin_url: admin_url.to_owned(),
+        }
+    }
+
+    pub fn client(&self) -> postgres::Client {
+        postgres::Client::connect(&self.url, postgres::NoTls).unwrap()
+    }
+
+    /// Runs a query returning one bigint.
+    pub fn count(&self, sql: &str) -> i64 {
+        self.client().query_one(sql, &[]).unwrap().get(0)
+    }
+
+    /// Effect rows for `event_id` in `notifications`.
+    pub fn effects(&self, event_id: &str) -> i64 {
+        self.client()
+            .query_one(
+                "SELECT count(*) FROM notifications WHERE event_id = $1",
+                &[&event_id],
+            )
+            .unwrap()
+            .get(0)
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        if let Ok(mut admin) = postgres::Client::connect(&self.admin_url, postgres::NoTls) {
+            let _ = admin.batch_execute(&format!(
+                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                self.name
+            ));
+        }
+    }
+}
+
+/// `url` with its database name replaced by `db`.
+pub fn replace_db(url: &str, db: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, format!("?{q}")),
+        None => (url, String::new()),
+    };
+    let cut = base.rfind('/').expect("URL has a path");
+    format!("{}/{db}{query}", &base[..cut])
+}
+
+pub fn redis(url: &str) -> redis::Connection {
+    let conn = redis::Client::open(url).unwrap().get_connection().unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    conn
+}
+
+/// XADD of string fields; returns the entry id.
+pub fn xadd(conn: &mut redis::Connection, stream: &str, fields: &[(&str, &str)]) -> String {
+    let mut cmd = redis::cmd("XADD");
+    cmd.arg(stream).arg("*");
+    for (k, v) in fields {
+        cmd.arg(*k).arg(*v);
+    }
+    cmd.query(conn).unwrap()
+}
+
+/// Entries pending in `group` (all consumers); 0 when the group is missing.
+pub fn pending(conn: &mut redis::Connection, stream: &str, group: &str) -> u64 {
+    let reply: redis::RedisResult<(u64, redis::Value, redis::Value, redis::Value)> =
+        redis::cmd("XPENDING").arg(stream).arg(group).query(conn);
+    reply.map(|r| r.0).unwrap_or(0)
+}
+
+pub fn xlen(conn: &mut redis::Connection, stream: &str) -> u64 {
+    redis::cmd("XLEN").arg(stream).query(conn).unwrap()
+}
+
+/// The dead letters of `stream`, decoded.
+pub fn dead_letters(conn: &mut redis::Connection, stream: &str) -> Vec<taskhub::DeadLetter> {
+    let rows: Vec<(String, Vec<(Vec<u8>, Vec<u8>)>)> = redis::cmd("XRANGE")
+        .arg(taskhub::dead_letter_stream(stream))
+        .arg("-")
+        .arg("+")
+        .query(conn)
+        .unwrap();
+    rows.into_iter()
+        .map(|(id, fields)| taskhub::DeadLetter::from_fields(Some(id), &fields).unwrap())
+        .collect()
+}
+
+/// A free TCP port on loopback.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The `taskhub` binary, with the servers given.
+pub fn taskhub(redis_url: &str, database_url: &str) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_taskhub"));
+    cmd.env("REDIS_URL", redis_url)
+        .env("DATABASE_URL", database_url)
+        .env_remove("TASKHUB_FAULT")
+        .env(
+            "RUST_LOG",
+            std::env::var("TASKHUB_TEST_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .stdin(Stdio::null());
+    cmd
+}
+
+/// A running `taskhub` child whose stderr and stdout are collected.
+pub struct Proc {
+    pub child: Child,
+    stderr: Arc<Mutex<String>>,
+    stdout: Arc<Mutex<String>>,
+}
+
+fn collect(stream: impl Read + Send + 'static, into: Arc<Mutex<String>>) {
+    std::thread::spawn(move || {
+        let reader = BufReader::new(stream);
+        for line in reader.split(b'\n') {
+            let Ok(line) = line else { break };
+            let mut s = into.lock().unwrap();
+            s.push_str(&String::from_utf8_lossy(&line));
+            s.push('\n');
+        }
+    });
+}
+
+impl Proc {
+    pub fn spawn(mut cmd: Command) -> Proc {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        let mut child = cmd.spawn().expect("taskhub starts");
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let stdout = Arc::new(Mutex::new(String::new()));
+        collect(child.stderr.take().unwrap(), stderr.clone());
+        collect(child.stdout.take().unwrap(), stdout.clone());
+        Proc {
+            child,
+            stderr,
+            stdout,
+        }
+    }
+
+    pub fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    pub fn stdout(&self) -> String {
+        self.stdout.lock().unwrap().clone()
+    }
+
+    /// Waits until stderr contains `needle`.
+    pub fn wait_for(&self, needle: &str, timeout: Duration) -> bool {
+        wait_until(timeout, || self.stderr().contains(needle))
+    }
+
+    /// SIGKILL.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Sends a signal by name (TERM, INT) with the `kill` command.
+    pub fn signal(&self, name: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Waits for the exit, at most `timeout`; kills on timeout and panics.
+    pub fn wait(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                // Let the collector threads catch up with the last lines.
+                std::thread::sleep(Duration::from_millis(50));
+                return status;
+            }
+            if Instant::now() >= deadline {
+                self.kill();
+                panic!(
+                    "taskhub did not exit within {timeout:?}\nstderr:\n{}",
+                    self.stderr()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A temporary directory removed at the end.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(prefix: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(unique(prefix));
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A private `redis-server` on a free port, with AOF (`appendfsync always`)
+/// so a restart keeps everything.
+pub struct PrivateRedis {
+    pub port: u16,
+    dir: TempDir,
+    child: Option<Child>,
+}
+
+impl PrivateRedis {
+    pub fn start() -> PrivateRedis {
+        let mut r = PrivateRedis {
+            port: free_port(),
+            dir: TempDir::new("taskhub-redis"),
+            child: None,
+        };
+        r.start_again();
+        r
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Starts the server (again) on the same port and directory.
+    pub fn start_again(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--dir", self.dir.0.to_str().unwrap()])
+            .args([
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is installed (scripts/test.sh installs it)");
+        self.child = Some(child);
+        let url = self.url();
+        assert!(
+            wait_until(Duration::from_secs(10), || redis::Client::open(
+                url.as_str()
+            )
+            .and_then(|c| c.get_connection())
+            .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
+            .is_ok()),
+            "private redis did not start"
+        );
+    }
+
+    /// Stops the server (SIGKILL: like a crash; AOF always keeps the data).
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The directory with initdb and pg_ctl.
+fn pg_bin() -> PathBuf {
+    if let Ok(dir) = std::env::var("TASKHUB_PG_BIN") {
+        return PathBuf::from(dir);
+    }
+    let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .map(|e| e.path().join("bin"))
+                .collect()
+        })
+        .unwrap_or_default();
+    found.sort();
+    found
+        .pop()
+        .filter(|p| p.join("initdb").exists())
+        .unwrap_or_else(|| PathBuf::from("/usr/bin"))
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+/// Runs a PostgreSQL tool, as user `postgres` when we are root (initdb and
+/// pg_ctl refuse to run as root).
+fn pg_tool(tool: &str, args: &[&str]) -> std::process::Output {
+    let path = pg_bin().join(tool);
+    let mut cmd = if is_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(&path);
+        c
+    } else {
+        Command::new(&path)
+    };
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("PostgreSQL tools are installed")
+}
+
+/// A private PostgreSQL (initdb + pg_ctl in a temporary directory, free port,
+/// trust auth).
+pub struct PrivatePostgres {
+    pub port: u16,
+    dir: TempDir,
+    running: bool,
+}
+
+impl PrivatePostgres {
+    pub fn start() -> PrivatePostgres {
+        let dir = TempDir::new("taskhub-pg");
+        if is_root() {
+            Command::new("chown")
+                .args(["-R", "postgres", dir.0.to_str().unwrap()])
+                .status()
+                .unwrap();
+        }
+        let data = dir.0.join("data");
+        let out = pg_tool(
+            "initdb",
+            &[
+                "-D",
+                data.to_str().unwrap(),
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "--no-sync",
+                "-E",
+                "UTF8",
+            ],
+        );
+        assert!(
+            out.status.success(),
+            "initdb failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut pg = PrivatePostgres {
+            port: free_port(),
+            dir,
+            running: false,
+        };
+        pg.start_again();
+        pg
+    }
+
+    fn data(&self) -> PathBuf {
+        self.dir.0.join("data")
+    }
+
+    /// URL of database `db`.
+    pub fn url(&self, db: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
+    }
+
+    pub fn start_again(&mut self) {
+        let opts = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=100",
+            self.port,
+            self.dir.0.display()
+        );
+        let log = self.dir.0.join("log");
+        let out = pg_tool(
+            "pg_ctl",
+            &[
+                "-D",
+                self.data().to_str().unwrap(),
+                "-o",
+                &opts,
+                "-l",
+                log.to_str().unwrap(),
+                "-w",
+                "-t",
+                "30",
+                "start",
+            ],
+        );
+        assert!(
+            out.status.success(),
+            "pg_ctl start failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        self.running = true;
+    }
+
+    /// Stops the server (immediate mode: like a crash).
+    pub fn stop(&mut self) {
+        if self.running {
+            let _ = pg_tool(
+                "pg_ctl",
+                &[
+                    "-D",
+                    self.data().to_str().unwrap(),
+                    "-m",
+                    "immediate",
+                    "-w",
+                    "stop",
+                ],
+            );
+            self.running = false;
+        }
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Path of a file in the repository.
+pub fn repo_path(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
+}
