@@ -81,6 +81,26 @@ impl<'a> DerefMut for Tx<'a> {
     }
 }
 
+impl<H: Handler + ?Sized> Handler for Box<H> {
+    fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        (**self).handle(event, tx)
+    }
+
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+}
+
+impl<H: Handler + ?Sized> Handler for std::sync::Arc<H> {
+    fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        (**self).handle(event, tx)
+    }
+
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+}
+
 /// A [`Handler`] made from a closure.
 pub struct FnHandler<F>(F);
 
