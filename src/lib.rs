@@ -59,6 +59,7 @@ mod error;
 mod event;
 mod fault;
 mod handler;
+mod http_handler;
 mod in_flight;
 mod migrate;
 mod pool;
@@ -83,6 +84,7 @@ pub use error::{
 };
 pub use event::{Event, Fields, Invalid};
 pub use handler::{handler_fn, FnHandler, Handler, Tx};
+pub use http_handler::HttpHandler;
 pub use migrate::migrate;
 pub use produce::Producer;
 pub use run::Worker;

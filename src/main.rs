@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use taskhub::{Producer, SqlHandler, Worker};
+use taskhub::{HttpHandler, Producer, SqlHandler, Worker};
 
 /// Exactly-once effects from Redis Streams, with retries and dead letters.
 #[derive(Parser, Debug)]
@@ -85,6 +85,13 @@ struct RunArgs {
     /// SQL run per event in its transaction: $1 event_id, $2 payload, $3 fields as JSON.
     #[arg(long, default_value = taskhub::DEFAULT_STATEMENT)]
     sql: String,
+    /// POST each event to this URL instead of running SQL (body: the payload;
+    /// header Idempotency-Key: the event_id).
+    #[arg(long, conflicts_with = "sql")]
+    http_url: Option<String>,
+    /// Timeout of one --http-url request.
+    #[arg(long, default_value = "10s", value_parser = duration)]
+    http_timeout: Duration,
     /// All attempts of an event, the first included, before it is dead-lettered.
     #[arg(long, default_value_t = 5)]
     max_attempts: u32,
@@ -183,9 +190,11 @@ fn run(servers: &Servers, args: RunArgs) -> Result<(), String> {
     if let Some(scope) = &args.scope {
         builder = builder.scope(scope);
     }
-    let worker = builder
-        .build(SqlHandler::new(args.sql))
-        .map_err(|e| e.to_string())?;
+    let worker = match &args.http_url {
+        Some(url) => builder.build(HttpHandler::new(url, args.http_timeout)),
+        None => builder.build(SqlHandler::new(args.sql)),
+    }
+    .map_err(|e| e.to_string())?;
 
     // First SIGINT/SIGTERM: graceful shutdown. Second: exit at once.
     let stop = worker.shutdown_handle();

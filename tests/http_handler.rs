@@ -1,0 +1,140 @@
+//! `taskhub run --http-url`: events are POSTed to a downstream (here a local
+//! tiny_http server run by the test) and its answers decide what happens.
+
+mod support;
+
+use std::io::Read;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use support::*;
+
+/// What the downstream saw: (time, Idempotency-Key, body, fields header).
+type Seen = Arc<Mutex<Vec<(Instant, String, Vec<u8>, String)>>>;
+
+/// A downstream that answers each request with the next status from
+/// `script(event_id, n)` (n = how many requests that event_id has made).
+fn downstream(script: fn(&str, usize) -> (u16, Option<&'static str>)) -> (String, Seen) {
+    let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/hook", server.server_addr().to_ip().unwrap());
+    let seen: Seen = Arc::default();
+    let log = seen.clone();
+    std::thread::spawn(move || {
+        for mut request in server.incoming_requests() {
+            let header = |name: &str| {
+                request
+                    .headers()
+                    .iter()
+                    .find(|h| h.field.as_str().as_str().eq_ignore_ascii_case(name))
+                    .map(|h| h.value.to_string())
+                    .unwrap_or_default()
+            };
+            let key = header("Idempotency-Key");
+            let fields = header("X-Taskhub-Fields");
+            let mut body = Vec::new();
+            request.as_reader().read_to_end(&mut body).unwrap();
+            let n = {
+                let mut seen = log.lock().unwrap();
+                seen.push((Instant::now(), key.clone(), body, fields));
+                seen.iter().filter(|s| s.1 == key).count()
+            };
+            let (status, retry_after) = script(&key, n);
+            let mut response = tiny_http::Response::from_string("").with_status_code(status);
+            if let Some(v) = retry_after {
+                response.add_header(tiny_http::Header::from_bytes("Retry-After", v).unwrap());
+            }
+            let _ = request.respond(response);
+        }
+    });
+    (url, seen)
+}
+
+fn run_http(url: &str, stream: &str, db: &TestDb, extra: &[&str]) -> Proc {
+    let mut cmd = taskhub(&redis_url(), &db.url);
+    cmd.args([
+        "run",
+        "--stream",
+        stream,
+        "--group",
+        "g",
+        "--until-idle",
+        "--block-ms",
+        "100",
+    ])
+    .args([
+        "--http-url",
+        url,
+        "--backoff-base",
+        "20ms",
+        "--backoff-cap",
+        "200ms",
+    ])
+    .args(extra);
+    Proc::spawn(cmd)
+}
+
+#[test]
+fn success_retry_after_and_permanent_statuses() {
+    let (url, seen) = downstream(|key, n| match key {
+        k if k.starts_with("ok") => (200, None),
+        k if k.starts_with("slow") && n == 1 => (503, Some("1")),
+        k if k.starts_with("slow") => (204, None),
+        _ => (422, None),
+    });
+    let db = TestDb::new();
+    let stream = unique("http");
+    let mut r = redis(&redis_url());
+    xadd(
+        &mut r,
+        &stream,
+        &[("event_id", "ok-1"), ("payload", "héllo"), ("tenant", "ü")],
+    );
+    xadd(&mut r, &stream, &[("event_id", "slow-1"), ("payload", "p")]);
+    xadd(&mut r, &stream, &[("event_id", "bad-1"), ("payload", "p")]);
+    let mut p = run_http(&url, &stream, &db, &[]);
+    assert!(p.wait(Duration::from_secs(30)).success(), "{}", p.stderr());
+
+    let seen = seen.lock().unwrap();
+    let calls = |key: &str| seen.iter().filter(|s| s.1 == key).collect::<Vec<_>>();
+    // 2xx: one call, body = payload, other fields in the header.
+    let ok = calls("ok-1");
+    assert_eq!(ok.len(), 1);
+    assert_eq!(ok[0].2, "héllo".as_bytes());
+    assert_eq!(ok[0].3, r#"{"event_id":"ok-1","tenant":"\u00fc"}"#);
+    // 503 + Retry-After: 1 → the retry comes at least 1 s later.
+    let slow = calls("slow-1");
+    assert_eq!(slow.len(), 2);
+    let gap = slow[1].0 - slow[0].0;
+    assert!(
+        gap >= Duration::from_secs(1),
+        "Retry-After ignored: gap {gap:?}"
+    );
+    // 422: permanent, not retried.
+    assert_eq!(calls("bad-1").len(), 1);
+    let dead = dead_letters(&mut r, &stream);
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].event_id.as_deref(), Some("bad-1"));
+    assert_eq!(dead[0].kind, taskhub::DeadLetterKind::Permanent);
+    assert!(dead[0].reason.contains("HTTP 422"), "{}", dead[0].reason);
+    // Successes are recorded in processed_events.
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 2);
+    assert_eq!(pending(&mut r, &stream, "g"), 0);
+}
+
+#[test]
+fn connection_errors_are_retried_until_exhausted() {
+    let db = TestDb::new();
+    let stream = unique("http-down");
+    let mut r = redis(&redis_url());
+    xadd(&mut r, &stream, &[("event_id", "e1"), ("payload", "p")]);
+    let url = format!("http://127.0.0.1:{}/nobody", free_port());
+    let mut p = run_http(&url, &stream, &db, &["--max-attempts", "3"]);
+    assert!(p.wait(Duration::from_secs(30)).success(), "{}", p.stderr());
+    let dead = dead_letters(&mut r, &stream);
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].kind, taskhub::DeadLetterKind::Exhausted);
+    assert_eq!(dead[0].attempts, 3);
+    assert_eq!(dead[0].history.len(), 3);
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 0);
+    assert_eq!(pending(&mut r, &stream, "g"), 0);
+}
