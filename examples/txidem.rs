@@ -82,7 +82,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // 2. Redelivered (the same event_id), the effect now succeeds.
     producer.send_event(&event_id, Some("hello"))?;
-    let summary = run_once(Box::new(SqlHandler::default()))?;
+    let summary = run_once(Box::<SqlHandler>::default())?;
     println!(
         "重投成功: err={}",
         if summary.applied == 1 { "<nil>" } else { "?" }
@@ -92,7 +92,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // 3. A duplicate delivery changes nothing.
     producer.send_event(&event_id, Some("hello"))?;
-    run_once(Box::new(SqlHandler::default()))?;
+    run_once(Box::<SqlHandler>::default())?;
     let (_, n) = counts(&mut db, &group, &event_id)?;
     println!("重复投递后 notifications={n}（未重复）");
     Ok(())

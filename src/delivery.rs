@@ -24,7 +24,9 @@ pub(crate) struct Delivery {
     pub stream: Arc<str>,
     pub entry_id: String,
     pub body: Result<Event, (Fields, Invalid)>,
-    /// Times Redis delivered it, this delivery included.
+    /// Deliveries that reached a worker, this one included: the Redis
+    /// delivery count, lowered by `Processor::count_start` for redeliveries
+    /// that never started (entries queued behind a crash).
     pub delivery_count: u64,
     /// Failed attempts in this process.
     pub failures: Vec<Attempt>,

@@ -25,6 +25,10 @@ pub trait Handler: Send + Sync + 'static {
     /// and waiting out an outage.
     fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError>;
 
+    /// Called after the event's transaction committed (a lifecycle hook for
+    /// metrics and tests; it cannot fail the event). Does nothing by default.
+    fn committed(&self, _event: &Event) {}
+
     /// A short name for logs. Defaults to `"handler"`.
     fn name(&self) -> &str {
         "handler"
@@ -86,6 +90,10 @@ impl<H: Handler + ?Sized> Handler for Box<H> {
         (**self).handle(event, tx)
     }
 
+    fn committed(&self, event: &Event) {
+        (**self).committed(event)
+    }
+
     fn name(&self) -> &str {
         (**self).name()
     }
@@ -94,6 +102,10 @@ impl<H: Handler + ?Sized> Handler for Box<H> {
 impl<H: Handler + ?Sized> Handler for std::sync::Arc<H> {
     fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
         (**self).handle(event, tx)
+    }
+
+    fn committed(&self, event: &Event) {
+        (**self).committed(event)
     }
 
     fn name(&self) -> &str {

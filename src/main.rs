@@ -46,7 +46,7 @@ enum Command {
     /// Apply the database migrations (safe to run from several instances at once).
     Migrate,
     /// Consume streams and apply each event's effect exactly once.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Add events to a stream: JSON lines on stdin, or --count demo events.
     Produce(ProduceArgs),
 }
@@ -150,7 +150,7 @@ fn main() -> ExitCode {
         Command::Migrate => taskhub::migrate(&cli.servers.database_url)
             .map(|n| println!("migrations applied: {n}"))
             .map_err(|e| e.to_string()),
-        Command::Run(args) => run(&cli.servers, args),
+        Command::Run(args) => run(&cli.servers, *args),
         Command::Produce(args) => produce(&cli.servers, args),
     };
     match result {

@@ -23,7 +23,7 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
 ];
 
 /// An arbitrary constant naming taskhub's advisory lock.
-const LOCK_KEY: i64 = 0x7461_736b_6875_62;
+const LOCK_KEY: i64 = 0x0074_6173_6b68_7562;
 
 /// Applies the migrations not applied yet to the database at `database_url`.
 /// Returns how many were applied by this call.

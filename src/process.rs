@@ -117,7 +117,11 @@ impl Processor {
         // Step 3: one transaction per event.
         let mut finished: Vec<Delivery> = Vec::with_capacity(valid.len());
         let mut to_mark: Vec<usize> = Vec::with_capacity(valid.len());
-        for (delivery, marked) in valid.into_iter().zip(marked) {
+        for (mut delivery, marked) in valid.into_iter().zip(marked) {
+            if !marked && !self.count_start(&mut delivery) {
+                self.abandon(vec![delivery]);
+                continue;
+            }
             if marked {
                 Stats::add(&self.shared.stats.duplicates, 1);
                 log::debug!(
@@ -157,6 +161,43 @@ impl Processor {
         }
         // Step 4: markers, then acks.
         self.mark_and_ack(&stream, &finished, &to_mark);
+    }
+
+    /// Counts the start of a redelivered entry's attempt, just before it is
+    /// applied, and makes its `delivery_count` the number of deliveries that
+    /// actually reached this point (the first one always counts).
+    ///
+    /// Redis's own delivery count also rises for entries that were delivered
+    /// but never started: after each crash, a restart re-reads (or a
+    /// reclaimer claims) every pending entry, including those queued behind
+    /// the event that crashed the process. Using it for the crash-loop check
+    /// dead-lettered those innocent entries along with the poison. First
+    /// deliveries (the normal path) cost nothing here; each redelivery costs
+    /// one round trip. `false` when a shutdown interrupted a Redis outage.
+    fn count_start(&self, delivery: &mut Delivery) -> bool {
+        if delivery.delivery_count <= 1 || !delivery.failures.is_empty() {
+            return true; // a first delivery, or a retry already counted
+        }
+        let key = format!(
+            "started:{}:{}:{}",
+            self.shared.config.group, delivery.stream, delivery.entry_id
+        );
+        let ttl = self.shared.config.marker_ttl.as_secs().max(1);
+        let Some(started) = self.with_redis(|conn, _| {
+            let (n,): (u64,) = redis::pipe()
+                .cmd("INCR")
+                .arg(&key)
+                .cmd("EXPIRE")
+                .arg(&key)
+                .arg(ttl)
+                .ignore()
+                .query(conn)?;
+            Ok(n)
+        }) else {
+            return false;
+        };
+        delivery.delivery_count = delivery.delivery_count.min(started.saturating_add(1));
+        true
     }
 
     /// Applies one event, waiting out PostgreSQL outages (they are not the
@@ -265,6 +306,7 @@ impl Processor {
         fault::hit(Point::BeforeCommit, event.event_id());
         tx.tx.commit()?;
         fault::hit(Point::AfterCommit, event.event_id());
+        self.shared.handler.committed(event);
         Ok(Applied::New)
     }
 

@@ -109,10 +109,8 @@ pub(crate) fn reader_thread(shared: &Shared, index: usize, jobs: &Sender<Job>) {
                         .and_then(|c| c.get(id).copied())
                         .unwrap_or(1)
                 });
-                if !job.is_empty() {
-                    if jobs.send(job).is_err() {
-                        break;
-                    }
+                if !job.is_empty() && jobs.send(job).is_err() {
+                    break;
                 }
                 shared.reader_idle[index].store(idle, Ordering::SeqCst);
             }

@@ -3,7 +3,6 @@
 
 mod support;
 
-use std::io::Read;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 

@@ -147,9 +147,12 @@ pub fn xadd(conn: &mut redis::Connection, stream: &str, fields: &[(&str, &str)])
 
 /// Entries pending in `group` (all consumers); 0 when the group is missing.
 pub fn pending(conn: &mut redis::Connection, stream: &str, group: &str) -> u64 {
-    let reply: redis::RedisResult<(u64, redis::Value, redis::Value, redis::Value)> =
+    let reply: redis::RedisResult<Vec<redis::Value>> =
         redis::cmd("XPENDING").arg(stream).arg(group).query(conn);
-    reply.map(|r| r.0).unwrap_or(0)
+    match reply.as_deref() {
+        Ok([redis::Value::Int(n), ..]) => *n as u64,
+        _ => 0,
+    }
 }
 
 pub fn xlen(conn: &mut redis::Connection, stream: &str) -> u64 {
@@ -158,7 +161,7 @@ pub fn xlen(conn: &mut redis::Connection, stream: &str) -> u64 {
 
 /// The dead letters of `stream`, decoded.
 pub fn dead_letters(conn: &mut redis::Connection, stream: &str) -> Vec<taskhub::DeadLetter> {
-    let rows: Vec<(String, Vec<(Vec<u8>, Vec<u8>)>)> = redis::cmd("XRANGE")
+    let rows: Vec<(String, taskhub::Fields)> = redis::cmd("XRANGE")
         .arg(taskhub::dead_letter_stream(stream))
         .arg("-")
         .arg("+")

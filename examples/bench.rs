@@ -1,0 +1,259 @@
+//! The benchmark: preload N events, drain them with a worker, report the rate,
+//! latency, CPU per event and peak memory. `scripts/bench.sh` runs it next to
+//! the database's own ceiling measured with pgbench.
+//!
+//! `--fail-ratio 0.1 --fail-times 2 --backoff-base 1s` makes 10% of events fail
+//! twice with a 1 s backoff: the head-of-line benchmark. It then also reports
+//! the drain rate of the healthy events alone, which must stay close to the
+//! clean rate because retries wait in the retry thread, not in a worker.
+//!
+//! Run: `cargo run --release --example bench -- --events 100000`.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use taskhub::{Event, Handler, HandlerError, Producer, SqlHandler, Tx, Worker};
+
+struct Args {
+    events: usize,
+    workers: usize,
+    count: usize,
+    fail_ratio: f64,
+    fail_times: u32,
+    backoff_base: Duration,
+    payload_bytes: usize,
+    sql: String,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        events: 100_000,
+        workers: 8,
+        count: 16,
+        fail_ratio: 0.0,
+        fail_times: 2,
+        backoff_base: Duration::from_secs(1),
+        payload_bytes: 200,
+        sql: taskhub::DEFAULT_STATEMENT.to_owned(),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
+        let bad = |e: &dyn std::fmt::Display| format!("{flag}: {e}");
+        match flag.as_str() {
+            "--events" => args.events = value()?.parse().map_err(|e| bad(&e))?,
+            "--workers" => args.workers = value()?.parse().map_err(|e| bad(&e))?,
+            "--count" => args.count = value()?.parse().map_err(|e| bad(&e))?,
+            "--fail-ratio" => args.fail_ratio = value()?.parse().map_err(|e| bad(&e))?,
+            "--fail-times" => args.fail_times = value()?.parse().map_err(|e| bad(&e))?,
+            "--backoff-base" => {
+                args.backoff_base = humantime::parse_duration(&value()?).map_err(|e| bad(&e))?
+            }
+            "--payload-bytes" => args.payload_bytes = value()?.parse().map_err(|e| bad(&e))?,
+            "--sql" => args.sql = value()?,
+            other => return Err(format!("unknown flag {other}")),
+        }
+    }
+    Ok(args)
+}
+
+/// The SQL handler, plus scripted failures and a record of commit times.
+struct BenchHandler {
+    sql: SqlHandler,
+    failures: Mutex<HashMap<String, u32>>,
+    fail_times: u32,
+    /// Milliseconds from XADD to commit, per event.
+    latencies: Mutex<Vec<u64>>,
+    last_healthy_commit: Mutex<Option<Instant>>,
+}
+
+fn entry_millis(entry_id: &str) -> u64 {
+    entry_id
+        .split('-')
+        .next()
+        .and_then(|ms| ms.parse().ok())
+        .unwrap_or(0)
+}
+
+fn now_millis() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+impl Handler for BenchHandler {
+    fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        if event.field("fail").is_some() {
+            let mut failures = self.failures.lock().unwrap();
+            let n = failures.entry(event.event_id().to_owned()).or_default();
+            if *n < self.fail_times {
+                *n += 1;
+                return Err(HandlerError::retryable("scripted failure"));
+            }
+        }
+        self.sql.handle(event, tx)
+    }
+
+    fn committed(&self, event: &Event) {
+        let latency = now_millis().saturating_sub(entry_millis(event.entry_id()));
+        self.latencies.lock().unwrap().push(latency);
+        if event.field("fail").is_none() {
+            *self.last_healthy_commit.lock().unwrap() = Some(Instant::now());
+        }
+    }
+}
+
+/// (user + system CPU seconds, peak RSS in kB) of this process, from /proc.
+fn usage() -> (f64, u64) {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let cpu = (ticks(11) + ticks(12)) / 100.0; // utime, stime (after the name)
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let rss = status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    (cpu, rss)
+}
+
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = parse_args()?;
+    let redis_url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let database_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres:taskhub@127.0.0.1:5432/taskhub".into());
+    taskhub::migrate(&database_url)?;
+
+    let run = uuid::Uuid::new_v4().simple().to_string();
+    let stream = format!("bench:{run}");
+    let group = format!("bench-{run}");
+    let mut producer = Producer::connect(&redis_url, &stream)?;
+    let pad = "x".repeat(args.payload_bytes.saturating_sub(60));
+    let failing_every = if args.fail_ratio > 0.0 {
+        (1.0 / args.fail_ratio).round() as usize
+    } else {
+        0
+    };
+    let mut failing = 0;
+    for chunk_start in (0..args.events).step_by(1000) {
+        let batch: Vec<Vec<(String, String)>> = (chunk_start
+            ..(chunk_start + 1000).min(args.events))
+            .map(|n| {
+                let mut fields = vec![
+                    ("event_id".to_owned(), format!("{run}-{n}")),
+                    (
+                        "payload".to_owned(),
+                        format!("{{\"n\":{n},\"kind\":\"bench\",\"pad\":\"{pad}\"}}"),
+                    ),
+                ];
+                if failing_every > 0 && n % failing_every == 0 {
+                    fields.push(("fail".to_owned(), "1".to_owned()));
+                }
+                fields
+            })
+            .collect();
+        failing += batch.iter().filter(|f| f.len() == 3).count();
+        producer.send_batch(&batch)?;
+    }
+
+    let handler = std::sync::Arc::new(BenchHandler {
+        sql: SqlHandler::new(args.sql.clone()),
+        failures: Mutex::default(),
+        fail_times: args.fail_times,
+        latencies: Mutex::new(Vec::with_capacity(args.events)),
+        last_healthy_commit: Mutex::default(),
+    });
+    let (cpu_before, _) = usage();
+    let started = Instant::now();
+    let summary = Worker::builder()
+        .redis_url(&redis_url)
+        .database_url(&database_url)
+        .stream(&stream)
+        .group(&group)
+        .workers(args.workers)
+        .count(args.count)
+        .block(Duration::from_millis(100))
+        .backoff_base(args.backoff_base)
+        .backoff_cap(args.backoff_base * 8)
+        .max_attempts(args.fail_times + 3)
+        .until_idle(true)
+        .build(handler.clone())?
+        .run()?;
+    let elapsed = started.elapsed();
+    let (cpu_after, peak_rss_kb) = usage();
+
+    let mut db = postgres::Client::connect(&database_url, postgres::NoTls)?;
+    let applied: i64 = db
+        .query_one(
+            "SELECT count(*) FROM processed_events WHERE scope = $1",
+            &[&group],
+        )?
+        .get(0);
+    let mut latencies = std::mem::take(&mut *handler.latencies.lock().unwrap());
+    latencies.sort_unstable();
+    let rate = args.events as f64 / elapsed.as_secs_f64();
+    let healthy = args.events - failing;
+    let healthy_elapsed = handler
+        .last_healthy_commit
+        .lock()
+        .unwrap()
+        .map_or(elapsed, |t| t - started);
+    let healthy_rate = healthy as f64 / healthy_elapsed.as_secs_f64();
+    println!("events            {}", args.events);
+    println!("workers           {} (count {})", args.workers, args.count);
+    println!("applied           {applied} (verified in processed_events)");
+    println!("elapsed           {:.2} s", elapsed.as_secs_f64());
+    println!("rate              {rate:.0} events/s");
+    if failing > 0 {
+        println!(
+            "failing events    {failing} (fail {} times, backoff base {:?})",
+            args.fail_times, args.backoff_base
+        );
+        println!(
+            "healthy rate      {healthy_rate:.0} events/s (last healthy commit at {:.2} s)",
+            healthy_elapsed.as_secs_f64()
+        );
+    }
+    println!(
+        "latency p50       {} ms (XADD to commit, preloaded backlog)",
+        percentile(&latencies, 0.5)
+    );
+    println!("latency p99       {} ms", percentile(&latencies, 0.99));
+    println!(
+        "cpu per event     {:.1} µs (user+system, this process)",
+        (cpu_after - cpu_before) * 1e6 / args.events as f64
+    );
+    println!("peak rss          {:.1} MB", peak_rss_kb as f64 / 1024.0);
+    println!("summary           {summary}");
+    println!(
+        "RESULT rate={rate:.0} healthy_rate={healthy_rate:.0} p50_ms={} p99_ms={} cpu_us={:.1} rss_kb={peak_rss_kb} applied={applied}",
+        percentile(&latencies, 0.5),
+        percentile(&latencies, 0.99),
+        (cpu_after - cpu_before) * 1e6 / args.events as f64
+    );
+    if applied as usize != args.events {
+        return Err(format!("expected {} effects, found {applied}", args.events).into());
+    }
+    Ok(())
+}

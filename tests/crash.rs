@@ -1,0 +1,585 @@
+//! Crash tests: a real `taskhub run` child is SIGKILLed at an injected point
+//! of an event's path (`TASKHUB_FAULT`), then restarted, and the end state is
+//! checked exactly: one effect and one `processed_events` row per event,
+//! nothing pending, no unexpected dead letters.
+//!
+//! Every test uses its own stream, group and database on the shared servers
+//! (no server is stopped here).
+
+mod support;
+
+use std::collections::{BTreeMap, HashMap};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::*;
+use taskhub::{handler_fn, DeadLetterKind, Event, HandlerError, Summary, Tx, Worker};
+
+/// How long a run of the binary may take to reach a fault or to finish.
+const RUN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// One produced event.
+#[derive(Debug, Clone)]
+struct Produced {
+    entry_id: String,
+    event_id: String,
+}
+
+/// XADDs `n` events `<prefix>-NN` with a payload; returns them in order.
+fn produce(conn: &mut redis::Connection, stream: &str, prefix: &str, n: usize) -> Vec<Produced> {
+    (0..n)
+        .map(|i| {
+            let event_id = format!("{prefix}-{i:02}");
+            let payload = format!("{{\"n\":{i}}}");
+            let entry_id = xadd(
+                conn,
+                stream,
+                &[("event_id", &event_id), ("payload", &payload)],
+            );
+            Produced { entry_id, event_id }
+        })
+        .collect()
+}
+
+/// `taskhub run` on the shared Redis with small timings, one worker reading
+/// five entries at a time. TASKHUB_FAULT is unset (support removes it): set
+/// it on the returned command to arm a fault.
+fn run_cmd(db: &TestDb, stream: &str, group: &str, consumer: &str, extra: &[&str]) -> Command {
+    let mut cmd = taskhub(&redis_url(), &db.url);
+    cmd.args(["run", "--stream", stream, "--group", group])
+        .args(["--consumer", consumer])
+        .args(["--workers", "1", "--count", "5", "--block-ms", "200"])
+        .args(["--backoff-base", "10ms", "--backoff-cap", "100ms"])
+        .args(["--max-retry-after", "1s", "--shutdown-timeout", "10s"])
+        .args(extra);
+    cmd
+}
+
+/// Starts a run armed with `fault`, waits for the fault line and SIGKILLs it.
+fn run_until_fault_then_kill(mut cmd: Command, fault: &str) {
+    let point = fault.split('@').next().unwrap();
+    cmd.env("TASKHUB_FAULT", fault);
+    let mut p = Proc::spawn(cmd);
+    let line = format!("taskhub-fault: {point}");
+    assert!(
+        p.wait_for(&line, RUN_TIMEOUT),
+        "fault {fault} was never reached\nstderr:\n{}",
+        p.stderr()
+    );
+    p.kill();
+}
+
+/// Runs to completion (`--until-idle` must be among the args); asserts exit 0
+/// and returns the summary line parsed.
+fn run_to_idle(cmd: Command) -> (BTreeMap<String, u64>, String) {
+    let mut p = Proc::spawn(cmd);
+    let status = p.wait(RUN_TIMEOUT);
+    let stderr = p.stderr();
+    assert!(
+        status.success(),
+        "run failed: {status}\nstdout:\n{}\nstderr:\n{stderr}",
+        p.stdout()
+    );
+    (parse_summary(&p.stdout()), stderr)
+}
+
+/// Parses `read=.. applied=.. duplicates=.. ... (permanent=.. ...) reclaimed=..`.
+fn parse_summary(stdout: &str) -> BTreeMap<String, u64> {
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.contains("applied="))
+        .unwrap_or_else(|| panic!("no summary line on stdout:\n{stdout}"));
+    line.split_whitespace()
+        .filter_map(|tok| {
+            let tok = tok.trim_matches(|c| c == '(' || c == ')');
+            let (k, v) = tok.split_once('=')?;
+            Some((k.to_owned(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Pending entries of the group: (entry id, consumer, delivery count).
+fn pending_entries(
+    conn: &mut redis::Connection,
+    stream: &str,
+    group: &str,
+) -> Vec<(String, String, u64)> {
+    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg(group)
+        .arg("-")
+        .arg("+")
+        .arg(1000)
+        .query(conn)
+        .unwrap();
+    rows.into_iter()
+        .map(|(id, consumer, _idle, count)| (id, consumer, count))
+        .collect()
+}
+
+/// event_id → rows, for a query returning (event_id, count).
+fn counts_by_event(db: &TestDb, sql: &str, scope: Option<&str>) -> HashMap<String, i64> {
+    let mut client = db.client();
+    let rows = match scope {
+        Some(s) => client.query(sql, &[&s]).unwrap(),
+        None => client.query(sql, &[]).unwrap(),
+    };
+    rows.into_iter()
+        .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
+        .collect()
+}
+
+fn effects_by_event(db: &TestDb) -> HashMap<String, i64> {
+    counts_by_event(
+        db,
+        "SELECT event_id, count(*) FROM notifications GROUP BY event_id",
+        None,
+    )
+}
+
+fn processed_by_event(db: &TestDb, scope: &str) -> HashMap<String, i64> {
+    counts_by_event(
+        db,
+        "SELECT event_id, count(*) FROM processed_events WHERE scope = $1 GROUP BY event_id",
+        Some(scope),
+    )
+}
+
+/// Asserts that exactly the events `expected` have one effect row and one
+/// `processed_events` row each, and no other event has any.
+fn assert_exactly_once(db: &TestDb, scope: &str, expected: &[&Produced]) {
+    let want: HashMap<String, i64> = expected.iter().map(|p| (p.event_id.clone(), 1)).collect();
+    assert_eq!(effects_by_event(db), want, "effect rows per event_id");
+    assert_eq!(
+        processed_by_event(db, scope),
+        want,
+        "processed_events rows per event_id"
+    );
+}
+
+/// The crash window test: 20 events, a run killed at `fault`, a restart of the
+/// same consumer without the fault. Returns the restart's summary.
+fn crash_window(point: &str, on_event: Option<usize>) -> BTreeMap<String, u64> {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("crash"), unique("g"));
+    let events = produce(&mut conn, &stream, "ev", 20);
+    let fault = match on_event {
+        Some(i) => format!("{point}@{}", events[i].event_id),
+        None => point.to_owned(),
+    };
+    run_until_fault_then_kill(run_cmd(&db, &stream, &group, "c1", &[]), &fault);
+
+    // The state the crash left: entries of this consumer pending, and some of
+    // them possibly committed already (after-commit, after-marker).
+    let pending = pending_entries(&mut conn, &stream, &group);
+    assert!(!pending.is_empty(), "the killed run left nothing pending");
+    assert!(pending.iter().all(|(_, c, n)| c == "c1" && *n == 1));
+    let committed = processed_by_event(&db, &group);
+    let committed_pending = pending
+        .iter()
+        .filter(|(id, _, _)| {
+            let e = events.iter().find(|e| &e.entry_id == id).unwrap();
+            committed.contains_key(&e.event_id)
+        })
+        .count() as u64;
+    match point {
+        // The crashed event's transaction never committed.
+        "in-handler" | "before-commit" => assert_eq!(committed_pending, 0),
+        // The crashed event committed but was never acked.
+        _ => assert!(committed_pending >= 1, "no committed-but-pending event"),
+    }
+    if point == "after-marker" {
+        let marked: Vec<bool> = pending
+            .iter()
+            .filter_map(|(id, _, _)| events.iter().find(|e| &e.entry_id == id))
+            .filter(|e| committed.contains_key(&e.event_id))
+            .map(|e| {
+                redis::cmd("EXISTS")
+                    .arg(format!("processed:{group}:{}", e.event_id))
+                    .query(&mut conn)
+                    .unwrap()
+            })
+            .collect();
+        assert!(
+            marked.iter().all(|m| *m),
+            "after-marker: committed pending events have their marker"
+        );
+    }
+
+    // Restart: same consumer (its pending entries are re-read at start), no
+    // fault. Reclaim stays at its 5 min default, so only the re-read of the
+    // consumer's own history can finish the crashed entries.
+    let (summary, stderr) = run_to_idle(run_cmd(&db, &stream, &group, "c1", &["--until-idle"]));
+
+    assert_exactly_once(&db, &group, &events.iter().collect::<Vec<_>>());
+    assert_eq!(pending_entries(&mut conn, &stream, &group), vec![]);
+    assert_eq!(dead_letters(&mut conn, &stream), vec![]);
+    // The crashed run's committed-but-unacked events came back and were
+    // recognized as duplicates; the rest was applied by the restart.
+    assert_eq!(
+        summary["duplicates"], committed_pending,
+        "summary {summary:?}\n{stderr}"
+    );
+    assert_eq!(
+        summary["applied"],
+        20 - committed.len() as u64,
+        "summary {summary:?}"
+    );
+    assert_eq!(summary["dead_lettered"], 0);
+    summary
+}
+
+#[test]
+fn crash_in_handler_is_redone_once() {
+    crash_window("in-handler", None);
+}
+
+#[test]
+fn crash_before_commit_is_redone_once() {
+    crash_window("before-commit", None);
+}
+
+#[test]
+fn crash_after_commit_is_a_duplicate_on_restart() {
+    // Event 7 is in the middle of the second batch of five: 5 and 6 committed
+    // before it, all three are pending at the crash.
+    let summary = crash_window("after-commit", Some(7));
+    assert!(summary["duplicates"] > 0, "dedup did the work: {summary:?}");
+}
+
+#[test]
+fn crash_after_commit_on_first_event_is_a_duplicate_on_restart() {
+    let summary = crash_window("after-commit", None);
+    assert!(summary["duplicates"] > 0, "dedup did the work: {summary:?}");
+}
+
+#[test]
+fn crash_after_marker_is_a_duplicate_on_restart() {
+    let summary = crash_window("after-marker", Some(7));
+    assert!(summary["duplicates"] > 0, "dedup did the work: {summary:?}");
+}
+
+/// Regression: innocent entries were dead-lettered as `crash_loop` with the
+/// poison. Each restart re-reads every pending entry, which raises Redis's
+/// delivery count of the entries queued behind the poison (later in its
+/// batch, or in the next batch waiting in the channel) although they never
+/// started; after `max_attempts` crashes they crossed the threshold too.
+/// Fixed in process.rs (`count_start`): the crash-loop check counts only
+/// redeliveries that reached the worker.
+#[test]
+fn crash_loop_event_is_dead_lettered_and_others_applied_once() {
+    const MAX_ATTEMPTS: usize = 3;
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("loop"), unique("g"));
+    // Batches of five: [ev-00 ev-01 poison after-00 after-01], [after-02 ..
+    // after-06], [after-07 .. after-09]: innocent entries both after the
+    // poison in its batch and in the batch queued behind it.
+    let mut events = produce(&mut conn, &stream, "ev", 2);
+    // The poison carries an extra binary field: the dead letter must keep it.
+    let poison_fields: Vec<(Vec<u8>, Vec<u8>)> = vec![
+        (b"event_id".to_vec(), b"poison".to_vec()),
+        (b"payload".to_vec(), b"{\"kills\":true}".to_vec()),
+        (b"blob".to_vec(), vec![0, 159, 146, 150, 255]),
+    ];
+    let mut xadd_poison = redis::cmd("XADD");
+    xadd_poison.arg(&stream).arg("*");
+    for (k, v) in &poison_fields {
+        xadd_poison.arg(k).arg(v);
+    }
+    let poison_entry: String = xadd_poison.query(&mut conn).unwrap();
+    events.extend(produce(&mut conn, &stream, "after", 10));
+
+    let max = MAX_ATTEMPTS.to_string();
+    let args = ["--until-idle", "--max-attempts", &max];
+    let mut kills = 0;
+    let mut finished = None;
+    let mut innocent_counts: Vec<u64> = Vec::new();
+    // The poison may kill at most MAX_ATTEMPTS runs; the next one must
+    // dead-letter it. One spare run to report a failure instead of looping.
+    for _run in 0..MAX_ATTEMPTS + 2 {
+        let mut cmd = run_cmd(&db, &stream, &group, "c1", &args);
+        cmd.env("TASKHUB_FAULT", "in-handler@poison");
+        let mut p = Proc::spawn(cmd);
+        let faulted = wait_until(RUN_TIMEOUT, || {
+            p.stderr().contains("taskhub-fault: in-handler poison")
+                || p.child.try_wait().unwrap().is_some()
+        });
+        assert!(faulted, "run neither faulted nor exited:\n{}", p.stderr());
+        if p.stderr().contains("taskhub-fault: in-handler poison") {
+            p.kill();
+            kills += 1;
+            innocent_counts = pending_entries(&mut conn, &stream, &group)
+                .into_iter()
+                .filter(|(id, _, _)| *id != poison_entry)
+                .map(|(_, _, n)| n)
+                .collect();
+            continue;
+        }
+        let status = p.wait(RUN_TIMEOUT);
+        assert!(status.success(), "run failed: {status}\n{}", p.stderr());
+        finished = Some(parse_summary(&p.stdout()));
+        break;
+    }
+    let summary = finished.unwrap_or_else(|| panic!("still crashing after {kills} kills"));
+    assert_eq!(kills, MAX_ATTEMPTS, "each allowed attempt crashed once");
+    // The scenario of the regression happened: innocent entries were pending
+    // at every crash, so Redis delivered them more than MAX_ATTEMPTS times.
+    assert!(
+        innocent_counts.len() >= 5 && innocent_counts.iter().all(|n| *n == MAX_ATTEMPTS as u64),
+        "innocent entries re-read at each restart: {innocent_counts:?}"
+    );
+    assert_eq!(summary["crash_loop"], 1, "{summary:?}");
+    assert_eq!(summary["dead_lettered"], 1, "{summary:?}");
+
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 1, "{letters:#?}");
+    let letter = &letters[0];
+    assert_eq!(letter.kind, DeadLetterKind::CrashLoop);
+    assert_eq!(letter.event_id.as_deref(), Some("poison"));
+    assert_eq!(letter.original_id, poison_entry);
+    assert_eq!(letter.stream, stream);
+    assert_eq!(letter.group, group);
+    assert_eq!(letter.fields, poison_fields, "every original field, raw");
+    assert_eq!(letter.attempts, MAX_ATTEMPTS as u32);
+    assert_eq!(letter.history.len(), MAX_ATTEMPTS);
+    assert_eq!(db.effects("poison"), 0);
+    assert_eq!(
+        db.count("SELECT count(*) FROM processed_events WHERE event_id = 'poison'"),
+        0
+    );
+    assert_exactly_once(&db, &group, &events.iter().collect::<Vec<_>>());
+    assert_eq!(pending_entries(&mut conn, &stream, &group), vec![]);
+}
+
+#[test]
+fn dead_consumers_entries_are_reclaimed_by_another() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("reclaim"), unique("g"));
+    let events = produce(&mut conn, &stream, "ev", 20);
+    run_until_fault_then_kill(run_cmd(&db, &stream, &group, "a", &[]), "before-commit");
+    let held = pending_entries(&mut conn, &stream, &group);
+    assert!(!held.is_empty() && held.iter().all(|(_, c, _)| c == "a"));
+
+    // A never comes back. B must take over A's entries.
+    let args = [
+        "--until-idle",
+        "--reclaim-interval",
+        "300ms",
+        "--reclaim-min-idle",
+        "2s",
+    ];
+    let (summary, stderr) = run_to_idle(run_cmd(&db, &stream, &group, "b", &args));
+    assert!(
+        summary["reclaimed"] >= held.len() as u64,
+        "B reclaimed A's {} entries: {summary:?}\n{stderr}",
+        held.len()
+    );
+    assert_eq!(summary["applied"], 20, "{summary:?}");
+    assert_eq!(summary["dead_lettered"], 0, "{summary:?}");
+    assert_exactly_once(&db, &group, &events.iter().collect::<Vec<_>>());
+    assert_eq!(pending_entries(&mut conn, &stream, &group), vec![]);
+    assert_eq!(dead_letters(&mut conn, &stream), vec![]);
+}
+
+/// Runs a worker on a thread; the receiver yields its result.
+fn spawn_worker(worker: Worker) -> mpsc::Receiver<Result<Summary, taskhub::Error>> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(worker.run());
+    });
+    rx
+}
+
+#[test]
+fn slow_owner_and_claimer_both_run_one_event_once() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("slow"), unique("g"));
+    let events = produce(&mut conn, &stream, "ev", 5);
+    let slow = events[2].event_id.clone();
+
+    // A: sleeps inside the slow event's transaction (its processed_events row
+    // inserted, not committed) until B's transaction for the same event is
+    // seen waiting on that row's lock, at most 10 s; then inserts the effect.
+    let saw_waiter = Arc::new(AtomicBool::new(false));
+    let in_slow = Arc::new(AtomicBool::new(false));
+    let handler_a = {
+        let (slow, url) = (slow.clone(), db.url.clone());
+        let (saw_waiter, in_slow) = (saw_waiter.clone(), in_slow.clone());
+        handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+            if event.event_id() == slow {
+                in_slow.store(true, Ordering::SeqCst);
+                let mut watch = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+                let waited = wait_until(Duration::from_secs(10), || {
+                    let n: i64 = watch
+                        .query_one(
+                            "SELECT count(*) FROM pg_stat_activity \
+                             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                            &[],
+                        )
+                        .unwrap()
+                        .get(0);
+                    n > 0
+                });
+                saw_waiter.store(waited, Ordering::SeqCst);
+                // A little longer, so B really sits on the lock.
+                std::thread::sleep(Duration::from_millis(300));
+            }
+            tx.execute(
+                "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)",
+                &[&event.event_id(), &event.payload()],
+            )?;
+            Ok::<(), HandlerError>(())
+        })
+    };
+    let base = || {
+        Worker::builder()
+            .redis_url(&redis_url())
+            .database_url(&db.url)
+            .stream(&stream)
+            .group(&group)
+            .workers(1)
+            .count(5)
+            .block(Duration::from_millis(200))
+            .until_idle(true)
+            .backoff_base(Duration::from_millis(10))
+            .backoff_cap(Duration::from_millis(100))
+            .max_retry_after(Duration::from_millis(200))
+            .shutdown_timeout(Duration::from_secs(20))
+    };
+    let a = base()
+        .consumer("a")
+        .reclaim_interval(Duration::from_secs(60))
+        .reclaim_min_idle(Duration::from_secs(60))
+        .build(handler_a)
+        .unwrap();
+    let stop_a = a.shutdown_handle();
+    let done_a = spawn_worker(a);
+    assert!(
+        wait_until(Duration::from_secs(15), || in_slow.load(Ordering::SeqCst)),
+        "A never reached the slow event"
+    );
+
+    // B: a plain handler; reclaims entries idle for 1 s.
+    let b = base()
+        .consumer("b")
+        .reclaim_interval(Duration::from_millis(200))
+        .reclaim_min_idle(Duration::from_secs(1))
+        .build(taskhub::SqlHandler::default())
+        .unwrap();
+    let stop_b = b.shutdown_handle();
+    let done_b = spawn_worker(b);
+
+    let wait = Duration::from_secs(30);
+    let result_a = done_a.recv_timeout(wait);
+    let result_b = done_b.recv_timeout(wait);
+    stop_a.shutdown();
+    stop_b.shutdown();
+    let sum_a = result_a.expect("A finished in time").expect("A ran");
+    let sum_b = result_b.expect("B finished in time").expect("B ran");
+
+    assert!(
+        saw_waiter.load(Ordering::SeqCst),
+        "B's transaction never waited on A's processed_events row (A {sum_a:?}, B {sum_b:?})"
+    );
+    assert!(
+        sum_b.reclaimed >= 1,
+        "B reclaimed the slow entry: {sum_b:?}"
+    );
+    // The slow event ran in both, committed in one.
+    assert_eq!(db.effects(&slow), 1);
+    assert_eq!(sum_a.applied + sum_b.applied, 5, "A {sum_a:?}, B {sum_b:?}");
+    assert!(
+        sum_a.duplicates + sum_b.duplicates >= 1,
+        "one of them saw the slow event as a duplicate: A {sum_a:?}, B {sum_b:?}"
+    );
+    assert_exactly_once(&db, &group, &events.iter().collect::<Vec<_>>());
+    assert_eq!(pending_entries(&mut conn, &stream, &group), vec![]);
+    assert_eq!(dead_letters(&mut conn, &stream), vec![]);
+}
+
+/// Freezes consumer `c1` holding entries (before-commit on the first event),
+/// kills it, and deletes three of the entries it holds. Returns the events,
+/// the deleted ones and the pending entries before the delete.
+fn freeze_and_delete(
+    db: &TestDb,
+    conn: &mut redis::Connection,
+    stream: &str,
+    group: &str,
+) -> (Vec<Produced>, Vec<Produced>) {
+    let events = produce(conn, stream, "ev", 20);
+    run_until_fault_then_kill(run_cmd(db, stream, group, "c1", &[]), "before-commit");
+    let held = pending_entries(conn, stream, group);
+    assert!(held.len() >= 5, "c1 holds a batch at least: {held:?}");
+    // The frozen event itself, one in its batch, and the last one held.
+    let doomed_ids = [&held[0].0, &held[3].0, &held[held.len() - 1].0];
+    let deleted: Vec<Produced> = events
+        .iter()
+        .filter(|e| doomed_ids.contains(&&e.entry_id))
+        .cloned()
+        .collect();
+    assert_eq!(deleted.len(), 3);
+    let n: u64 = redis::cmd("XDEL")
+        .arg(stream)
+        .arg(doomed_ids.to_vec())
+        .query(conn)
+        .unwrap();
+    assert_eq!(n, 3);
+    assert_eq!(pending_entries(conn, stream, group).len(), held.len());
+    (events, deleted)
+}
+
+#[test]
+fn entries_deleted_while_pending_are_acked_on_restart() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("deleted"), unique("g"));
+    let (events, deleted) = freeze_and_delete(&db, &mut conn, &stream, &group);
+
+    let (summary, stderr) = run_to_idle(run_cmd(&db, &stream, &group, "c1", &["--until-idle"]));
+    assert!(
+        stderr.contains("deleted while pending"),
+        "the restart noticed the deleted entries:\n{stderr}"
+    );
+    assert_eq!(summary["applied"], 17, "{summary:?}");
+    let rest: Vec<&Produced> = events
+        .iter()
+        .filter(|e| !deleted.iter().any(|d| d.entry_id == e.entry_id))
+        .collect();
+    assert_exactly_once(&db, &group, &rest);
+    assert_eq!(pending_entries(&mut conn, &stream, &group), vec![]);
+    assert_eq!(dead_letters(&mut conn, &stream), vec![]);
+}
+
+#[test]
+fn entries_deleted_while_pending_are_acked_by_a_reclaimer() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("deleted"), unique("g"));
+    let (events, deleted) = freeze_and_delete(&db, &mut conn, &stream, &group);
+
+    let args = [
+        "--until-idle",
+        "--reclaim-interval",
+        "300ms",
+        "--reclaim-min-idle",
+        "2s",
+    ];
+    let (summary, stderr) = run_to_idle(run_cmd(&db, &stream, &group, "c2", &args));
+    assert!(summary["reclaimed"] > 0, "{summary:?}\n{stderr}");
+    assert_eq!(summary["applied"], 17, "{summary:?}");
+    let rest: Vec<&Produced> = events
+        .iter()
+        .filter(|e| !deleted.iter().any(|d| d.entry_id == e.entry_id))
+        .collect();
+    assert_exactly_once(&db, &group, &rest);
+    assert_eq!(pending_entries(&mut conn, &stream, &group), vec![]);
+    assert_eq!(dead_letters(&mut conn, &stream), vec![]);
+}
