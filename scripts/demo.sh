@@ -26,7 +26,7 @@ export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379}
 export DATABASE_URL=${DATABASE_URL:-postgres://postgres:taskhub@127.0.0.1:5432/taskhub}
 export RUST_LOG=${RUST_LOG:-info}
 STREAM="demo:events:$(date +%s)"
-GROUP=demo
+GROUP="demo-$(date +%s)"
 COUNT=${DEMO_COUNT:-1000}
 taskhub=target/release/taskhub
 
@@ -42,22 +42,20 @@ step "migrate"
 "$taskhub" migrate
 
 step "produce $COUNT events to $STREAM"
-ids_file=$(mktemp)
-trap 'rm -f "$ids_file"' EXIT
-"$taskhub" produce --stream "$STREAM" --count "$COUNT" >"$ids_file"
-# produce prints one entry id (like 1718000000000-0) per event.
-ids=$(grep -E '^[0-9]+-[0-9]+$' "$ids_file" | paste -sd, -)
-echo "produced $(grep -cE '^[0-9]+-[0-9]+$' "$ids_file") events"
+"$taskhub" produce --stream "$STREAM" --count "$COUNT" --quiet
+echo "produced $COUNT events"
 
 step "run until idle (group $GROUP)"
 "$taskhub" run --stream "$STREAM" --group "$GROUP" --until-idle
 
 step "result"
-# psql variables (:'ids') are quoted by psql itself; they work on stdin, not -c.
-counts=$(psql "$DATABASE_URL" -X -At -F ' ' -v ON_ERROR_STOP=1 -v ids="$ids" <<'SQL'
+# The group is new on every run, and it is the idempotency scope: the events
+# of this run are the ones recorded under it in processed_events.
+# psql variables (:'scope') are quoted by psql itself; they work on stdin, not -c.
+counts=$(psql "$DATABASE_URL" -X -At -F ' ' -v ON_ERROR_STOP=1 -v scope="$GROUP" <<'SQL'
 SELECT count(*), count(DISTINCT event_id)
 FROM notifications
-WHERE event_id = ANY (string_to_array(:'ids', ','));
+WHERE event_id IN (SELECT event_id FROM processed_events WHERE scope = :'scope');
 SQL
 )
 read -r rows distinct <<<"$counts"

@@ -91,3 +91,8 @@ pub use run::Worker;
 pub use shutdown::Shutdown;
 pub use sql_handler::{SqlHandler, DEFAULT_STATEMENT};
 pub use stats::Summary;
+
+// The README's code blocks are compiled as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
