@@ -34,6 +34,31 @@ pub struct Config {
     pub(crate) reclaim_min_idle: Duration,
     pub(crate) max_event_id_bytes: usize,
     pub(crate) max_entry_bytes: usize,
+    pub(crate) mode: Mode,
+}
+
+/// How events are committed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Mode {
+    /// One transaction per event.
+    PerEvent,
+    /// One transaction per batch of first deliveries (set-based dedup
+    /// insert, the handler's batch form, one COMMIT); a batch that fails is
+    /// rolled back and its events applied one by one.
+    Batch,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Mode, String> {
+        match s {
+            "per-event" => Ok(Mode::PerEvent),
+            "batch" => Ok(Mode::Batch),
+            other => Err(format!("unknown mode {other:?} (batch or per-event)")),
+        }
+    }
 }
 
 impl Config {
@@ -87,6 +112,7 @@ impl fmt::Debug for Config {
             .field("reclaim_min_idle", &self.reclaim_min_idle)
             .field("max_event_id_bytes", &self.max_event_id_bytes)
             .field("max_entry_bytes", &self.max_entry_bytes)
+            .field("mode", &self.mode)
             .finish()
     }
 }
@@ -121,7 +147,7 @@ impl Default for Builder {
                 scope: None,
                 start_id: "0".into(),
                 workers: 8,
-                count: 16,
+                count: 64,
                 block: Duration::from_secs(2),
                 marker_ttl: Duration::from_secs(24 * 3600),
                 shutdown_timeout: Duration::from_secs(30),
@@ -134,6 +160,7 @@ impl Default for Builder {
                 reclaim_min_idle: Duration::from_secs(300),
                 max_event_id_bytes: 256,
                 max_entry_bytes: 1024 * 1024,
+                mode: Mode::Batch,
             },
         }
     }
@@ -181,7 +208,8 @@ impl Builder {
         workers: usize
     );
     setter!(
-        /// Entries per XREADGROUP (`COUNT`). Defaults to 16.
+        /// Entries per XREADGROUP (`COUNT`), and so the largest batch.
+        /// Defaults to 64.
         count: usize
     );
     setter!(
@@ -229,6 +257,10 @@ impl Builder {
         /// may take it over. Must exceed the longest handler run plus the
         /// longest retry wait. Defaults to 300 s.
         reclaim_min_idle: Duration
+    );
+    setter!(
+        /// Batch or per-event commits. Defaults to [`Mode::Batch`].
+        mode: Mode
     );
     setter!(
         /// Longest accepted `event_id`, in bytes. Defaults to 256.

@@ -25,6 +25,18 @@ pub trait Handler: Send + Sync + 'static {
     /// and waiting out an outage.
     fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError>;
 
+    /// Applies several new events in one transaction (batch mode). The
+    /// default calls [`handle`](Handler::handle) for each; override it with a
+    /// set-based statement to save round trips. An error rolls back the whole
+    /// batch, and its events are then applied one by one, each in its own
+    /// transaction, so one bad event neither fails nor repeats the others.
+    fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        for event in events {
+            self.handle(event, tx)?;
+        }
+        Ok(())
+    }
+
     /// Called after the event's transaction committed (a lifecycle hook for
     /// metrics and tests; it cannot fail the event). Does nothing by default.
     fn committed(&self, _event: &Event) {}
@@ -90,6 +102,10 @@ impl<H: Handler + ?Sized> Handler for Box<H> {
         (**self).handle(event, tx)
     }
 
+    fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        (**self).handle_batch(events, tx)
+    }
+
     fn committed(&self, event: &Event) {
         (**self).committed(event)
     }
@@ -102,6 +118,10 @@ impl<H: Handler + ?Sized> Handler for Box<H> {
 impl<H: Handler + ?Sized> Handler for std::sync::Arc<H> {
     fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
         (**self).handle(event, tx)
+    }
+
+    fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        (**self).handle_batch(events, tx)
     }
 
     fn committed(&self, event: &Event) {

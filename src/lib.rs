@@ -75,7 +75,7 @@ mod stats;
 mod streams;
 
 pub use backoff::Backoff;
-pub use config::{default_consumer_name, Builder, Config};
+pub use config::{default_consumer_name, Builder, Config, Mode};
 pub use connect::redact;
 pub use dead_letter::{dead_letter_stream, DeadLetter, Kind as DeadLetterKind};
 pub use delivery::Attempt;

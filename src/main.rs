@@ -73,8 +73,8 @@ struct RunArgs {
     /// Worker threads.
     #[arg(long, default_value_t = 8)]
     workers: usize,
-    /// Entries per XREADGROUP.
-    #[arg(long, default_value_t = 16)]
+    /// Entries per XREADGROUP, and so the largest batch.
+    #[arg(long, default_value_t = 64)]
     count: usize,
     /// XREADGROUP BLOCK in milliseconds; a shutdown is seen within this time.
     #[arg(long, default_value_t = 2000)]
@@ -92,6 +92,10 @@ struct RunArgs {
     /// Timeout of one --http-url request.
     #[arg(long, default_value = "10s", value_parser = duration)]
     http_timeout: Duration,
+    /// batch: one transaction per batch of new events (falls back to one per
+    /// event for a batch that fails); per-event: one transaction per event.
+    #[arg(long, env = "TASKHUB_MODE", default_value = "batch")]
+    mode: taskhub::Mode,
     /// All attempts of an event, the first included, before it is dead-lettered.
     #[arg(long, default_value_t = 5)]
     max_attempts: u32,
@@ -180,7 +184,8 @@ fn run(servers: &Servers, args: RunArgs) -> Result<(), String> {
         .marker_ttl(args.marker_ttl)
         .shutdown_timeout(args.shutdown_timeout)
         .max_entry_bytes(args.max_entry_bytes)
-        .start_id(&args.start_id);
+        .start_id(&args.start_id)
+        .mode(args.mode);
     for stream in &args.stream {
         builder = builder.stream(stream);
     }

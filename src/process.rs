@@ -23,6 +23,7 @@ use std::time::{Instant, SystemTime};
 
 use crossbeam_channel::Sender;
 
+use crate::config::Mode;
 use crate::connect::PgConn;
 use crate::dead_letter::{self, DeadLetter, Kind};
 use crate::delivery::{Attempt, Delivery, Job};
@@ -36,7 +37,25 @@ use crate::stats::{Server, Stats};
 
 const INSERT_PROCESSED: &str =
     "INSERT INTO processed_events (scope, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING";
+const INSERT_PROCESSED_BATCH: &str = "INSERT INTO processed_events (scope, event_id) \
+     SELECT $1, unnest($2::text[]) ON CONFLICT DO NOTHING RETURNING event_id";
 const SELECT_PROCESSED: &str = "SELECT 1 FROM processed_events WHERE scope = $1 AND event_id = $2";
+
+/// Deliveries finished by a batch (to ack), and which need a marker.
+#[derive(Default)]
+struct Finished {
+    deliveries: Vec<Delivery>,
+    to_mark: Vec<usize>,
+}
+
+impl Finished {
+    fn push(&mut self, delivery: Delivery, mark: bool) {
+        if mark {
+            self.to_mark.push(self.deliveries.len());
+        }
+        self.deliveries.push(delivery);
+    }
+}
 
 /// The outcome of applying one event.
 enum Applied {
@@ -114,14 +133,13 @@ impl Processor {
         }) else {
             return self.abandon(valid);
         };
-        // Step 3: one transaction per event.
-        let mut finished: Vec<Delivery> = Vec::with_capacity(valid.len());
-        let mut to_mark: Vec<usize> = Vec::with_capacity(valid.len());
-        for (mut delivery, marked) in valid.into_iter().zip(marked) {
-            if !marked && !self.count_start(&mut delivery) {
-                self.abandon(vec![delivery]);
-                continue;
-            }
+        // Step 3: one transaction per batch of first deliveries (batch mode),
+        // or per event.
+        let mut done = Finished::default();
+        let mut one_by_one = Vec::with_capacity(valid.len());
+        let mut batch = Vec::new();
+        let batch_mode = self.shared.config.mode == Mode::Batch;
+        for (delivery, marked) in valid.into_iter().zip(marked) {
             if marked {
                 Stats::add(&self.shared.stats.duplicates, 1);
                 log::debug!(
@@ -129,38 +147,167 @@ impl Processor {
                     delivery.stream,
                     delivery.entry_id
                 );
-                finished.push(delivery);
-                continue;
-            }
-            match self.apply_through_outages(&delivery) {
-                None => self.abandon(vec![delivery]),
-                Some(Ok(Applied::New)) => {
-                    Stats::add(&self.shared.stats.applied, 1);
-                    to_mark.push(finished.len());
-                    finished.push(delivery);
-                }
-                Some(Ok(Applied::Duplicate)) => {
-                    Stats::add(&self.shared.stats.duplicates, 1);
-                    log::debug!(
-                        "{}/{}: duplicate (processed_events)",
-                        delivery.stream,
-                        delivery.entry_id
-                    );
-                    to_mark.push(finished.len());
-                    finished.push(delivery);
-                }
-                Some(Ok(Applied::CrashLoop)) => {
-                    let reason = format!(
-                        "delivered {} times without finishing (max attempts {}): the event likely crashes its consumer",
-                        delivery.delivery_count, self.shared.config.max_attempts
-                    );
-                    self.dead_letter(delivery, Kind::CrashLoop, reason);
-                }
-                Some(Err(e)) => self.failed(delivery, e),
+                done.push(delivery, false);
+            } else if batch_mode && delivery.delivery_count <= 1 && delivery.failures.is_empty() {
+                // Only first deliveries are batched: whatever comes back
+                // (retries, redeliveries after a crash) goes one by one, so a
+                // poison event cannot take its batch-mates down with it.
+                batch.push(delivery);
+            } else {
+                one_by_one.push(delivery);
             }
         }
+        if batch.len() == 1 {
+            one_by_one.append(&mut batch);
+        }
+        if !batch.is_empty() {
+            match self.apply_batch_through_outages(&batch) {
+                None => self.abandon(batch),
+                Some(Ok(new)) => {
+                    for (delivery, new) in batch.into_iter().zip(new) {
+                        let counter = if new {
+                            &self.shared.stats.applied
+                        } else {
+                            &self.shared.stats.duplicates
+                        };
+                        Stats::add(counter, 1);
+                        done.push(delivery, true);
+                    }
+                }
+                Some(Err(e)) => {
+                    log::debug!(
+                        "{stream}: a batch of {} failed ({e}); applying its events one by one",
+                        batch.len()
+                    );
+                    one_by_one.append(&mut batch);
+                }
+            }
+        }
+        for delivery in one_by_one {
+            self.apply_one(delivery, &mut done);
+        }
         // Step 4: markers, then acks.
-        self.mark_and_ack(&stream, &finished, &to_mark);
+        self.mark_and_ack(&stream, &done.deliveries, &done.to_mark);
+    }
+
+    /// Step 3 for one event in its own transaction.
+    fn apply_one(&mut self, mut delivery: Delivery, done: &mut Finished) {
+        if !self.count_start(&mut delivery) {
+            return self.abandon(vec![delivery]);
+        }
+        match self.apply_through_outages(&delivery) {
+            None => self.abandon(vec![delivery]),
+            Some(Ok(Applied::New)) => {
+                Stats::add(&self.shared.stats.applied, 1);
+                done.push(delivery, true);
+            }
+            Some(Ok(Applied::Duplicate)) => {
+                Stats::add(&self.shared.stats.duplicates, 1);
+                log::debug!(
+                    "{}/{}: duplicate (processed_events)",
+                    delivery.stream,
+                    delivery.entry_id
+                );
+                done.push(delivery, true);
+            }
+            Some(Ok(Applied::CrashLoop)) => {
+                let reason = format!(
+                    "delivered {} times without finishing (max attempts {}): the event likely crashes its consumer",
+                    delivery.delivery_count, self.shared.config.max_attempts
+                );
+                self.dead_letter(delivery, Kind::CrashLoop, reason);
+            }
+            Some(Err(e)) => self.failed(delivery, e),
+        }
+    }
+
+    /// Applies a batch in one transaction, waiting out PostgreSQL outages.
+    /// `None` when a shutdown interrupted the wait.
+    fn apply_batch_through_outages(
+        &mut self,
+        batch: &[Delivery],
+    ) -> Option<Result<Vec<bool>, HandlerError>> {
+        let mut outages = 0u32;
+        loop {
+            match self.apply_batch(batch) {
+                Err(e) if e.class() == FailureClass::Outage => {
+                    self.pg = None;
+                    self.shared.health.down(Server::Postgres, &e);
+                    outages += 1;
+                    if self
+                        .shared
+                        .shutdown
+                        .sleep(self.shared.outage_backoff(outages))
+                    {
+                        return None;
+                    }
+                }
+                result => {
+                    if result.is_ok() {
+                        self.shared.health.up(Server::Postgres);
+                    }
+                    return Some(result);
+                }
+            }
+        }
+    }
+
+    /// Step 3 for a batch: one set-based insert into `processed_events`
+    /// returns which event ids are new, the handler's batch form applies
+    /// them, one COMMIT. Returns, per delivery, whether it was new (applied)
+    /// or a duplicate. Any error rolls the whole batch back.
+    fn apply_batch(&mut self, batch: &[Delivery]) -> Result<Vec<bool>, HandlerError> {
+        let scope = self.shared.config.scope().to_owned();
+        self.connection()?;
+        let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
+            unreachable!("connection() sets it")
+        };
+        let insert = prepare(&mut **conn, cache, INSERT_PROCESSED_BATCH)?;
+        let mut tx = Tx {
+            tx: conn.transaction()?,
+            cache,
+        };
+        let ids: Vec<&str> = batch.iter().map(|d| event(d).event_id()).collect();
+        let mut inserted: std::collections::HashSet<String> = tx
+            .query(&insert, &[&scope, &ids])?
+            .into_iter()
+            .map(|row| row.get(0))
+            .collect();
+        // The first delivery of each inserted id is new; later copies of the
+        // same id in this batch are duplicates.
+        let new: Vec<bool> = ids.iter().map(|id| inserted.remove(*id)).collect();
+        let events: Vec<&Event> = batch
+            .iter()
+            .zip(&new)
+            .filter(|(_, new)| **new)
+            .map(|(d, _)| event(d))
+            .collect();
+        if events.is_empty() {
+            return Ok(new);
+        }
+        for e in &events {
+            fault::hit(Point::InHandler, e.event_id());
+        }
+        let handled = catch_unwind(AssertUnwindSafe(|| {
+            self.shared.handler.handle_batch(&events, &mut tx)
+        }));
+        match handled {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                Stats::add(&self.shared.stats.panics, 1);
+                return Err(HandlerError::retryable("handler panicked in a batch"));
+            }
+        }
+        for e in &events {
+            fault::hit(Point::BeforeCommit, e.event_id());
+        }
+        tx.tx.commit()?;
+        for e in &events {
+            fault::hit(Point::AfterCommit, e.event_id());
+            self.shared.handler.committed(e);
+        }
+        Ok(new)
     }
 
     /// Counts the start of a redelivered entry's attempt, just before it is

@@ -15,6 +15,10 @@ use crate::handler::{Handler, Tx};
 /// The book's example effect: one row in `notifications` per event.
 pub const DEFAULT_STATEMENT: &str = "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)";
 
+/// The default statement in set-based form, for a whole batch.
+const DEFAULT_BATCH_STATEMENT: &str =
+    "INSERT INTO notifications (event_id, payload) SELECT * FROM unnest($1::text[], $2::text[])";
+
 /// Runs one SQL statement per event. See the module docs for the parameters.
 #[derive(Debug, Clone)]
 pub struct SqlHandler {
@@ -96,6 +100,31 @@ impl Handler for SqlHandler {
             }
         }
         tx.execute(&statement, &params)?;
+        Ok(())
+    }
+
+    /// The default statement inserts the whole batch with one statement;
+    /// any other statement runs once per event, in the batch's transaction.
+    fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        if self.statement != DEFAULT_STATEMENT {
+            for event in events {
+                self.handle(event, tx)?;
+            }
+            return Ok(());
+        }
+        let mut ids = Vec::with_capacity(events.len());
+        let mut payloads = Vec::with_capacity(events.len());
+        for event in events {
+            ids.push(event.event_id());
+            payloads.push(match event.field("payload") {
+                None => None,
+                Some(raw) => {
+                    Some(std::str::from_utf8(raw).map_err(|_| invalid("payload is not UTF-8"))?)
+                }
+            });
+        }
+        let statement = tx.prepare_cached(DEFAULT_BATCH_STATEMENT)?;
+        tx.execute(&statement, &[&ids, &payloads])?;
         Ok(())
     }
 

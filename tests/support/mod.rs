@@ -25,7 +25,19 @@ pub fn redis_url() -> String {
 /// test databases.
 pub fn pg_admin_url() -> String {
     std::env::var("TASKHUB_TEST_PG_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+        // The password is the one scripts/services.sh sets on a fresh
+        // install; servers with trust authentication ignore it.
+        .unwrap_or_else(|_| "postgres://postgres:taskhub@127.0.0.1:5432/postgres".into())
+}
+
+/// The commit mode under test: `TASKHUB_MODE` (`batch` or `per-event`),
+/// batch by default. Binary runs inherit the variable; in-process workers
+/// pass this to `Builder::mode`.
+pub fn mode() -> taskhub::Mode {
+    std::env::var("TASKHUB_MODE")
+        .ok()
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(taskhub::Mode::Batch)
 }
 
 /// A name no other test (or earlier run) uses.
