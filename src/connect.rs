@@ -100,6 +100,9 @@ pub(crate) fn redis_unreachable(url: &str, e: redis::RedisError) -> Error {
 /// The PostgreSQL pool shared by the workers. Fails at once (after the
 /// connect timeout) when the server cannot be reached.
 pub(crate) fn postgres_pool(url: &str, size: u32) -> Result<PgPool, Error> {
+    // One direct connection first: r2d2 would only report a timeout, this
+    // names the cause (refused, authentication, unknown database...).
+    drop(postgres(url)?);
     let manager = PgManager::new(pg_config(url)?, postgres::NoTls);
     r2d2::Pool::builder()
         .max_size(size)

@@ -113,6 +113,7 @@ pub enum FailureClass {
 pub struct HandlerError {
     class: FailureClass,
     retry_after: Option<Duration>,
+    event_index: Option<usize>,
     message: String,
     source: Option<Cause>,
 }
@@ -122,6 +123,7 @@ impl HandlerError {
         HandlerError {
             class,
             retry_after: None,
+            event_index: None,
             message,
             source,
         }
@@ -160,6 +162,24 @@ impl HandlerError {
     pub fn with_source(mut self, source: impl Into<Cause>) -> HandlerError {
         self.source = Some(source.into());
         self
+    }
+
+    /// Says which event of a batch failed (its index in the slice given to
+    /// [`Handler::handle_batch`](crate::Handler::handle_batch)). The batch is
+    /// then retried without it, and only that event counts a failed attempt.
+    pub fn for_event(mut self, index: usize) -> HandlerError {
+        self.event_index = Some(index);
+        self
+    }
+
+    pub(crate) fn for_no_event(mut self) -> HandlerError {
+        self.event_index = None;
+        self
+    }
+
+    /// The index of the failing event in a batch, when known.
+    pub fn event_index(&self) -> Option<usize> {
+        self.event_index
     }
 
     /// The class that decides what happens next.

@@ -28,11 +28,14 @@ pub trait Handler: Send + Sync + 'static {
     /// Applies several new events in one transaction (batch mode). The
     /// default calls [`handle`](Handler::handle) for each; override it with a
     /// set-based statement to save round trips. An error rolls back the whole
-    /// batch, and its events are then applied one by one, each in its own
-    /// transaction, so one bad event neither fails nor repeats the others.
+    /// batch. If it names the failing event
+    /// ([`HandlerError::for_event`], as the default does), that event takes
+    /// the failure path and the batch is tried again without it; otherwise
+    /// the events are applied one by one, each in its own transaction. Either
+    /// way one bad event neither fails nor repeats the others' effects.
     fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-        for event in events {
-            self.handle(event, tx)?;
+        for (i, event) in events.iter().enumerate() {
+            self.handle(event, tx).map_err(|e| e.for_event(i))?;
         }
         Ok(())
     }

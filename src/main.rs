@@ -90,7 +90,7 @@ struct RunArgs {
     #[arg(long, conflicts_with = "sql")]
     http_url: Option<String>,
     /// Timeout of one --http-url request.
-    #[arg(long, default_value = "10s", value_parser = duration)]
+    #[arg(long, default_value = "10s", value_parser = duration, allow_hyphen_values = true)]
     http_timeout: Duration,
     /// batch: one transaction per batch of new events (falls back to one per
     /// event for a batch that fails); per-event: one transaction per event.
@@ -100,26 +100,26 @@ struct RunArgs {
     #[arg(long, default_value_t = 5)]
     max_attempts: u32,
     /// First retry delay (doubles per attempt, equal jitter).
-    #[arg(long, default_value = "200ms", value_parser = duration)]
+    #[arg(long, default_value = "200ms", value_parser = duration, allow_hyphen_values = true)]
     backoff_base: Duration,
     /// Longest retry delay.
-    #[arg(long, default_value = "30s", value_parser = duration)]
+    #[arg(long, default_value = "30s", value_parser = duration, allow_hyphen_values = true)]
     backoff_cap: Duration,
     /// Longest Retry-After honoured.
-    #[arg(long, default_value = "2m", value_parser = duration)]
+    #[arg(long, default_value = "2m", value_parser = duration, allow_hyphen_values = true)]
     max_retry_after: Duration,
     /// How often to look for entries abandoned by dead consumers.
-    #[arg(long, default_value = "30s", value_parser = duration)]
+    #[arg(long, default_value = "30s", value_parser = duration, allow_hyphen_values = true)]
     reclaim_interval: Duration,
     /// Idle time after which another consumer's pending entry is taken over;
     /// must exceed the longest handler run and retry wait.
-    #[arg(long, default_value = "5m", value_parser = duration)]
+    #[arg(long, default_value = "5m", value_parser = duration, allow_hyphen_values = true)]
     reclaim_min_idle: Duration,
     /// Lifetime of the Redis duplicate marker.
-    #[arg(long, default_value = "24h", value_parser = duration)]
+    #[arg(long, default_value = "24h", value_parser = duration, allow_hyphen_values = true)]
     marker_ttl: Duration,
     /// Deadline for a graceful shutdown.
-    #[arg(long, default_value = "30s", value_parser = duration)]
+    #[arg(long, default_value = "30s", value_parser = duration, allow_hyphen_values = true)]
     shutdown_timeout: Duration,
     /// Largest accepted entry in bytes; larger ones are dead-lettered as invalid.
     #[arg(long, default_value_t = 1024 * 1024)]

@@ -157,14 +157,14 @@ impl Processor {
                 one_by_one.push(delivery);
             }
         }
-        if batch.len() == 1 {
-            one_by_one.append(&mut batch);
-        }
-        if !batch.is_empty() {
+        // A batch that fails on one known event loses that event (it takes
+        // the normal failure path) and is tried again without it; a failure
+        // that names no event sends the whole batch one by one.
+        while batch.len() > 1 {
             match self.apply_batch_through_outages(&batch) {
-                None => self.abandon(batch),
+                None => self.abandon(std::mem::take(&mut batch)),
                 Some(Ok(new)) => {
-                    for (delivery, new) in batch.into_iter().zip(new) {
+                    for (delivery, new) in std::mem::take(&mut batch).into_iter().zip(new) {
                         let counter = if new {
                             &self.shared.stats.applied
                         } else {
@@ -174,15 +174,22 @@ impl Processor {
                         done.push(delivery, true);
                     }
                 }
-                Some(Err(e)) => {
-                    log::debug!(
-                        "{stream}: a batch of {} failed ({e}); applying its events one by one",
-                        batch.len()
-                    );
-                    one_by_one.append(&mut batch);
-                }
+                Some(Err(e)) => match e.event_index() {
+                    Some(i) if i < batch.len() => {
+                        let delivery = batch.remove(i);
+                        self.failed(delivery, e);
+                    }
+                    _ => {
+                        log::debug!(
+                            "{stream}: a batch of {} failed ({e}); applying its events one by one",
+                            batch.len()
+                        );
+                        one_by_one.append(&mut batch);
+                    }
+                },
             }
         }
+        one_by_one.append(&mut batch);
         for delivery in one_by_one {
             self.apply_one(delivery, &mut done);
         }
@@ -276,12 +283,12 @@ impl Processor {
         // The first delivery of each inserted id is new; later copies of the
         // same id in this batch are duplicates.
         let new: Vec<bool> = ids.iter().map(|id| inserted.remove(*id)).collect();
-        let events: Vec<&Event> = batch
+        let (positions, events): (Vec<usize>, Vec<&Event>) = batch
             .iter()
-            .zip(&new)
-            .filter(|(_, new)| **new)
-            .map(|(d, _)| event(d))
-            .collect();
+            .enumerate()
+            .filter(|(i, _)| new[*i])
+            .map(|(i, d)| (i, event(d)))
+            .unzip();
         if events.is_empty() {
             return Ok(new);
         }
@@ -293,7 +300,14 @@ impl Processor {
         }));
         match handled {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(e),
+            Ok(Err(e)) => {
+                // Name the failing event by its place in `batch`.
+                let at = e.event_index().and_then(|i| positions.get(i).copied());
+                return Err(match at {
+                    Some(i) => e.for_event(i),
+                    None => e.for_no_event(),
+                });
+            }
             Err(_) => {
                 Stats::add(&self.shared.stats.panics, 1);
                 return Err(HandlerError::retryable("handler panicked in a batch"));

@@ -107,8 +107,8 @@ impl Handler for SqlHandler {
     /// any other statement runs once per event, in the batch's transaction.
     fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
         if self.statement != DEFAULT_STATEMENT {
-            for event in events {
-                self.handle(event, tx)?;
+            for (i, event) in events.iter().enumerate() {
+                self.handle(event, tx).map_err(|e| e.for_event(i))?;
             }
             return Ok(());
         }

@@ -1,0 +1,1025 @@
+//! Exactly-once effects: duplicates of an event, failing handlers, scopes,
+//! two worker processes sharing a stream, SIGTERM in the middle of a run, and
+//! the message contract (extra fields, binary values).
+//!
+//! Every test uses its own stream and group names and its own database, and
+//! asserts exact counts: effect rows per event, `processed_events` rows,
+//! pending entries, dead letters and the run's summary.
+
+mod support;
+
+use std::collections::{HashMap, HashSet};
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use support::*;
+use taskhub::{
+    handler_fn, Builder, DeadLetterKind, Event, Handler, HandlerError, Producer, Shutdown,
+    SqlHandler, Summary, Tx, Worker,
+};
+
+/// The longest an in-process `until_idle` run may take.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(40);
+
+/// A worker of `group` on `stream`, with the fast timings the brief asks for.
+fn builder(db_url: &str, stream: &str, group: &str) -> Builder {
+    Worker::builder()
+        .redis_url(&redis_url())
+        .database_url(db_url)
+        .stream(stream)
+        .group(group)
+        .consumer("c1")
+        .workers(4)
+        .block(Duration::from_millis(200))
+        .backoff_base(Duration::from_millis(10))
+        .backoff_cap(Duration::from_millis(100))
+        .max_retry_after(Duration::from_secs(1))
+        .reclaim_interval(Duration::from_millis(500))
+        .reclaim_min_idle(Duration::from_secs(2))
+        .shutdown_timeout(Duration::from_secs(10))
+}
+
+/// A worker running on its own thread.
+struct Running {
+    stop: Shutdown,
+    done: mpsc::Receiver<Result<Summary, taskhub::Error>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Running {
+    fn start(b: Builder, handler: impl Handler) -> Running {
+        let worker = b.build(handler).expect("valid configuration");
+        let stop = worker.shutdown_handle();
+        let (tx, done) = mpsc::channel();
+        let thread = std::thread::spawn(move || {
+            let _ = tx.send(worker.run());
+        });
+        Running {
+            stop,
+            done,
+            thread: Some(thread),
+        }
+    }
+
+    /// Waits for `run()` to return, at most `timeout`; on timeout stops the
+    /// worker and panics.
+    fn finish(mut self, timeout: Duration) -> Summary {
+        match self.done.recv_timeout(timeout) {
+            Ok(result) => {
+                if let Some(t) = self.thread.take() {
+                    t.join().expect("worker thread");
+                }
+                result.expect("worker run succeeds")
+            }
+            Err(_) => {
+                self.stop.shutdown();
+                let _ = self.done.recv_timeout(Duration::from_secs(15));
+                panic!("worker did not finish within {timeout:?}");
+            }
+        }
+    }
+
+    /// Graceful stop, bounded.
+    fn stop(self) -> Summary {
+        self.stop.shutdown();
+        self.finish(Duration::from_secs(20))
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        // A failed assertion must not leave a worker running.
+        self.stop.shutdown();
+    }
+}
+
+/// Runs until idle (bounded) and returns the summary.
+fn run_until_idle(b: Builder, handler: impl Handler) -> Summary {
+    Running::start(b.until_idle(true), handler).finish(IDLE_TIMEOUT)
+}
+
+fn processed_rows(db: &TestDb, scope: &str, event_id: &str) -> i64 {
+    db.client()
+        .query_one(
+            "SELECT count(*) FROM processed_events WHERE scope = $1 AND event_id = $2",
+            &[&scope, &event_id],
+        )
+        .unwrap()
+        .get(0)
+}
+
+fn marker_exists(conn: &mut redis::Connection, scope: &str, event_id: &str) -> bool {
+    redis::cmd("EXISTS")
+        .arg(format!("processed:{scope}:{event_id}"))
+        .query::<i64>(conn)
+        .unwrap()
+        == 1
+}
+
+/// XADD with raw byte field names and values.
+fn xadd_raw(conn: &mut redis::Connection, stream: &str, fields: &[(&[u8], &[u8])]) -> String {
+    let mut cmd = redis::cmd("XADD");
+    cmd.arg(stream).arg("*");
+    for (k, v) in fields {
+        cmd.arg(*k).arg(*v);
+    }
+    cmd.query(conn).unwrap()
+}
+
+/// One row of XINFO GROUPS, values as text.
+fn group_info(conn: &mut redis::Connection, stream: &str, group: &str) -> HashMap<String, String> {
+    let groups: Vec<HashMap<String, redis::Value>> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(stream)
+        .query(conn)
+        .unwrap();
+    let text = |v: &redis::Value| match v {
+        redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        redis::Value::SimpleString(s) => s.clone(),
+        redis::Value::Int(i) => i.to_string(),
+        _ => String::new(),
+    };
+    groups
+        .iter()
+        .map(|g| {
+            g.iter()
+                .map(|(k, v)| (k.clone(), text(v)))
+                .collect::<HashMap<_, _>>()
+        })
+        .find(|g| g.get("name").map(String::as_str) == Some(group))
+        .unwrap_or_else(|| panic!("group {group} of {stream} exists"))
+}
+
+/// `1700000000000-3` → (1700000000000, 3), for ordering entry ids.
+fn entry_id(id: &str) -> (u64, u64) {
+    let (ms, seq) = id.split_once('-').expect("entry id has a dash");
+    (ms.parse().unwrap(), seq.parse().unwrap())
+}
+
+/// The pending entries of `group`: (entry id, consumer).
+fn pending_entries(
+    conn: &mut redis::Connection,
+    stream: &str,
+    group: &str,
+) -> Vec<(String, String)> {
+    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg(group)
+        .arg("-")
+        .arg("+")
+        .arg(100_000)
+        .query(conn)
+        .unwrap();
+    rows.into_iter().map(|(id, c, _, _)| (id, c)).collect()
+}
+
+/// Effect rows per event_id in `notifications`.
+fn effects_by_event(db: &TestDb) -> HashMap<String, i64> {
+    db.client()
+        .query(
+            "SELECT event_id, count(*) FROM notifications GROUP BY event_id",
+            &[],
+        )
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+/// Adds events `<prefix>-<n>` for each n, in order; returns (entry id, event
+/// id) per entry.
+fn produce(
+    stream: &str,
+    prefix: &str,
+    ns: impl IntoIterator<Item = usize>,
+) -> Vec<(String, String)> {
+    let mut producer = Producer::connect(&redis_url(), stream).unwrap();
+    let ids: Vec<String> = ns.into_iter().map(|n| format!("{prefix}-{n}")).collect();
+    let mut out = Vec::with_capacity(ids.len());
+    for chunk in ids.chunks(500) {
+        let batch: Vec<Vec<(&str, String)>> = chunk
+            .iter()
+            .map(|id| vec![("event_id", id.clone()), ("payload", format!("p {id}"))])
+            .collect();
+        let entries = producer.send_batch(&batch).unwrap();
+        out.extend(entries.into_iter().zip(chunk.iter().cloned()));
+    }
+    out
+}
+
+/// `taskhub run` on `stream` with fast timings.
+fn run_cmd(db: &TestDb, stream: &str, group: &str, consumer: &str) -> Command {
+    let mut cmd = taskhub(&redis_url(), &db.url);
+    cmd.args(["run", "--stream", stream, "--group", group])
+        .args(["--consumer", consumer, "--block-ms", "200"])
+        .args(["--backoff-base", "10ms", "--backoff-cap", "100ms"])
+        .args(["--shutdown-timeout", "10s"]);
+    cmd
+}
+
+/// The counters of the summary line `read=.. applied=.. ...` on stdout.
+fn summary_of(stdout: &str) -> HashMap<String, u64> {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("read="))
+        .unwrap_or_else(|| panic!("no summary line on stdout: {stdout:?}"));
+    line.split_whitespace()
+        .filter_map(|t| t.trim_matches(|c| c == '(' || c == ')').split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.parse().unwrap()))
+        .collect()
+}
+
+// ---------------------------------------------------------------------------
+// 1. Duplicates of one event_id
+// ---------------------------------------------------------------------------
+
+/// Three stream entries with one event_id, read one per batch by four worker
+/// threads: one effect, every entry acked, summary applied=1 duplicates=2.
+#[test]
+fn same_event_id_in_three_entries_has_one_effect() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    for n in 0..3 {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", "dup-1"), ("payload", &format!("copy {n}"))],
+        );
+    }
+
+    let summary = run_until_idle(
+        builder(&db.url, &stream, &group).count(1),
+        SqlHandler::default(),
+    );
+
+    assert_eq!(db.effects("dup-1"), 1, "exactly one effect row");
+    assert_eq!(processed_rows(&db, &group, "dup-1"), 1);
+    assert_eq!(pending(&mut conn, &stream, &group), 0, "nothing pending");
+    let info = group_info(&mut conn, &stream, &group);
+    assert_eq!(info["entries-read"], "3", "all three entries were read");
+    assert_eq!(info["lag"], "0");
+    assert_eq!(summary.read, 3);
+    assert_eq!(summary.applied, 1, "{summary}");
+    assert_eq!(summary.duplicates, 2, "{summary}");
+    assert_eq!(summary.dead_lettered, 0, "{summary}");
+    assert!(marker_exists(&mut conn, &group, "dup-1"));
+}
+
+/// The three copies arrive in one XREADGROUP batch (one worker, count 16):
+/// no marker exists yet for any of them, so PostgreSQL has to find the two
+/// later copies; the handler runs once.
+#[test]
+fn same_event_id_three_times_in_one_batch_has_one_effect() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    for n in 0..3 {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", "dup-batch"), ("payload", &format!("copy {n}"))],
+        );
+    }
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = calls.clone();
+    let handler = handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+        c.fetch_add(1, Ordering::SeqCst);
+        tx.execute(
+            "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)",
+            &[&event.event_id(), &event.payload()],
+        )?;
+        Ok::<(), HandlerError>(())
+    });
+
+    let summary = run_until_idle(
+        builder(&db.url, &stream, &group).workers(1).count(16),
+        handler,
+    );
+
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
+    assert_eq!(db.effects("dup-batch"), 1);
+    assert_eq!(
+        db.count("SELECT count(*) FROM notifications WHERE payload = 'copy 0'"),
+        1,
+        "the first copy is the one applied"
+    );
+    assert_eq!(processed_rows(&db, &group, "dup-batch"), 1);
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+    assert_eq!(
+        (summary.read, summary.applied, summary.duplicates),
+        (3, 1, 2),
+        "{summary}"
+    );
+}
+
+/// The Redis marker is only a cache: with it deleted, a second entry of the
+/// same event_id is still recognised as a duplicate by `processed_events`.
+#[test]
+fn marker_deleted_before_a_second_entry_postgres_still_decides() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    xadd(&mut conn, &stream, &[("event_id", "m-1"), ("payload", "a")]);
+    let first = run_until_idle(builder(&db.url, &stream, &group), SqlHandler::default());
+    assert_eq!((first.applied, first.duplicates), (1, 0), "{first}");
+    assert!(marker_exists(&mut conn, &group, "m-1"), "marker was set");
+
+    let deleted: i64 = redis::cmd("DEL")
+        .arg(format!("processed:{group}:m-1"))
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(deleted, 1);
+    xadd(&mut conn, &stream, &[("event_id", "m-1"), ("payload", "b")]);
+    let second = run_until_idle(builder(&db.url, &stream, &group), SqlHandler::default());
+
+    assert_eq!(
+        (second.read, second.applied, second.duplicates),
+        (1, 0, 1),
+        "{second}"
+    );
+    assert_eq!(db.effects("m-1"), 1, "still one effect");
+    assert_eq!(processed_rows(&db, &group, "m-1"), 1);
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+    assert!(
+        marker_exists(&mut conn, &group, "m-1"),
+        "the duplicate found in PostgreSQL sets the marker again"
+    );
+}
+
+/// A real redelivery of the same entry: the process dies after COMMIT and the
+/// marker but before XACK; the marker is deleted; the restarted consumer
+/// re-reads its pending entry and PostgreSQL alone keeps it at one effect.
+#[test]
+fn marker_deleted_before_redelivery_of_the_same_entry() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    xadd(&mut conn, &stream, &[("event_id", "r-1"), ("payload", "x")]);
+
+    let mut cmd = run_cmd(&db, &stream, &group, "c1");
+    cmd.args(["--workers", "1"])
+        .env("TASKHUB_FAULT", "after-marker@r-1");
+    let mut crashed = Proc::spawn(cmd);
+    assert!(
+        crashed.wait_for("taskhub-fault: after-marker r-1", Duration::from_secs(20)),
+        "fault point not reached; stderr:\n{}",
+        crashed.stderr()
+    );
+    crashed.kill();
+    assert_eq!(db.effects("r-1"), 1, "committed before the crash");
+    assert_eq!(pending(&mut conn, &stream, &group), 1, "not acked");
+    assert!(marker_exists(&mut conn, &group, "r-1"));
+    let _: i64 = redis::cmd("DEL")
+        .arg(format!("processed:{group}:r-1"))
+        .query(&mut conn)
+        .unwrap();
+
+    let mut cmd = run_cmd(&db, &stream, &group, "c1");
+    cmd.args(["--workers", "1", "--until-idle"]);
+    let mut again = Proc::spawn(cmd);
+    let status = again.wait(Duration::from_secs(30));
+    assert!(status.success(), "stderr:\n{}", again.stderr());
+    let summary = summary_of(&again.stdout());
+    assert_eq!(summary["read"], 1, "the pending entry was redelivered");
+    assert_eq!(summary["applied"], 0);
+    assert_eq!(summary["duplicates"], 1);
+    assert_eq!(db.effects("r-1"), 1, "still one effect");
+    assert_eq!(processed_rows(&db, &group, "r-1"), 1);
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
+// ---------------------------------------------------------------------------
+// 2. Failing handlers
+// ---------------------------------------------------------------------------
+
+/// A handler that writes its effect and then fails leaves nothing behind: no
+/// effect, no `processed_events` row, the entry still pending. Once a working
+/// handler runs, there is exactly one effect and one row.
+#[test]
+fn failing_handler_leaves_nothing_then_fixed_handler_applies_once() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    xadd(&mut conn, &stream, &[("event_id", "f-1"), ("payload", "p")]);
+
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = calls.clone();
+    let broken = handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+        c.fetch_add(1, Ordering::SeqCst);
+        tx.execute(
+            "INSERT INTO notifications (event_id, payload) VALUES ($1, 'broken')",
+            &[&event.event_id()],
+        )?;
+        Err(HandlerError::retryable("downstream is down"))
+    });
+    let running = Running::start(builder(&db.url, &stream, &group).max_attempts(1000), broken);
+    assert!(
+        wait_until(Duration::from_secs(20), || calls.load(Ordering::SeqCst)
+            >= 3),
+        "the broken handler was not retried"
+    );
+    let summary = running.stop();
+    assert_eq!(summary.applied, 0, "{summary}");
+    assert!(summary.retries >= 2, "{summary}");
+    assert_eq!(db.effects("f-1"), 0, "the failed attempts were rolled back");
+    assert_eq!(processed_rows(&db, &group, "f-1"), 0);
+    assert_eq!(
+        db.count("SELECT count(*) FROM processed_events"),
+        0,
+        "no processed_events row at all"
+    );
+    assert_eq!(pending(&mut conn, &stream, &group), 1, "still pending");
+    assert!(!marker_exists(&mut conn, &group, "f-1"));
+    assert!(dead_letters(&mut conn, &stream).is_empty());
+
+    // The fixed handler, same consumer: it re-reads its pending entry.
+    let summary = run_until_idle(
+        builder(&db.url, &stream, &group).max_attempts(1000),
+        SqlHandler::default(),
+    );
+    assert_eq!((summary.applied, summary.duplicates), (1, 0), "{summary}");
+    assert_eq!(db.effects("f-1"), 1);
+    assert_eq!(processed_rows(&db, &group, "f-1"), 1);
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
+/// A handler that writes its effect and fails on the first attempt
+/// (retryable), then succeeds: the first attempt's write is rolled back, so
+/// the second attempt sees no effect, and the end state is one effect (the
+/// second attempt's) and one `processed_events` row.
+#[test]
+fn flaky_handler_first_attempt_rolled_back_then_applies_once() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "fl-1"), ("payload", "p")],
+    );
+
+    let attempts = Arc::new(AtomicU32::new(0));
+    let seen_by_second = Arc::new(Mutex::new(None::<i64>));
+    let (a, seen) = (attempts.clone(), seen_by_second.clone());
+    let flaky = handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+        let n = a.fetch_add(1, Ordering::SeqCst) + 1;
+        if n > 1 {
+            let before: i64 = tx
+                .query_one(
+                    "SELECT count(*) FROM notifications WHERE event_id = $1",
+                    &[&event.event_id()],
+                )?
+                .get(0);
+            *seen.lock().unwrap() = Some(before);
+        }
+        tx.execute(
+            "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)",
+            &[&event.event_id(), &format!("attempt {n}")],
+        )?;
+        if n == 1 {
+            return Err(HandlerError::retryable("first attempt fails"));
+        }
+        Ok(())
+    });
+
+    let summary = run_until_idle(builder(&db.url, &stream, &group), flaky);
+
+    assert_eq!(attempts.load(Ordering::SeqCst), 2, "two attempts");
+    assert_eq!(
+        *seen_by_second.lock().unwrap(),
+        Some(0),
+        "the second attempt saw no effect of the first"
+    );
+    assert_eq!(
+        (summary.applied, summary.retries, summary.dead_lettered),
+        (1, 1, 0),
+        "{summary}"
+    );
+    assert_eq!(db.effects("fl-1"), 1);
+    assert_eq!(
+        db.count("SELECT count(*) FROM notifications WHERE payload = 'attempt 2'"),
+        1
+    );
+    assert_eq!(processed_rows(&db, &group, "fl-1"), 1);
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
+// ---------------------------------------------------------------------------
+// 3. Scope
+// ---------------------------------------------------------------------------
+
+/// A handler that records (label, event_id) in the test's `effects` table.
+fn recording_handler(label: &str) -> impl Handler {
+    let label = label.to_owned();
+    handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+        tx.execute(
+            "INSERT INTO effects (scope, event_id) VALUES ($1, $2)",
+            &[&label, &event.event_id()],
+        )?;
+        Ok::<(), HandlerError>(())
+    })
+}
+
+/// Two groups reading one stream (each event sent twice), concurrently: each
+/// group applies its own effect once per event, so every event has exactly
+/// one row per group.
+#[test]
+fn two_groups_each_apply_their_own_effect_once() {
+    let db = TestDb::new();
+    db.client()
+        .batch_execute("CREATE TABLE effects (scope text NOT NULL, event_id text NOT NULL)")
+        .unwrap();
+    let stream = unique("s");
+    let (ga, gb) = (unique("ga"), unique("gb"));
+    let ids: Vec<String> = (0..20).map(|n| format!("sc-{n}")).collect();
+    let mut conn = redis(&redis_url());
+    for _ in 0..2 {
+        for id in &ids {
+            xadd(&mut conn, &stream, &[("event_id", id), ("payload", "p")]);
+        }
+    }
+
+    let a = Running::start(
+        builder(&db.url, &stream, &ga).until_idle(true),
+        recording_handler(&ga),
+    );
+    let b = Running::start(
+        builder(&db.url, &stream, &gb).until_idle(true),
+        recording_handler(&gb),
+    );
+    let (sa, sb) = (a.finish(IDLE_TIMEOUT), b.finish(IDLE_TIMEOUT));
+
+    for s in [sa, sb] {
+        assert_eq!(
+            (s.read, s.applied, s.duplicates),
+            (40, 20, 20),
+            "per group: {s}"
+        );
+    }
+    let mut client = db.client();
+    for id in &ids {
+        for g in [&ga, &gb] {
+            let n: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM effects WHERE scope = $1 AND event_id = $2",
+                    &[g, id],
+                )
+                .unwrap()
+                .get(0);
+            assert_eq!(n, 1, "{g}/{id}: one effect per group");
+            assert_eq!(processed_rows(&db, g, id), 1);
+        }
+    }
+    assert_eq!(db.count("SELECT count(*) FROM effects"), 40);
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 40);
+    assert_eq!(pending(&mut conn, &stream, &ga), 0);
+    assert_eq!(pending(&mut conn, &stream, &gb), 0);
+}
+
+/// The converse: two groups that share one explicit scope apply each event
+/// once in total, even when they race on the same events.
+#[test]
+fn two_groups_sharing_a_scope_apply_each_event_once_in_total() {
+    let db = TestDb::new();
+    db.client()
+        .batch_execute("CREATE TABLE effects (scope text NOT NULL, event_id text NOT NULL)")
+        .unwrap();
+    let stream = unique("s");
+    let (gc, gd, scope) = (unique("gc"), unique("gd"), unique("shared"));
+    let ids: Vec<String> = (0..30).map(|n| format!("sh-{n}")).collect();
+    let mut conn = redis(&redis_url());
+    for id in &ids {
+        xadd(&mut conn, &stream, &[("event_id", id), ("payload", "p")]);
+    }
+
+    let c = Running::start(
+        builder(&db.url, &stream, &gc)
+            .scope(&scope)
+            .count(1)
+            .until_idle(true),
+        recording_handler(&gc),
+    );
+    let d = Running::start(
+        builder(&db.url, &stream, &gd)
+            .scope(&scope)
+            .count(1)
+            .until_idle(true),
+        recording_handler(&gd),
+    );
+    let (sc, sd) = (c.finish(IDLE_TIMEOUT), d.finish(IDLE_TIMEOUT));
+
+    assert_eq!((sc.read, sd.read), (30, 30));
+    assert_eq!(sc.applied + sd.applied, 30, "{sc} / {sd}");
+    assert_eq!(sc.duplicates + sd.duplicates, 30, "{sc} / {sd}");
+    let per_event: Vec<(String, i64)> = db
+        .client()
+        .query(
+            "SELECT event_id, count(*) FROM effects GROUP BY event_id",
+            &[],
+        )
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(per_event.len(), 30);
+    assert!(per_event.iter().all(|(_, n)| *n == 1), "{per_event:?}");
+    assert_eq!(
+        db.count(&format!(
+            "SELECT count(*) FROM processed_events WHERE scope = '{scope}'"
+        )),
+        30
+    );
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 30);
+    assert_eq!(pending(&mut conn, &stream, &gc), 0);
+    assert_eq!(pending(&mut conn, &stream, &gd), 0);
+}
+
+// ---------------------------------------------------------------------------
+// 4. Two worker processes
+// ---------------------------------------------------------------------------
+
+/// Two `taskhub run` processes (consumers w1 and w2 of one group) share a
+/// stream of 2000 events, 200 of them sent twice in a row: every event has
+/// exactly one effect, nothing is pending, both exit 0 on SIGTERM and their
+/// summaries add up exactly.
+#[test]
+fn two_worker_processes_share_a_stream_exactly_once() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    // Create the group first so both processes start on an existing group.
+    redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&stream)
+        .arg(&group)
+        .arg("0")
+        .arg("MKSTREAM")
+        .query::<()>(&mut conn)
+        .unwrap();
+
+    let start = |consumer: &str| {
+        let mut cmd = run_cmd(&db, &stream, &group, consumer);
+        cmd.args(["--workers", "4"]);
+        let p = Proc::spawn(cmd);
+        assert!(
+            p.wait_for("taskhub: consumer", Duration::from_secs(20)),
+            "{consumer} did not start; stderr:\n{}",
+            p.stderr()
+        );
+        p
+    };
+    let mut w1 = start("w1");
+    let mut w2 = start("w2");
+
+    // Every tenth event is sent twice in a row: the two copies land in one
+    // batch or in both processes at once, before any marker exists, so
+    // PostgreSQL has to arbitrate.
+    let order = (0..2000).flat_map(|n| if n % 10 == 0 { vec![n, n] } else { vec![n] });
+    let produced = produce(&stream, "two", order);
+    assert_eq!(produced.len(), 2200);
+    let last = produced.last().unwrap().0.clone();
+
+    let all_done = wait_until(Duration::from_secs(60), || {
+        db.count("SELECT count(*) FROM processed_events") == 2000
+            && pending(&mut conn, &stream, &group) == 0
+            && group_info(&mut conn, &stream, &group)["last-delivered-id"] == last
+    });
+    assert!(
+        all_done,
+        "not all applied: {} processed, {} pending\nw1:\n{}\nw2:\n{}",
+        db.count("SELECT count(*) FROM processed_events"),
+        pending(&mut conn, &stream, &group),
+        w1.stderr(),
+        w2.stderr()
+    );
+
+    w1.signal("TERM");
+    w2.signal("TERM");
+    let (s1, s2) = (
+        w1.wait(Duration::from_secs(20)),
+        w2.wait(Duration::from_secs(20)),
+    );
+    assert_eq!(s1.code(), Some(0), "w1 stderr:\n{}", w1.stderr());
+    assert_eq!(s2.code(), Some(0), "w2 stderr:\n{}", w2.stderr());
+
+    let effects = effects_by_event(&db);
+    assert_eq!(effects.len(), 2000, "every event has an effect");
+    let doubled: Vec<_> = effects.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(
+        doubled.is_empty(),
+        "{} events without exactly one effect, e.g. {:?}",
+        doubled.len(),
+        &doubled[..doubled.len().min(10)]
+    );
+    for n in 0..2000 {
+        assert!(effects.contains_key(&format!("two-{n}")), "two-{n} missing");
+    }
+    assert_eq!(db.count("SELECT count(*) FROM notifications"), 2000);
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+
+    let (a, b) = (summary_of(&w1.stdout()), summary_of(&w2.stdout()));
+    assert_eq!(a["applied"] + b["applied"], 2000, "{a:?} {b:?}");
+    assert_eq!(a["duplicates"] + b["duplicates"], 200, "{a:?} {b:?}");
+    assert_eq!(a["read"] + b["read"], 2200, "{a:?} {b:?}");
+    assert!(
+        a["applied"] > 0 && b["applied"] > 0,
+        "both processes did work: {a:?} {b:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// 5. SIGTERM in the middle of a run
+// ---------------------------------------------------------------------------
+
+/// SIGTERM while a few thousand events are being applied (slowed down by
+/// `pg_sleep`): exit 0; every acked entry has exactly one effect, no event
+/// has two, no unread entry has one, and what is not acked stays pending or
+/// unread. A second run with `--until-idle` finishes the rest: every event
+/// exactly one effect, nothing pending.
+#[test]
+fn sigterm_mid_run_then_until_idle_finishes_exactly_once() {
+    const N: usize = 3000;
+    const SLOW_SQL: &str =
+        "INSERT INTO notifications (event_id, payload) SELECT $1, $2 FROM pg_sleep(0.003)";
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let produced = produce(&stream, "term", 0..N);
+
+    let mut cmd = run_cmd(&db, &stream, &group, "c1");
+    cmd.args(["--workers", "2", "--sql", SLOW_SQL]);
+    let mut first = Proc::spawn(cmd);
+    assert!(
+        wait_until(Duration::from_secs(30), || db
+            .count("SELECT count(*) FROM notifications")
+            >= 300),
+        "no progress; stderr:\n{}",
+        first.stderr()
+    );
+    first.signal("TERM");
+    let status = first.wait(Duration::from_secs(20));
+    assert_eq!(status.code(), Some(0), "stderr:\n{}", first.stderr());
+    let applied_first = summary_of(&first.stdout())["applied"];
+
+    // The state after the graceful stop.
+    let effects = effects_by_event(&db);
+    let rows = db.count("SELECT count(*) FROM notifications");
+    assert_eq!(rows as u64, applied_first, "summary matches the table");
+    assert!(
+        (300..N as u64).contains(&applied_first),
+        "the run was stopped in the middle: {applied_first} applied"
+    );
+    let pending_list = pending_entries(&mut conn, &stream, &group);
+    assert!(pending_list.iter().all(|(_, c)| c == "c1"));
+    let pending_ids: HashSet<&str> = pending_list.iter().map(|(id, _)| id.as_str()).collect();
+    let delivered_up_to = entry_id(&group_info(&mut conn, &stream, &group)["last-delivered-id"]);
+    let (mut acked, mut unread) = (0, 0);
+    for (entry, event) in &produced {
+        let n = effects.get(event).copied().unwrap_or(0);
+        assert!(n <= 1, "{event} has {n} effects");
+        if entry_id(entry) > delivered_up_to {
+            unread += 1;
+            assert_eq!(n, 0, "{event} was never read but has an effect");
+        } else if !pending_ids.contains(entry.as_str()) {
+            acked += 1;
+            assert_eq!(n, 1, "{event} is acked without its effect");
+        }
+    }
+    assert_eq!(
+        acked + unread + pending_ids.len(),
+        N,
+        "every entry is acked, pending or unread"
+    );
+    assert_eq!(
+        pending(&mut conn, &stream, &group),
+        pending_ids.len() as u64
+    );
+    assert_eq!(xlen(&mut conn, &stream), N as u64, "nothing was lost");
+
+    // The rest.
+    let mut cmd = run_cmd(&db, &stream, &group, "c1");
+    cmd.args(["--workers", "2", "--sql", SLOW_SQL, "--until-idle"]);
+    let mut second = Proc::spawn(cmd);
+    let status = second.wait(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(0), "stderr:\n{}", second.stderr());
+    let applied_second = summary_of(&second.stdout())["applied"];
+    assert_eq!(applied_first + applied_second, N as u64);
+
+    let effects = effects_by_event(&db);
+    assert_eq!(effects.len(), N);
+    for (_, event) in &produced {
+        assert_eq!(effects.get(event), Some(&1), "{event}");
+    }
+    assert_eq!(db.count("SELECT count(*) FROM notifications"), N as i64);
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), N as i64);
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
+// ---------------------------------------------------------------------------
+// 6. The message contract
+// ---------------------------------------------------------------------------
+
+/// `taskhub run --sql` with `$3::jsonb`: every field, extra ones included,
+/// reaches the statement unchanged; entries with binary values are
+/// dead-lettered as invalid with their raw bytes, and the run goes on.
+#[test]
+fn extra_fields_reach_the_sql_handler_and_binary_values_are_dead_lettered() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let tricky = "'); DROP TABLE notifications; --\"\\";
+    xadd(
+        &mut conn,
+        &stream,
+        &[
+            ("event_id", "c-1"),
+            ("payload", "hello"),
+            ("extra", "x1"),
+            ("unicode", "héllo ✓ 日本"),
+            ("tricky", tricky),
+        ],
+    );
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "c-2"), ("only_extra", "y")],
+    );
+    let bin_extra: Vec<(&[u8], &[u8])> = vec![
+        (b"event_id", b"c-3"),
+        (b"payload", b"fine"),
+        (b"blob", b"\xff\x00\xfe\x01"),
+    ];
+    let bin_extra_id = xadd_raw(&mut conn, &stream, &bin_extra);
+    let bin_payload: Vec<(&[u8], &[u8])> =
+        vec![(b"event_id", b"c-4"), (b"payload", b"\xc3\x28\x00\xff")];
+    let bin_payload_id = xadd_raw(&mut conn, &stream, &bin_payload);
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "c-5"), ("payload", "after")],
+    );
+
+    let sql = "INSERT INTO notifications (event_id, payload) \
+               VALUES ($1, jsonb_build_object('payload', $2::text, 'fields', $3::jsonb)::text)";
+    let mut cmd = run_cmd(&db, &stream, &group, "c1");
+    cmd.args(["--workers", "2", "--until-idle", "--sql", sql]);
+    let mut p = Proc::spawn(cmd);
+    let status = p.wait(Duration::from_secs(30));
+    assert_eq!(status.code(), Some(0), "stderr:\n{}", p.stderr());
+    let summary = summary_of(&p.stdout());
+    assert_eq!(summary["applied"], 3, "{summary:?}");
+    assert_eq!(summary["dead_lettered"], 2, "{summary:?}");
+    assert_eq!(summary["invalid"], 2, "{summary:?}");
+
+    let stored = |id: &str| -> serde_json::Value {
+        let rows = db
+            .client()
+            .query(
+                "SELECT payload FROM notifications WHERE event_id = $1",
+                &[&id],
+            )
+            .unwrap();
+        assert_eq!(rows.len(), 1, "{id}: one effect");
+        serde_json::from_str(rows[0].get::<_, &str>(0)).unwrap()
+    };
+    assert_eq!(
+        stored("c-1"),
+        serde_json::json!({
+            "payload": "hello",
+            "fields": {
+                "event_id": "c-1",
+                "payload": "hello",
+                "extra": "x1",
+                "unicode": "héllo ✓ 日本",
+                "tricky": tricky,
+            }
+        })
+    );
+    assert_eq!(
+        stored("c-2"),
+        serde_json::json!({
+            "payload": null,
+            "fields": {"event_id": "c-2", "only_extra": "y"}
+        })
+    );
+    assert_eq!(stored("c-5")["payload"], "after");
+    assert_eq!(db.effects("c-3"), 0);
+    assert_eq!(db.effects("c-4"), 0);
+    assert_eq!(db.count("SELECT count(*) FROM notifications"), 3);
+
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 2, "{letters:?}");
+    for (entry, fields) in [(&bin_extra_id, &bin_extra), (&bin_payload_id, &bin_payload)] {
+        let letter = letters
+            .iter()
+            .find(|l| &l.original_id == entry)
+            .unwrap_or_else(|| panic!("{entry} is dead-lettered"));
+        assert_eq!(letter.kind, DeadLetterKind::Invalid);
+        assert!(letter.reason.contains("UTF-8"), "{}", letter.reason);
+        let raw: Vec<(Vec<u8>, Vec<u8>)> = fields
+            .iter()
+            .map(|(k, v)| (k.to_vec(), v.to_vec()))
+            .collect();
+        assert_eq!(letter.fields, raw, "raw bytes kept in the dead letter");
+    }
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
+/// Through the library, a handler sees every field as raw bytes, in order,
+/// binary names and values (NUL, 0xff) included; the built-in SQL handler
+/// with only `$1, $2` applies an event whose extra field is binary.
+#[test]
+fn raw_binary_fields_reach_a_library_handler_intact() {
+    let db = TestDb::new();
+    db.client()
+        .batch_execute(
+            "CREATE TABLE raw_fields (event_id text, pos int, name bytea, value bytea, \
+             payload text, delivery bigint)",
+        )
+        .unwrap();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let big: Vec<u8> = (0..=255u8).cycle().take(100_000).collect();
+    let entries: Vec<Vec<(&[u8], &[u8])>> = vec![
+        vec![
+            (b"event_id", b"b-1"),
+            (b"payload", b"\x00\xff\xfe binary"),
+            (b"\xff\xfename", b"\x00"),
+            (b"empty", b""),
+        ],
+        vec![(b"event_id", b"b-2"), (b"payload", b"text"), (b"big", &big)],
+    ];
+    for fields in &entries {
+        xadd_raw(&mut conn, &stream, fields);
+    }
+    let handler = handler_fn(|event: &Event, tx: &mut Tx<'_>| {
+        for (pos, (k, v)) in event.fields().iter().enumerate() {
+            tx.execute(
+                "INSERT INTO raw_fields VALUES ($1, $2, $3, $4, $5, $6)",
+                &[
+                    &event.event_id(),
+                    &(pos as i32),
+                    k,
+                    v,
+                    &event.payload(),
+                    &(event.delivery_count() as i64),
+                ],
+            )?;
+        }
+        Ok::<(), HandlerError>(())
+    });
+    let summary = run_until_idle(builder(&db.url, &stream, &group), handler);
+    assert_eq!(
+        (summary.applied, summary.dead_lettered),
+        (2, 0),
+        "{summary}"
+    );
+
+    let mut client = db.client();
+    for (fields, id) in entries.iter().zip(["b-1", "b-2"]) {
+        let rows = client
+            .query(
+                "SELECT name, value, payload, delivery FROM raw_fields WHERE event_id = $1 ORDER BY pos",
+                &[&id],
+            )
+            .unwrap();
+        let got: Vec<(Vec<u8>, Vec<u8>)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+        let want: Vec<(Vec<u8>, Vec<u8>)> = fields
+            .iter()
+            .map(|(k, v)| (k.to_vec(), v.to_vec()))
+            .collect();
+        assert_eq!(got, want, "{id}: fields intact and in order");
+        let payload: Option<String> = rows[0].get(2);
+        let expect = if id == "b-1" {
+            None
+        } else {
+            Some("text".to_owned())
+        };
+        assert_eq!(payload, expect, "payload() is None for binary payloads");
+        assert_eq!(rows[0].get::<_, i64>(3), 1, "first delivery");
+    }
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+
+    // The built-in handler uses only $1 and $2: a binary extra field is fine.
+    let stream2 = unique("s");
+    xadd_raw(
+        &mut conn,
+        &stream2,
+        &[
+            (b"event_id", b"b-3"),
+            (b"payload", b"ok"),
+            (b"blob", b"\xff\x00"),
+        ],
+    );
+    let summary = run_until_idle(builder(&db.url, &stream2, &group), SqlHandler::default());
+    assert_eq!(
+        (summary.applied, summary.dead_lettered),
+        (1, 0),
+        "{summary}"
+    );
+    assert_eq!(db.effects("b-3"), 1);
+    assert_eq!(pending(&mut conn, &stream2, &group), 0);
+}
