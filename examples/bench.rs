@@ -24,18 +24,20 @@ struct Args {
     backoff_base: Duration,
     payload_bytes: usize,
     sql: String,
+    mode: taskhub::Mode,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         events: 100_000,
         workers: 8,
-        count: 16,
+        count: 64,
         fail_ratio: 0.0,
         fail_times: 2,
         backoff_base: Duration::from_secs(1),
         payload_bytes: 200,
         sql: taskhub::DEFAULT_STATEMENT.to_owned(),
+        mode: taskhub::Mode::Batch,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -52,6 +54,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "--payload-bytes" => args.payload_bytes = value()?.parse().map_err(|e| bad(&e))?,
             "--sql" => args.sql = value()?,
+            "--mode" => args.mode = value()?.parse()?,
             other => return Err(format!("unknown flag {other}")),
         }
     }
@@ -139,6 +142,9 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
+        .format_timestamp_millis()
+        .init();
     let args = parse_args()?;
     let redis_url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
     let database_url = std::env::var("DATABASE_URL")
@@ -198,6 +204,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .backoff_cap(args.backoff_base * 8)
         .max_attempts(args.fail_times + 3)
         .until_idle(true)
+        .mode(args.mode)
         .build(handler.clone())?
         .run()?;
     let elapsed = started.elapsed();
@@ -221,7 +228,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map_or(elapsed, |t| t - started);
     let healthy_rate = healthy as f64 / healthy_elapsed.as_secs_f64();
     println!("events            {}", args.events);
-    println!("workers           {} (count {})", args.workers, args.count);
+    println!(
+        "workers           {} (count {}, {:?} mode)",
+        args.workers, args.count, args.mode
+    );
     println!("applied           {applied} (verified in processed_events)");
     println!("elapsed           {:.2} s", elapsed.as_secs_f64());
     println!("rate              {rate:.0} events/s");

@@ -114,6 +114,7 @@ pub struct HandlerError {
     class: FailureClass,
     retry_after: Option<Duration>,
     event_index: Option<usize>,
+    panicked: bool,
     message: String,
     source: Option<Cause>,
 }
@@ -124,6 +125,7 @@ impl HandlerError {
             class,
             retry_after: None,
             event_index: None,
+            panicked: false,
             message,
             source,
         }
@@ -170,6 +172,16 @@ impl HandlerError {
     pub fn for_event(mut self, index: usize) -> HandlerError {
         self.event_index = Some(index);
         self
+    }
+
+    pub(crate) fn from_panic(message: String) -> HandlerError {
+        let mut e = HandlerError::new(FailureClass::Retryable, message, None);
+        e.panicked = true;
+        e
+    }
+
+    pub(crate) fn is_panic(&self) -> bool {
+        self.panicked
     }
 
     pub(crate) fn for_no_event(mut self) -> HandlerError {

@@ -262,7 +262,7 @@ mod tests {
     use super::*;
 
     const LIMITS: Limits = Limits {
-        max_event_id_bytes: 16,
+        max_event_id_bytes: 32,
         max_entry_bytes: 64,
     };
 
@@ -297,7 +297,7 @@ mod tests {
             .unwrap_err()
             .0
             .contains("control"));
-        assert!(parse(&[(b"event_id", &[b'a'; 17])])
+        assert!(parse(&[(b"event_id", &[b'a'; 33])])
             .unwrap_err()
             .0
             .contains("limit"));

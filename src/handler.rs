@@ -35,7 +35,7 @@ pub trait Handler: Send + Sync + 'static {
     /// way one bad event neither fails nor repeats the others' effects.
     fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
         for (i, event) in events.iter().enumerate() {
-            self.handle(event, tx).map_err(|e| e.for_event(i))?;
+            catch_panic(|| self.handle(event, tx)).map_err(|e| e.for_event(i))?;
         }
         Ok(())
     }
@@ -70,6 +70,23 @@ impl Tx<'_> {
     pub fn prepare_cached(&mut self, sql: &str) -> Result<postgres::Statement, postgres::Error> {
         prepare_cached(&mut self.tx, self.cache, sql)
     }
+}
+
+/// Runs a handler call, turning a panic into a retryable error (so a panic
+/// is one failed attempt of one event, and the thread lives on).
+pub(crate) fn catch_panic(
+    f: impl FnOnce() -> Result<(), HandlerError>,
+) -> Result<(), HandlerError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown payload".into());
+        Err(HandlerError::from_panic(format!(
+            "handler panicked: {what}"
+        )))
+    })
 }
 
 /// Prepares `sql` on `client` unless `cache` has it already.

@@ -1,9 +1,11 @@
 //! Flow control: the set of entries read but not finished yet.
 //!
 //! A reader reserves room before each XREADGROUP and blocks while the worker
-//! holds `capacity` entries (in the channel, in a worker, waiting for a retry
-//! or for the dead-letter writer). A slow database therefore slows reading and
-//! memory stays flat. The set also tells the reclaimer and the restart path
+//! holds `capacity` entries with their fields (in the channel, in a worker, or
+//! waiting for the dead-letter writer). A slow database therefore slows
+//! reading and memory stays flat. Entries waiting for a retry are *parked*:
+//! they keep only their id (see `retry.rs`), so they do not use that room,
+//! up to `MAX_PARKED` of them. The set also tells the reclaimer and the restart path
 //! which entries this process is already working on, so none runs twice here.
 
 use std::collections::HashSet;
@@ -23,7 +25,12 @@ pub(crate) struct InFlight {
 struct State {
     entries: HashSet<String>,
     reserved: usize,
+    parked: usize,
 }
+
+/// At most this many parked entries (about 200 bytes each) before readers
+/// wait too.
+const MAX_PARKED: usize = 100_000;
 
 /// The key of an entry: stream and entry id.
 pub(crate) fn key(stream: &str, entry_id: &str) -> String {
@@ -55,8 +62,8 @@ impl InFlight {
             if shutdown.is_shutdown() {
                 return 0;
             }
-            let used = state.entries.len() + state.reserved;
-            if used < self.capacity {
+            let used = state.entries.len().saturating_sub(state.parked) + state.reserved;
+            if used < self.capacity && state.parked < MAX_PARKED {
                 let n = want.min(self.capacity - used);
                 state.reserved += n;
                 return n;
@@ -90,7 +97,20 @@ impl InFlight {
         self.changed.notify_all();
     }
 
-    /// Entries held now (reservations not counted).
+    /// An entry starts waiting for a retry: it no longer takes room.
+    pub fn park(&self) {
+        let mut state = self.lock();
+        state.parked += 1;
+        self.changed.notify_all();
+    }
+
+    /// A parked entry is back (or gone).
+    pub fn unpark(&self) {
+        let mut state = self.lock();
+        state.parked = state.parked.saturating_sub(1);
+    }
+
+    /// Entries held now, parked ones included (reservations not counted).
     pub fn len(&self) -> usize {
         self.lock().entries.len()
     }
@@ -111,6 +131,10 @@ mod tests {
         assert_eq!(f.len(), 2);
         assert_eq!(f.reserve(5, &s), 1);
         f.admit(1, []);
+        f.park(); // "a" waits for a retry: room for one more
+        assert_eq!(f.reserve(5, &s), 2);
+        f.admit(2, []);
+        f.unpark();
         f.finish("a");
         f.finish("b");
         assert_eq!(f.len(), 0);

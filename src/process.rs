@@ -17,7 +17,6 @@
 //! its redelivery finds the `processed_events` row. Nothing is acked that was
 //! not committed. Failures go to the retry thread or the dead-letter writer.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
@@ -30,7 +29,7 @@ use crate::delivery::{Attempt, Delivery, Job};
 use crate::error::{FailureClass, HandlerError};
 use crate::event::Event;
 use crate::fault::{self, Point};
-use crate::handler::{prepare_cached as prepare, StatementCache, Tx};
+use crate::handler::{catch_panic, prepare_cached as prepare, StatementCache, Tx};
 use crate::retry::Retry;
 use crate::run::Shared;
 use crate::stats::{Server, Stats};
@@ -75,6 +74,9 @@ pub(crate) struct Processor {
     cache: StatementCache,
     retry: Sender<Retry>,
     dead: Sender<dead_letter::Job>,
+    /// Share of batched events whose failure rolled a batch back (moving
+    /// average); it sizes the batches.
+    failure_rate: f64,
 }
 
 /// The marker key of an event.
@@ -94,6 +96,7 @@ impl Processor {
             cache: StatementCache::new(),
             retry,
             dead,
+            failure_rate: 0.0,
         }
     }
 
@@ -159,35 +162,48 @@ impl Processor {
         }
         // A batch that fails on one known event loses that event (it takes
         // the normal failure path) and is tried again without it; a failure
-        // that names no event sends the whole batch one by one.
-        while batch.len() > 1 {
-            match self.apply_batch_through_outages(&batch) {
-                None => self.abandon(std::mem::take(&mut batch)),
-                Some(Ok(new)) => {
-                    for (delivery, new) in std::mem::take(&mut batch).into_iter().zip(new) {
-                        let counter = if new {
-                            &self.shared.stats.applied
-                        } else {
-                            &self.shared.stats.duplicates
-                        };
-                        Stats::add(counter, 1);
-                        done.push(delivery, true);
+        // that names no event sends the whole batch one by one. Each failure
+        // costs a rolled-back transaction, so while failures are frequent the
+        // batch is cut into smaller transactions (see `batch_limit`).
+        while !batch.is_empty() {
+            let limit = self.batch_limit().min(batch.len());
+            let mut chunk: Vec<Delivery> = batch.drain(..limit).collect();
+            let size = chunk.len();
+            let mut failures = 0;
+            while chunk.len() > 1 {
+                match self.apply_batch_through_outages(&chunk) {
+                    None => self.abandon(std::mem::take(&mut chunk)),
+                    Some(Ok(new)) => {
+                        for (delivery, new) in std::mem::take(&mut chunk).into_iter().zip(new) {
+                            let counter = if new {
+                                &self.shared.stats.applied
+                            } else {
+                                &self.shared.stats.duplicates
+                            };
+                            Stats::add(counter, 1);
+                            done.push(delivery, true);
+                        }
+                    }
+                    Some(Err(e)) => {
+                        failures += 1;
+                        match e.event_index() {
+                            Some(i) if i < chunk.len() => {
+                                let delivery = chunk.remove(i);
+                                self.failed(delivery, e);
+                            }
+                            _ => {
+                                log::debug!(
+                                    "{stream}: a batch of {} failed ({e}); applying its events one by one",
+                                    chunk.len()
+                                );
+                                one_by_one.append(&mut chunk);
+                            }
+                        }
                     }
                 }
-                Some(Err(e)) => match e.event_index() {
-                    Some(i) if i < batch.len() => {
-                        let delivery = batch.remove(i);
-                        self.failed(delivery, e);
-                    }
-                    _ => {
-                        log::debug!(
-                            "{stream}: a batch of {} failed ({e}); applying its events one by one",
-                            batch.len()
-                        );
-                        one_by_one.append(&mut batch);
-                    }
-                },
             }
+            one_by_one.append(&mut chunk);
+            self.record_batch(size, failures);
         }
         one_by_one.append(&mut batch);
         for delivery in one_by_one {
@@ -195,6 +211,25 @@ impl Processor {
         }
         // Step 4: markers, then acks.
         self.mark_and_ack(&stream, &done.deliveries, &done.to_mark);
+    }
+
+    /// The largest batch worth one transaction now. With a share `p` of
+    /// events failing, a batch of `n` is rolled back about `n·p` times, so
+    /// batches shrink to about `1/(2p)` events while failures are frequent
+    /// and grow back to the full read size when they stop.
+    fn batch_limit(&self) -> usize {
+        if self.failure_rate < 0.005 {
+            usize::MAX
+        } else {
+            ((0.5 / self.failure_rate) as usize).clamp(2, 1024)
+        }
+    }
+
+    /// Updates the failure rate (a moving average) after a batch of `size`
+    /// events saw `failures` failed transactions.
+    fn record_batch(&mut self, size: usize, failures: usize) {
+        let observed = failures as f64 / size.max(1) as f64;
+        self.failure_rate = 0.8 * self.failure_rate + 0.2 * observed;
     }
 
     /// Step 3 for one event in its own transaction.
@@ -295,23 +330,17 @@ impl Processor {
         for e in &events {
             fault::hit(Point::InHandler, e.event_id());
         }
-        let handled = catch_unwind(AssertUnwindSafe(|| {
-            self.shared.handler.handle_batch(&events, &mut tx)
-        }));
-        match handled {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                // Name the failing event by its place in `batch`.
-                let at = e.event_index().and_then(|i| positions.get(i).copied());
-                return Err(match at {
-                    Some(i) => e.for_event(i),
-                    None => e.for_no_event(),
-                });
-            }
-            Err(_) => {
+        let handled = catch_panic(|| self.shared.handler.handle_batch(&events, &mut tx));
+        if let Err(e) = handled {
+            if e.is_panic() {
                 Stats::add(&self.shared.stats.panics, 1);
-                return Err(HandlerError::retryable("handler panicked in a batch"));
             }
+            // Name the failing event by its place in `batch`.
+            let at = e.event_index().and_then(|i| positions.get(i).copied());
+            return Err(match at {
+                Some(i) => e.for_event(i),
+                None => e.for_no_event(),
+            });
         }
         for e in &events {
             fault::hit(Point::BeforeCommit, e.event_id());
@@ -442,27 +471,18 @@ impl Processor {
         }
         fault::hit(Point::InHandler, event.event_id());
         let started = Instant::now();
-        let handled = catch_unwind(AssertUnwindSafe(|| {
-            self.shared.handler.handle(event, &mut tx)
-        }));
+        let handled = catch_panic(|| self.shared.handler.handle(event, &mut tx));
         log::trace!(
             "{}/{}: handler ran in {:?}",
             delivery.stream,
             delivery.entry_id,
             started.elapsed()
         );
-        match handled {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(e),
-            Err(panic) => {
+        if let Err(e) = handled {
+            if e.is_panic() {
                 Stats::add(&self.shared.stats.panics, 1);
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "unknown payload".into());
-                return Err(HandlerError::retryable(format!("handler panicked: {what}")));
             }
+            return Err(e);
         }
         fault::hit(Point::BeforeCommit, event.event_id());
         tx.tx.commit()?;
@@ -581,10 +601,16 @@ impl Processor {
             delivery.entry_id
         );
         Stats::add(&self.shared.stats.retries, 1);
-        let due = Instant::now() + delay;
-        if let Err(back) = self.retry.send(Retry { due, delivery }) {
+        let key = delivery.key();
+        self.shared.in_flight.park();
+        if self
+            .retry
+            .send(Retry::of(delivery, Instant::now() + delay))
+            .is_err()
+        {
             // The retry thread is gone (shutdown): leave the entry pending.
-            self.abandon(vec![back.into_inner().delivery]);
+            self.shared.in_flight.unpark();
+            self.shared.in_flight.finish(&key);
         }
     }
 

@@ -1,0 +1,1030 @@
+//! Failure handling: permanent errors, exhausted retries, Retry-After,
+//! head-of-line blocking, handler panics, invalid entries, SQL error
+//! classification, and PostgreSQL / Redis outages.
+//!
+//! Library-level: each test runs a `Worker` in-process (with `until_idle`
+//! unless stated otherwise) on a thread, and joins it with a bounded wait.
+
+mod support;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use support::*;
+use taskhub::{
+    handler_fn, Builder, DeadLetter, DeadLetterKind, Event, Handler, HandlerError, Mode,
+    SqlHandler, Summary, Tx, Worker,
+};
+
+const INSERT: &str = "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)";
+
+/// One handler call: which event, when, on which thread.
+#[derive(Debug, Clone)]
+struct Call {
+    event_id: String,
+    at: Instant,
+    thread: String,
+}
+
+/// Records every handler call, in order.
+#[derive(Clone, Default)]
+struct Calls(Arc<Mutex<Vec<Call>>>);
+
+impl Calls {
+    fn record(&self, event: &Event) {
+        self.0.lock().unwrap().push(Call {
+            event_id: event.event_id().to_owned(),
+            at: Instant::now(),
+            thread: std::thread::current().name().unwrap_or("?").to_owned(),
+        });
+    }
+
+    fn all(&self) -> Vec<Call> {
+        self.0.lock().unwrap().clone()
+    }
+
+    /// The calls for one event, in order.
+    fn of(&self, event_id: &str) -> Vec<Call> {
+        self.all()
+            .into_iter()
+            .filter(|c| c.event_id == event_id)
+            .collect()
+    }
+}
+
+/// The usual effect: one row in `notifications`.
+fn insert(event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+    tx.execute(INSERT, &[&event.event_id(), &event.payload()])?;
+    Ok(())
+}
+
+/// Whether the workers run in batch mode (`TASKHUB_MODE`, batch by
+/// default). In batch mode a failing event's batch-mates are rolled back
+/// with it and run again, so their handler runs more than once while their
+/// effect still commits once; tests count calls exactly only for the events
+/// that fail, and effects exactly for all.
+fn batch_mode() -> bool {
+    mode() == Mode::Batch
+}
+
+/// Asserts how often the handler ran for events that did not fail: exactly
+/// once per event, or in batch mode at most once more per failing event
+/// (each failure rolls back the batch, which runs again without it).
+fn assert_handled(calls: &Calls, ids: &[String], failing: usize) {
+    let most = if batch_mode() { 1 + failing } else { 1 };
+    for id in ids {
+        let n = calls.of(id).len();
+        assert!(
+            (1..=most).contains(&n),
+            "{id}: handler ran {n} times ({:?} mode)",
+            mode()
+        );
+    }
+}
+
+/// A builder with fast settings for tests, on `redis_url` and `db`.
+fn builder(redis_url: &str, db_url: &str, stream: &str, group: &str) -> Builder {
+    Worker::builder()
+        .mode(mode())
+        .redis_url(redis_url)
+        .database_url(db_url)
+        .stream(stream)
+        .group(group)
+        .consumer("c1")
+        .workers(2)
+        .count(16)
+        .block(Duration::from_millis(200))
+        .until_idle(true)
+        .backoff_base(Duration::from_millis(10))
+        .backoff_cap(Duration::from_millis(100))
+        .max_retry_after(Duration::from_secs(5))
+        .reclaim_interval(Duration::from_secs(1))
+        .reclaim_min_idle(Duration::from_secs(10))
+        .shutdown_timeout(Duration::from_secs(15))
+}
+
+/// A worker running on its own thread.
+struct Running {
+    handle: Option<JoinHandle<Result<Summary, taskhub::Error>>>,
+    stop: taskhub::Shutdown,
+}
+
+fn start(worker: Worker) -> Running {
+    let stop = worker.shutdown_handle();
+    let handle = std::thread::Builder::new()
+        .name("test-worker-run".into())
+        .spawn(move || worker.run())
+        .unwrap();
+    Running {
+        handle: Some(handle),
+        stop,
+    }
+}
+
+impl Running {
+    /// Waits at most `timeout` for `run()` to return by itself; on timeout
+    /// asks for a shutdown, waits a little more and panics.
+    fn join(mut self, timeout: Duration) -> Summary {
+        let handle = self.handle.take().unwrap();
+        let finished = wait_until(timeout, || handle.is_finished());
+        if !finished {
+            self.stop.shutdown();
+            let stopped = wait_until(Duration::from_secs(20), || handle.is_finished());
+            panic!("run() did not finish by itself within {timeout:?} (stopped after a shutdown request: {stopped})");
+        }
+        match handle.join() {
+            Ok(Ok(summary)) => summary,
+            Ok(Err(e)) => panic!("run() failed: {e}"),
+            Err(_) => panic!("run() panicked"),
+        }
+    }
+
+    /// Asks for a shutdown and waits (bounded) for `run()` to return.
+    fn stop(self, timeout: Duration) -> Summary {
+        self.stop.shutdown();
+        self.join(timeout)
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        // A failed test must not leave a worker running against its servers.
+        if let Some(h) = self.handle.take() {
+            self.stop.shutdown();
+            wait_until(Duration::from_secs(20), || h.is_finished());
+        }
+    }
+}
+
+/// XADD of raw byte fields; returns the entry id.
+fn xadd_raw(conn: &mut redis::Connection, stream: &str, fields: &[(&[u8], &[u8])]) -> String {
+    let mut cmd = redis::cmd("XADD");
+    cmd.arg(stream).arg("*");
+    for (k, v) in fields {
+        cmd.arg(*k).arg(*v);
+    }
+    cmd.query(conn).unwrap()
+}
+
+/// Adds `event_ids` with a payload each, pipelined; returns the entry ids.
+fn xadd_many(conn: &mut redis::Connection, stream: &str, event_ids: &[String]) -> Vec<String> {
+    let mut ids = Vec::with_capacity(event_ids.len());
+    for chunk in event_ids.chunks(500) {
+        let mut pipe = redis::pipe();
+        for id in chunk {
+            pipe.cmd("XADD")
+                .arg(stream)
+                .arg("*")
+                .arg("event_id")
+                .arg(id)
+                .arg("payload")
+                .arg(format!("payload of {id}"));
+        }
+        let got: Vec<String> = pipe.query(conn).unwrap();
+        ids.extend(got);
+    }
+    ids
+}
+
+fn ids(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{prefix}-{i:05}")).collect()
+}
+
+/// Effect rows per event_id, for all of `notifications`.
+fn effect_counts(db: &TestDb) -> HashMap<String, i64> {
+    db.client()
+        .query(
+            "SELECT event_id, count(*) FROM notifications GROUP BY event_id",
+            &[],
+        )
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+/// Asserts every id in `expected` has exactly one effect row and that no
+/// other event has any.
+fn assert_exactly_once(db: &TestDb, expected: &[String]) {
+    let counts = effect_counts(db);
+    let wrong: Vec<(&String, i64)> = expected
+        .iter()
+        .map(|id| (id, counts.get(id).copied().unwrap_or(0)))
+        .filter(|(_, n)| *n != 1)
+        .take(20)
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "events without exactly one effect (first 20): {wrong:?}"
+    );
+    assert_eq!(
+        counts.len(),
+        expected.len(),
+        "effects for events that should have none"
+    );
+}
+
+fn now_millis() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+fn letter_for<'a>(letters: &'a [DeadLetter], event_id: &str) -> &'a DeadLetter {
+    letters
+        .iter()
+        .find(|l| l.event_id.as_deref() == Some(event_id))
+        .unwrap_or_else(|| panic!("no dead letter for {event_id}: {letters:?}"))
+}
+
+/// Sleeps `ms` milliseconds (a per-event delay inside handlers).
+fn pause(ms: u64) {
+    std::thread::sleep(Duration::from_millis(ms));
+}
+
+// 1. ---------------------------------------------------------------------
+
+#[test]
+fn permanent_error_is_dead_lettered_at_once_with_full_context() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let good = ids("ok", 10);
+    xadd_many(&mut conn, &stream, &good[..5]);
+    let payload = "x".repeat(3000);
+    let bad_entry = xadd(
+        &mut conn,
+        &stream,
+        &[
+            ("event_id", "bad-1"),
+            ("payload", &payload),
+            ("tenant", "acme"),
+        ],
+    );
+    xadd_many(&mut conn, &stream, &good[5..]);
+
+    let bad_calls = Arc::new(AtomicUsize::new(0));
+    let calls = Calls::default();
+    let (b, c) = (bad_calls.clone(), calls.clone());
+    let started_ms = now_millis();
+    let worker = builder(&redis_url(), &db.url, &stream, &group)
+        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+            c.record(event);
+            if event.event_id() == "bad-1" {
+                b.fetch_add(1, Ordering::SeqCst);
+                return Err(HandlerError::permanent("bad input"));
+            }
+            insert(event, tx)
+        }))
+        .unwrap();
+    let summary = start(worker).join(Duration::from_secs(30));
+
+    assert_eq!(
+        bad_calls.load(Ordering::SeqCst),
+        1,
+        "a permanent error is not retried"
+    );
+    assert_eq!(summary.retries, 0);
+    assert_eq!(summary.dead_permanent, 1);
+    assert_eq!(summary.dead_lettered, 1);
+    assert_eq!(summary.applied, 10);
+    assert_handled(&calls, &good, 1);
+    assert_exactly_once(&db, &good);
+    assert_eq!(db.effects("bad-1"), 0);
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    let l = &letters[0];
+    assert_eq!(l.kind, DeadLetterKind::Permanent);
+    assert_eq!(l.attempts, 1);
+    assert_eq!(l.reason, "bad input");
+    assert_eq!(l.event_id.as_deref(), Some("bad-1"));
+    assert_eq!(l.original_id, bad_entry);
+    assert_eq!(l.stream, stream);
+    assert_eq!(l.group, group);
+    assert_eq!(l.consumer, "c1");
+    assert_eq!(l.history.len(), 1, "{:?}", l.history);
+    assert_eq!(l.history[0].attempt, 1);
+    assert_eq!(l.history[0].error, "bad input");
+    let at = l.history[0].at.expect("the attempt has a time");
+    let at_ms = at.duration_since(UNIX_EPOCH).unwrap().as_millis() as u64;
+    assert!(
+        at_ms >= started_ms && at_ms <= l.dead_at,
+        "{at_ms} in [{started_ms}, {}]",
+        l.dead_at
+    );
+    assert!(l.first_failed_at <= l.dead_at);
+    assert!(l.first_failed_at >= started_ms);
+    assert_eq!(
+        l.fields,
+        vec![
+            (b"event_id".to_vec(), b"bad-1".to_vec()),
+            (b"payload".to_vec(), payload.clone().into_bytes()),
+            (b"tenant".to_vec(), b"acme".to_vec()),
+        ],
+        "every original field, in order, full payload"
+    );
+}
+
+// 2. ---------------------------------------------------------------------
+
+#[test]
+fn retries_exhaust_with_growing_backoff_then_dead_letter() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let good = ids("ok", 5);
+    xadd_many(&mut conn, &stream, &good);
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "flaky"), ("payload", "p")],
+    );
+
+    let calls = Calls::default();
+    let c = calls.clone();
+    let worker = builder(&redis_url(), &db.url, &stream, &group)
+        .max_attempts(4)
+        .backoff_base(Duration::from_millis(20))
+        .backoff_cap(Duration::from_secs(1))
+        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+            c.record(event);
+            if event.event_id() == "flaky" {
+                return Err(HandlerError::retryable("downstream 500"));
+            }
+            insert(event, tx)
+        }))
+        .unwrap();
+    let summary = start(worker).join(Duration::from_secs(30));
+
+    // Batch mode: the batch try is the first attempt. (In 5d95c9b a failed
+    // batch re-ran its events one by one at once, so "flaky" ran 5 times and
+    // its first retry ignored the backoff; d3a54a3 fixed it.)
+    let flaky = calls.of("flaky");
+    assert_eq!(flaky.len(), 4, "called max_attempts times");
+    // Equal jitter: the delay before retry n is at least base·2^(n-1)/2.
+    for (n, lower_ms) in [(1usize, 10u64), (2, 20), (3, 40)] {
+        let gap = flaky[n].at - flaky[n - 1].at;
+        assert!(
+            gap >= Duration::from_millis(lower_ms),
+            "gap before retry {n} is {gap:?}, below {lower_ms} ms"
+        );
+    }
+    assert_eq!(summary.retries, 3);
+    assert_eq!(summary.dead_exhausted, 1);
+    assert_eq!(summary.dead_lettered, 1);
+    assert_exactly_once(&db, &good);
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    let l = letter_for(&letters, "flaky");
+    assert_eq!(l.kind, DeadLetterKind::Exhausted);
+    assert_eq!(l.attempts, 4);
+    assert_eq!(l.reason, "downstream 500");
+    assert_eq!(l.history.len(), 4, "{:?}", l.history);
+    let times: Vec<SystemTime> = l
+        .history
+        .iter()
+        .map(|a| a.at.expect("each attempt has a time"))
+        .collect();
+    for (i, a) in l.history.iter().enumerate() {
+        assert_eq!(a.attempt, i as u32 + 1);
+        assert_eq!(a.error, "downstream 500");
+    }
+    for w in times.windows(2) {
+        // Stored with millisecond precision; the gaps are >= 10 ms.
+        assert!(w[1] > w[0], "history times increase: {times:?}");
+    }
+    let first_ms = times[0].duration_since(UNIX_EPOCH).unwrap().as_millis() as u64;
+    assert_eq!(l.first_failed_at, first_ms);
+    assert!(l.first_failed_at <= l.dead_at);
+}
+
+// 3. ---------------------------------------------------------------------
+
+#[test]
+fn retry_after_is_honoured() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "limited"), ("payload", "p")],
+    );
+
+    let calls = Calls::default();
+    let c = calls.clone();
+    let worker = builder(&redis_url(), &db.url, &stream, &group)
+        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+            c.record(event);
+            if c.of(event.event_id()).len() == 1 {
+                return Err(HandlerError::retryable("429").with_retry_after(Duration::from_secs(1)));
+            }
+            insert(event, tx)
+        }))
+        .unwrap();
+    let summary = start(worker).join(Duration::from_secs(30));
+
+    let limited = calls.of("limited");
+    assert_eq!(limited.len(), 2);
+    let gap = limited[1].at - limited[0].at;
+    assert!(
+        gap >= Duration::from_secs(1),
+        "retried after {gap:?}, before Retry-After"
+    );
+    assert_eq!(summary.retries, 1);
+    assert_eq!(summary.applied, 1);
+    assert_eq!(summary.dead_lettered, 0);
+    assert_exactly_once(&db, &["limited".to_string()]);
+    assert!(dead_letters(&mut conn, &stream).is_empty());
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
+// 4. ---------------------------------------------------------------------
+
+#[test]
+fn a_waiting_retry_does_not_block_other_events() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    // As many slow events as workers, first in the stream and in the same
+    // batch as others: a worker sleeping through a backoff would hold up its
+    // whole batch, and two of them would stall the pool.
+    let slow = vec!["slow-a".to_string(), "slow-b".to_string()];
+    let others = ids("other", 200);
+    xadd_many(&mut conn, &stream, &slow);
+    xadd_many(&mut conn, &stream, &others);
+
+    let calls = Calls::default();
+    let c = calls.clone();
+    let worker = builder(&redis_url(), &db.url, &stream, &group)
+        .workers(2)
+        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+            c.record(event);
+            if event.event_id().starts_with("slow-") && c.of(event.event_id()).len() == 1 {
+                return Err(
+                    HandlerError::retryable("busy").with_retry_after(Duration::from_secs(2))
+                );
+            }
+            insert(event, tx)
+        }))
+        .unwrap();
+    let summary = start(worker).join(Duration::from_secs(30));
+
+    // Also pins Retry-After in batch mode: in 5d95c9b a slow event failing in
+    // its batch ran again one by one at once (3 calls, no 2 s wait).
+    let mut first_retry: Option<Instant> = None;
+    for id in &slow {
+        let c = calls.of(id);
+        assert_eq!(c.len(), 2, "{id}: one failure, one success");
+        assert!(c[1].at - c[0].at >= Duration::from_secs(2));
+        first_retry = Some(first_retry.map_or(c[1].at, |t| t.min(c[1].at)));
+    }
+    let first_retry = first_retry.unwrap();
+    assert_handled(&calls, &others, slow.len());
+    let late: Vec<&String> = others
+        .iter()
+        .filter(|id| calls.of(id).iter().any(|c| c.at >= first_retry))
+        .collect();
+    assert!(
+        late.is_empty(),
+        "{} other events were not applied before the waiting retries ran: {:?}",
+        late.len(),
+        &late[..late.len().min(10)]
+    );
+    assert_eq!(summary.applied, 202);
+    assert_eq!(summary.retries, 2);
+    let mut all = slow.clone();
+    all.extend(others);
+    assert_exactly_once(&db, &all);
+    assert!(dead_letters(&mut conn, &stream).is_empty());
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
+// 5. ---------------------------------------------------------------------
+
+#[test]
+fn handler_panicking_once_is_retried_and_applied_once() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let others = ids("other", 20);
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "boom-once"), ("payload", "p")],
+    );
+    xadd_many(&mut conn, &stream, &others);
+
+    let calls = Calls::default();
+    let c = calls.clone();
+    let worker = builder(&redis_url(), &db.url, &stream, &group)
+        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+            c.record(event);
+            // Write first, so the panic leaves work to roll back.
+            insert(event, tx)?;
+            if event.event_id() == "boom-once" && c.of("boom-once").len() == 1 {
+                panic!("simulated bug on the first attempt");
+            }
+            Ok(())
+        }))
+        .unwrap();
+    let summary = start(worker).join(Duration::from_secs(30));
+
+    assert_eq!(summary.panics, 1);
+    assert_eq!(calls.of("boom-once").len(), 2);
+    // The panic is a failed attempt of that one event, retried after a
+    // backoff, in both modes (in batch mode the default `handle_batch`
+    // catches it and names the event, so its batch goes on without it).
+    assert_eq!(summary.retries, 1);
+    assert_handled(&calls, &others, 1);
+    assert_eq!(summary.dead_lettered, 0);
+    let mut all = vec!["boom-once".to_string()];
+    all.extend(others);
+    assert_exactly_once(&db, &all);
+    assert!(dead_letters(&mut conn, &stream).is_empty());
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
+#[test]
+fn handler_always_panicking_is_dead_lettered_and_the_pool_keeps_its_size() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let others = ids("other", 500);
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "boom"), ("payload", "p")],
+    );
+    xadd_many(&mut conn, &stream, &others);
+
+    let calls = Calls::default();
+    let c = calls.clone();
+    let worker = builder(&redis_url(), &db.url, &stream, &group)
+        .workers(2)
+        .max_attempts(2)
+        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+            c.record(event);
+            if event.event_id() == "boom" {
+                panic!("simulated bug on every attempt");
+            }
+            insert(event, tx)
+        }))
+        .unwrap();
+    // run() fails when one of its threads stops unexpectedly, so Ok here
+    // also says that no thread was lost.
+    let summary = start(worker).join(Duration::from_secs(60));
+
+    // Two attempts, in both modes: a panic counts as a failed attempt of
+    // the event that panicked.
+    let boom_calls = calls.of("boom").len();
+    let expected_calls = 2;
+    assert_eq!(boom_calls, expected_calls);
+    assert_eq!(summary.panics, expected_calls as u64);
+    assert_eq!(summary.dead_exhausted, 1);
+    assert_eq!(summary.dead_lettered, 1);
+    assert_eq!(summary.applied, 500);
+    assert_handled(&calls, &others, 1);
+    assert_exactly_once(&db, &others);
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    let l = letter_for(&letters, "boom");
+    assert_eq!(l.kind, DeadLetterKind::Exhausted);
+    assert_eq!(l.attempts, 2);
+    assert!(l.reason.contains("panicked"), "{}", l.reason);
+    assert!(l.reason.contains("simulated bug"), "{}", l.reason);
+    assert_eq!(l.history.len(), 2);
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+
+    // Both worker threads went on handling events after the last panic.
+    let all = calls.all();
+    let last_panic = all.iter().rposition(|c| c.event_id == "boom").unwrap();
+    let threads: std::collections::HashSet<&str> = all[last_panic + 1..]
+        .iter()
+        .map(|c| c.thread.as_str())
+        .collect();
+    assert!(
+        threads.contains("taskhub-worker-0") && threads.contains("taskhub-worker-1"),
+        "threads handling events after the last panic: {threads:?} ({} calls after it)",
+        all.len() - last_panic - 1
+    );
+}
+
+// 6. ---------------------------------------------------------------------
+
+type RawFields<'a> = Vec<(&'a [u8], &'a [u8])>;
+
+#[test]
+fn invalid_entries_are_dead_lettered_at_once_and_odd_ids_are_applied() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let blob: Vec<u8> = (0..=255u8).collect();
+    let big_payload = vec![b'p'; 5000];
+    let long_id = "i".repeat(10_000);
+
+    // (label, fields, expected reason fragment)
+    let invalid: Vec<(&str, RawFields, &str)> = vec![
+        (
+            "missing",
+            vec![(b"payload", b"no id")],
+            "missing field event_id",
+        ),
+        (
+            "empty",
+            vec![(b"event_id", b""), (b"payload", b"x")],
+            "empty event_id",
+        ),
+        (
+            "binary",
+            vec![(b"event_id", b"\xff\xfe\x00bin"), (b"blob", &blob)],
+            "not UTF-8",
+        ),
+        ("newline", vec![(b"event_id", b"line\nbreak")], "control"),
+        ("control", vec![(b"event_id", b"bell\x07id")], "control"),
+        ("nul", vec![(b"event_id", b"nul\x00id")], "control"),
+        (
+            "too-big",
+            vec![(b"event_id", b"big-entry"), (b"payload", &big_payload)],
+            "over the limit",
+        ),
+        (
+            "long-id",
+            vec![(b"event_id", long_id.as_bytes())],
+            "over the limit",
+        ),
+    ];
+    let weird = vec![
+        r#"quote"d'id"#.to_string(),
+        "'; DROP TABLE notifications;--".to_string(),
+        "<script>alert(1)</script>".to_string(),
+        "unicode-é-漢字-🙂".to_string(),
+    ];
+    let mut entry_of: HashMap<&str, String> = HashMap::new();
+    // Valid and invalid entries interleaved, so they share batches.
+    for (i, (label, fields, _)) in invalid.iter().enumerate() {
+        entry_of.insert(label, xadd_raw(&mut conn, &stream, fields));
+        if let Some(id) = weird.get(i) {
+            xadd_many(&mut conn, &stream, std::slice::from_ref(id));
+        }
+    }
+    let calls = Calls::default();
+    let c = calls.clone();
+    let worker = builder(&redis_url(), &db.url, &stream, &group)
+        .max_entry_bytes(1024)
+        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+            c.record(event);
+            insert(event, tx)
+        }))
+        .unwrap();
+    let summary = start(worker).join(Duration::from_secs(30));
+
+    assert_eq!(summary.dead_invalid, invalid.len() as u64);
+    assert_eq!(summary.dead_lettered, invalid.len() as u64);
+    assert_eq!(summary.applied, weird.len() as u64);
+    assert_eq!(summary.duplicates, 0);
+    // Only the valid events reached the handler, once per event_id.
+    let handled: Vec<String> = calls.all().into_iter().map(|c| c.event_id).collect();
+    let mut sorted = handled.clone();
+    sorted.sort();
+    let mut expected = weird.clone();
+    expected.sort();
+    assert_eq!(sorted, expected, "handler calls");
+    assert_exactly_once(&db, &weird);
+    let stored: Vec<String> = db
+        .client()
+        .query("SELECT event_id FROM notifications", &[])
+        .unwrap()
+        .into_iter()
+        .map(|r| r.get(0))
+        .collect();
+    for id in &weird {
+        assert!(stored.contains(id), "{id:?} stored verbatim");
+    }
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), invalid.len(), "{letters:?}");
+    for (label, fields, why) in &invalid {
+        let entry = &entry_of[label];
+        let l = letters
+            .iter()
+            .find(|l| &l.original_id == entry)
+            .unwrap_or_else(|| panic!("no dead letter for {label}"));
+        assert_eq!(l.kind, DeadLetterKind::Invalid, "{label}");
+        assert!(l.reason.contains(why), "{label}: {}", l.reason);
+        assert_eq!(l.attempts, 0, "{label}: never attempted");
+        assert!(l.first_failed_at <= l.dead_at);
+        let want: Vec<(Vec<u8>, Vec<u8>)> = fields
+            .iter()
+            .map(|(k, v)| (k.to_vec(), v.to_vec()))
+            .collect();
+        assert_eq!(l.fields, want, "{label}: fields kept byte-exact");
+    }
+    let bin = letters
+        .iter()
+        .find(|l| l.original_id == entry_of["binary"])
+        .unwrap();
+    assert_eq!(bin.field("blob"), Some(blob.as_slice()));
+    assert_eq!(bin.field("event_id"), Some(&b"\xff\xfe\x00bin"[..]));
+    assert_eq!(bin.event_id, None, "a non-UTF-8 event_id is not decoded");
+    let newline = letters
+        .iter()
+        .find(|l| l.original_id == entry_of["newline"])
+        .unwrap();
+    assert_eq!(newline.event_id.as_deref(), Some("line\nbreak"));
+}
+
+// 7. ---------------------------------------------------------------------
+
+/// Wraps a handler to record its calls.
+fn counted(inner: impl Handler, calls: Calls) -> impl Handler {
+    handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+        calls.record(event);
+        inner.handle(event, tx)
+    })
+}
+
+#[test]
+fn sql_constraint_violation_is_permanent() {
+    let db = TestDb::new();
+    let table = unique("checked").to_lowercase();
+    db.client()
+        .batch_execute(&format!(
+            "CREATE TABLE {table} (event_id text NOT NULL, payload text CHECK (payload <> 'bad'))"
+        ))
+        .unwrap();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    for (id, payload) in [
+        ("a", "fine"),
+        ("b", "bad"),
+        ("c", "also fine"),
+        ("d", "bad"),
+    ] {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", id), ("payload", payload)],
+        );
+    }
+    let calls = Calls::default();
+    let handler = SqlHandler::new(format!(
+        "INSERT INTO {table} (event_id, payload) VALUES ($1, $2)"
+    ));
+    let worker = builder(&redis_url(), &db.url, &stream, &group)
+        .build(counted(handler, calls.clone()))
+        .unwrap();
+    let summary = start(worker).join(Duration::from_secs(30));
+
+    for id in ["b", "d"] {
+        assert_eq!(calls.of(id).len(), 1, "{id}: not retried");
+    }
+    assert_handled(&calls, &["a".to_string(), "c".to_string()], 2);
+    assert_eq!(summary.retries, 0);
+    assert_eq!(summary.applied, 2);
+    assert_eq!(summary.dead_permanent, 2);
+    let rows: Vec<String> = db
+        .client()
+        .query(
+            &format!("SELECT event_id FROM {table} ORDER BY event_id"),
+            &[],
+        )
+        .unwrap()
+        .into_iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(rows, ["a", "c"]);
+    assert_eq!(
+        db.count("SELECT count(*) FROM processed_events WHERE event_id IN ('b', 'd')"),
+        0,
+        "the failed transaction left no processed_events row"
+    );
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 2, "{letters:?}");
+    for id in ["b", "d"] {
+        let l = letter_for(&letters, id);
+        assert_eq!(l.kind, DeadLetterKind::Permanent);
+        assert_eq!(l.attempts, 1);
+        assert_eq!(l.history.len(), 1);
+        assert!(l.reason.contains("23514"), "{}", l.reason);
+    }
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
+#[test]
+fn sql_undefined_table_and_syntax_errors_are_permanent() {
+    for (statement, code) in [
+        (
+            "INSERT INTO no_such_table_here (event_id) VALUES ($1)".to_string(),
+            "42P01",
+        ),
+        ("INSRT INTO notifications VALUES ($1)".to_string(), "42601"),
+    ] {
+        let db = TestDb::new();
+        let (stream, group) = (unique("s"), unique("g"));
+        let mut conn = redis(&redis_url());
+        for id in ["x1", "x2", "x3"] {
+            xadd(&mut conn, &stream, &[("event_id", id), ("payload", "p")]);
+        }
+        let calls = Calls::default();
+        let worker = builder(&redis_url(), &db.url, &stream, &group)
+            .build(counted(SqlHandler::new(statement.clone()), calls.clone()))
+            .unwrap();
+        let summary = start(worker).join(Duration::from_secs(30));
+
+        for id in ["x1", "x2", "x3"] {
+            assert_eq!(calls.of(id).len(), 1, "{statement}: {id} not retried");
+        }
+        assert_eq!(summary.retries, 0, "{statement}");
+        assert_eq!(summary.applied, 0, "{statement}");
+        assert_eq!(summary.dead_permanent, 3, "{statement}");
+        let letters = dead_letters(&mut conn, &stream);
+        assert_eq!(letters.len(), 3, "{letters:?}");
+        for l in &letters {
+            assert_eq!(l.kind, DeadLetterKind::Permanent);
+            assert_eq!(l.attempts, 1);
+            assert!(l.reason.contains(code), "{statement}: {}", l.reason);
+        }
+        assert_eq!(db.count("SELECT count(*) FROM processed_events"), 0);
+        assert_eq!(pending(&mut conn, &stream, &group), 0);
+    }
+}
+
+// 8. ---------------------------------------------------------------------
+
+#[test]
+fn postgres_outage_mid_run_is_waited_out_without_dead_letters() {
+    let mut pg = PrivatePostgres::start();
+    let db = TestDb::on(&pg.url("postgres"));
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let events = ids("pg", 2000);
+    xadd_many(&mut conn, &stream, &events);
+
+    let done = Arc::new(AtomicUsize::new(0));
+    let d = done.clone();
+    // One attempt only: an outage must not cost an attempt, so even without
+    // any retry budget nothing may be dead-lettered. (With more attempts,
+    // failed attempts would hide behind the pool's 5 s connect wait.)
+    let worker = builder(&redis_url(), &db.url, &stream, &group)
+        .workers(2)
+        .max_attempts(1)
+        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+            pause(1);
+            insert(event, tx)?;
+            d.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }))
+        .unwrap();
+    let running = start(worker);
+    assert!(
+        wait_until(Duration::from_secs(30), || done.load(Ordering::SeqCst)
+            >= 300),
+        "processing did not start"
+    );
+    pg.stop();
+    let at_stop = done.load(Ordering::SeqCst);
+    std::thread::sleep(Duration::from_secs(3));
+    pg.start_again();
+    let summary = running.join(Duration::from_secs(60));
+
+    assert!(
+        at_stop < events.len(),
+        "PostgreSQL stopped mid-run ({at_stop} done)"
+    );
+    assert_eq!(
+        summary.dead_lettered, 0,
+        "an outage is not the events' fault"
+    );
+    // A COMMIT cut by the outage may have gone through: its retry is then a
+    // duplicate, never a second effect.
+    assert!(summary.applied <= 2000, "{summary:?}");
+    assert!(summary.applied + summary.duplicates >= 2000, "{summary:?}");
+    assert_exactly_once(&db, &events);
+    assert_eq!(
+        db.count("SELECT count(*) FROM processed_events"),
+        events.len() as i64
+    );
+    assert!(dead_letters(&mut conn, &stream).is_empty());
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
+// 9. ---------------------------------------------------------------------
+
+#[test]
+fn redis_restart_mid_run_loses_nothing_and_duplicates_nothing() {
+    let mut r = PrivateRedis::start();
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&r.url());
+    let events = ids("rd", 1000);
+    xadd_many(&mut conn, &stream, &events);
+
+    let done = Arc::new(AtomicUsize::new(0));
+    let d = done.clone();
+    let worker = builder(&r.url(), &db.url, &stream, &group)
+        .workers(2)
+        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+            pause(1);
+            insert(event, tx)?;
+            d.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }))
+        .unwrap();
+    let running = start(worker);
+    assert!(
+        wait_until(Duration::from_secs(30), || done.load(Ordering::SeqCst)
+            >= 200),
+        "processing did not start"
+    );
+    r.stop();
+    let at_stop = done.load(Ordering::SeqCst);
+    std::thread::sleep(Duration::from_secs(2));
+    r.start_again();
+    let summary = running.join(Duration::from_secs(60));
+
+    assert!(
+        at_stop < events.len(),
+        "Redis stopped mid-run ({at_stop} done)"
+    );
+    assert_eq!(summary.dead_lettered, 0);
+    assert_exactly_once(&db, &events);
+    let mut conn = redis(&r.url());
+    assert_eq!(xlen(&mut conn, &stream), events.len() as u64);
+    assert!(dead_letters(&mut conn, &stream).is_empty());
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
+#[test]
+fn destroyed_group_is_recreated_and_new_events_are_processed() {
+    let r = PrivateRedis::start();
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&r.url());
+    let before = ids("before", 20);
+    xadd_many(&mut conn, &stream, &before);
+
+    let calls = Calls::default();
+    let c = calls.clone();
+    let worker = builder(&r.url(), &db.url, &stream, &group)
+        .until_idle(false)
+        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+            c.record(event);
+            insert(event, tx)
+        }))
+        .unwrap();
+    let running = start(worker);
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            effect_counts(&db).len() == before.len() && pending(&mut conn, &stream, &group) == 0
+        }),
+        "the first events were not processed"
+    );
+
+    let destroyed: i64 = redis::cmd("XGROUP")
+        .arg("DESTROY")
+        .arg(&stream)
+        .arg(&group)
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(destroyed, 1);
+    let after = ids("after", 20);
+    xadd_many(&mut conn, &stream, &after);
+    let mut all = before.clone();
+    all.extend(after.iter().cloned());
+    let processed = wait_until(Duration::from_secs(20), || {
+        effect_counts(&db).len() == all.len() && pending(&mut conn, &stream, &group) == 0
+    });
+    let summary = running.stop(Duration::from_secs(30));
+    assert!(
+        processed,
+        "events added after XGROUP DESTROY were not processed: {:?}",
+        effect_counts(&db)
+    );
+
+    assert_exactly_once(&db, &all);
+    assert_eq!(summary.applied, all.len() as u64);
+    // The group was recreated at 0, so the old entries came again and were
+    // recognised as duplicates.
+    assert_eq!(summary.duplicates, before.len() as u64);
+    for id in &after {
+        assert_eq!(calls.of(id).len(), 1, "{id}");
+    }
+    let groups: Vec<HashMap<String, redis::Value>> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(&stream)
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(groups.len(), 1, "the group exists again");
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+    assert!(dead_letters(&mut conn, &stream).is_empty());
+}
