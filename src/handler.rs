@@ -40,6 +40,13 @@ pub trait Handler: Send + Sync + 'static {
         Ok(())
     }
 
+    /// Whether batch mode may run several events in one transaction. Say no
+    /// when the handler has effects a rollback cannot undo (an HTTP call): a
+    /// failed batch is retried, which would repeat them. Defaults to true.
+    fn supports_batches(&self) -> bool {
+        true
+    }
+
     /// Called after the event's transaction committed (a lifecycle hook for
     /// metrics and tests; it cannot fail the event). Does nothing by default.
     fn committed(&self, _event: &Event) {}
@@ -126,6 +133,10 @@ impl<H: Handler + ?Sized> Handler for Box<H> {
         (**self).handle_batch(events, tx)
     }
 
+    fn supports_batches(&self) -> bool {
+        (**self).supports_batches()
+    }
+
     fn committed(&self, event: &Event) {
         (**self).committed(event)
     }
@@ -142,6 +153,10 @@ impl<H: Handler + ?Sized> Handler for std::sync::Arc<H> {
 
     fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
         (**self).handle_batch(events, tx)
+    }
+
+    fn supports_batches(&self) -> bool {
+        (**self).supports_batches()
     }
 
     fn committed(&self, event: &Event) {

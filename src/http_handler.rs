@@ -115,6 +115,12 @@ impl Handler for HttpHandler {
         }
     }
 
+    /// A POST cannot be rolled back: one event per transaction, so a
+    /// failing event never makes its neighbours call the downstream again.
+    fn supports_batches(&self) -> bool {
+        false
+    }
+
     fn name(&self) -> &str {
         "http"
     }

@@ -53,6 +53,7 @@
 mod backoff;
 mod config;
 mod connect;
+mod consumers;
 mod dead_letter;
 mod delivery;
 mod error;
@@ -77,6 +78,7 @@ mod streams;
 pub use backoff::Backoff;
 pub use config::{default_consumer_name, Builder, Config, Mode};
 pub use connect::redact;
+pub use consumers::{consumers, remove_consumer, ConsumerInfo};
 pub use dead_letter::{dead_letter_stream, DeadLetter, Kind as DeadLetterKind};
 pub use delivery::Attempt;
 pub use error::{

@@ -141,7 +141,8 @@ impl Processor {
         let mut done = Finished::default();
         let mut one_by_one = Vec::with_capacity(valid.len());
         let mut batch = Vec::new();
-        let batch_mode = self.shared.config.mode == Mode::Batch;
+        let batch_mode =
+            self.shared.config.mode == Mode::Batch && self.shared.handler.supports_batches();
         for (delivery, marked) in valid.into_iter().zip(marked) {
             if marked {
                 Stats::add(&self.shared.stats.duplicates, 1);

@@ -1,0 +1,100 @@
+//! The consumers of a group: list them with their pending counts and idle
+//! times, and remove one that left for good, but only once it has nothing
+//! pending (its entries would otherwise become unclaimable).
+
+use std::time::Duration;
+
+use crate::connect;
+use crate::error::{Error, ErrorKind};
+
+/// One consumer of a group, as `XINFO CONSUMERS` reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConsumerInfo {
+    /// The consumer name.
+    pub name: String,
+    /// Entries delivered to it and not acknowledged.
+    pub pending: u64,
+    /// Time since its last attempted interaction (read or claim).
+    pub idle: Duration,
+}
+
+fn redis_error(what: String, e: redis::RedisError) -> Error {
+    Error::with_source(ErrorKind::Redis, what, e)
+}
+
+fn connection(redis_url: &str) -> Result<redis::Connection, Error> {
+    let client = connect::redis_client(redis_url)?;
+    connect::redis_connection(&client, connect::REDIS_COMMAND_TIMEOUT)
+        .map_err(|e| connect::redis_unreachable(redis_url, e))
+}
+
+/// The consumers of `group` on `stream`.
+pub fn consumers(redis_url: &str, stream: &str, group: &str) -> Result<Vec<ConsumerInfo>, Error> {
+    let mut conn = connection(redis_url)?;
+    let rows: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg(stream)
+        .arg(group)
+        .query(&mut conn)
+        .map_err(|e| redis_error(format!("{stream}: cannot list the consumers of {group}"), e))?;
+    let int = |row: &std::collections::HashMap<String, redis::Value>, k: &str| match row.get(k) {
+        Some(redis::Value::Int(n)) => u64::try_from(*n).unwrap_or(0),
+        _ => 0,
+    };
+    let mut out: Vec<ConsumerInfo> = rows
+        .iter()
+        .map(|row| ConsumerInfo {
+            name: match row.get("name") {
+                Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+                Some(redis::Value::SimpleString(s)) => s.clone(),
+                _ => String::new(),
+            },
+            pending: int(row, "pending"),
+            idle: Duration::from_millis(int(row, "idle")),
+        })
+        .collect();
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+/// Checks and deletes in one step on the server, so no entry can be
+/// delivered to the consumer between the check and the delete.
+const REMOVE_IF_IDLE: &str = r"
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
+if #pending > 0 then
+  return redis.error_reply('PENDING consumer still has pending entries')
+end
+return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+";
+
+/// Removes `consumer` from `group`, refusing while it has pending entries
+/// (let the reclaimer of a live instance take them over first).
+pub fn remove_consumer(
+    redis_url: &str,
+    stream: &str,
+    group: &str,
+    consumer: &str,
+) -> Result<(), Error> {
+    let mut conn = connection(redis_url)?;
+    redis::cmd("EVAL")
+        .arg(REMOVE_IF_IDLE)
+        .arg(1)
+        .arg(stream)
+        .arg(group)
+        .arg(consumer)
+        .query::<()>(&mut conn)
+        .map_err(|e| {
+            if e.code() == Some("PENDING") {
+                Error::new(
+                    ErrorKind::Redis,
+                    format!(
+                        "{stream}: consumer {consumer} still has pending entries; \
+                         a running instance reclaims them after --reclaim-min-idle, then retry"
+                    ),
+                )
+            } else {
+                redis_error(format!("{stream}: cannot remove consumer {consumer}"), e)
+            }
+        })
+}

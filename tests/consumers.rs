@@ -1,0 +1,89 @@
+//! Listing a group's consumers and removing one that left, safely.
+
+mod support;
+
+use support::*;
+
+fn read_as(
+    conn: &mut redis::Connection,
+    stream: &str,
+    group: &str,
+    consumer: &str,
+    count: usize,
+) -> Vec<String> {
+    let reply: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(group)
+        .arg(consumer)
+        .arg("COUNT")
+        .arg(count)
+        .arg("STREAMS")
+        .arg(stream)
+        .arg(">")
+        .query(conn)
+        .unwrap();
+    let redis::Value::Array(streams) = reply else {
+        return vec![];
+    };
+    let mut ids = Vec::new();
+    for s in streams {
+        let redis::Value::Array(mut pair) = s else {
+            continue;
+        };
+        let Some(redis::Value::Array(entries)) = pair.pop() else {
+            continue;
+        };
+        for e in entries {
+            if let redis::Value::Array(mut kv) = e {
+                kv.truncate(1);
+                if let Some(redis::Value::BulkString(id)) = kv.pop() {
+                    ids.push(String::from_utf8(id).unwrap());
+                }
+            }
+        }
+    }
+    ids
+}
+
+#[test]
+fn list_and_remove_only_when_nothing_is_pending() {
+    let url = redis_url();
+    let (stream, group) = (unique("cons"), unique("g"));
+    let mut conn = redis(&url);
+    for i in 0..5 {
+        xadd(&mut conn, &stream, &[("event_id", &format!("e{i}"))]);
+    }
+    redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&stream)
+        .arg(&group)
+        .arg("0")
+        .query::<()>(&mut conn)
+        .unwrap();
+    let a = read_as(&mut conn, &stream, &group, "alive", 2);
+    let gone = read_as(&mut conn, &stream, &group, "gone", 3);
+    assert_eq!((a.len(), gone.len()), (2, 3));
+
+    let list = taskhub::consumers(&url, &stream, &group).unwrap();
+    let pending: Vec<(&str, u64)> = list.iter().map(|c| (c.name.as_str(), c.pending)).collect();
+    assert_eq!(pending, [("alive", 2), ("gone", 3)]);
+
+    // Refused while it holds entries: they would become unclaimable.
+    let err = taskhub::remove_consumer(&url, &stream, &group, "gone").unwrap_err();
+    assert!(err.to_string().contains("pending"), "{err}");
+    assert_eq!(taskhub::consumers(&url, &stream, &group).unwrap().len(), 2);
+
+    // Once another consumer took them over (as the reclaimer does), it goes.
+    let _: redis::Value = redis::cmd("XAUTOCLAIM")
+        .arg(&stream)
+        .arg(&group)
+        .arg("alive")
+        .arg(0)
+        .arg("0-0")
+        .query(&mut conn)
+        .unwrap();
+    taskhub::remove_consumer(&url, &stream, &group, "gone").unwrap();
+    let list = taskhub::consumers(&url, &stream, &group).unwrap();
+    assert_eq!(list.len(), 1);
+    assert_eq!((list[0].name.as_str(), list[0].pending), ("alive", 5));
+}
