@@ -35,6 +35,11 @@ pub struct Config {
     pub(crate) max_event_id_bytes: usize,
     pub(crate) max_entry_bytes: usize,
     pub(crate) mode: Mode,
+    pub(crate) http: Option<String>,
+    pub(crate) alert_webhook: Option<String>,
+    pub(crate) alert_interval: Duration,
+    pub(crate) alert_age: Duration,
+    pub(crate) alert_min_gap: Duration,
 }
 
 /// How events are committed.
@@ -113,6 +118,11 @@ impl fmt::Debug for Config {
             .field("max_event_id_bytes", &self.max_event_id_bytes)
             .field("max_entry_bytes", &self.max_entry_bytes)
             .field("mode", &self.mode)
+            .field("http", &self.http)
+            .field("alert_webhook", &self.alert_webhook.as_deref().map(redact))
+            .field("alert_interval", &self.alert_interval)
+            .field("alert_age", &self.alert_age)
+            .field("alert_min_gap", &self.alert_min_gap)
             .finish()
     }
 }
@@ -161,6 +171,11 @@ impl Default for Builder {
                 max_event_id_bytes: 256,
                 max_entry_bytes: 1024 * 1024,
                 mode: Mode::Batch,
+                http: None,
+                alert_webhook: None,
+                alert_interval: Duration::from_secs(10),
+                alert_age: Duration::from_secs(3600),
+                alert_min_gap: Duration::from_secs(60),
             },
         }
     }
@@ -263,6 +278,20 @@ impl Builder {
         mode: Mode
     );
     setter!(
+        /// How often the dead-letter streams are checked for alerts.
+        /// Defaults to 10 s.
+        alert_interval: Duration
+    );
+    setter!(
+        /// Age of the oldest dead letter that raises an alert. Defaults to 1 h.
+        alert_age: Duration
+    );
+    setter!(
+        /// Least time between two webhook calls for one stream (changes in
+        /// between are folded into the next call). Defaults to 60 s.
+        alert_min_gap: Duration
+    );
+    setter!(
         /// Longest accepted `event_id`, in bytes. Defaults to 256.
         max_event_id_bytes: usize
     );
@@ -276,6 +305,21 @@ impl Builder {
     /// required. Defaults to none.
     pub fn stream(mut self, stream: &str) -> Builder {
         self.config.streams.push(stream.to_owned());
+        self
+    }
+
+    /// Serves `/metrics`, `/healthz`, `/readyz` and `/dlq` on this address
+    /// (`9090` or `:9090` mean `127.0.0.1:9090`). Defaults to off.
+    pub fn http(mut self, addr: &str) -> Builder {
+        self.config.http = Some(crate::http_server::bind_address(addr));
+        self
+    }
+
+    /// POST a JSON alert here when a dead-letter stream becomes non-empty,
+    /// grows, or its oldest entry passes `alert_age`. Defaults to none (the
+    /// alert is still logged at error level).
+    pub fn alert_webhook(mut self, url: &str) -> Builder {
+        self.config.alert_webhook = Some(url.to_owned());
         self
     }
 
@@ -349,6 +393,9 @@ impl Builder {
                 "backoff base must be positive and not above the cap ({:?} > {:?})",
                 c.backoff_base, c.backoff_cap
             ));
+        }
+        if c.alert_interval.is_zero() {
+            return err("alert interval must be positive".into());
         }
         if c.reclaim_interval.is_zero() {
             return err("reclaim interval must be positive".into());

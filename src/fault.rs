@@ -20,6 +20,9 @@ pub(crate) enum Point {
     AfterCommit,
     /// After the Redis marker, before XACK.
     AfterMarker,
+    /// `taskhub dlq archive`: a chunk is copied and verified, not yet removed
+    /// from the dead-letter stream (the id is the chunk's first dead-letter id).
+    ArchiveAfterCopy,
 }
 
 impl Point {
@@ -29,6 +32,7 @@ impl Point {
             Point::BeforeCommit => "before-commit",
             Point::AfterCommit => "after-commit",
             Point::AfterMarker => "after-marker",
+            Point::ArchiveAfterCopy => "archive-after-copy",
         }
     }
 }

@@ -40,6 +40,17 @@ pub trait Handler: Send + Sync + 'static {
         Ok(())
     }
 
+    /// Called once when the worker starts, with a database connection, to
+    /// check the handler's configuration (for example, that its SQL
+    /// prepares). An error stops the start-up: a statement that cannot work
+    /// must not dead-letter every event. Does nothing by default.
+    fn on_start(
+        &self,
+        _client: &mut postgres::Client,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        Ok(())
+    }
+
     /// Whether batch mode may run several events in one transaction. Say no
     /// when the handler has effects a rollback cannot undo (an HTTP call): a
     /// failed batch is retried, which would repeat them. Defaults to true.
@@ -133,6 +144,13 @@ impl<H: Handler + ?Sized> Handler for Box<H> {
         (**self).handle_batch(events, tx)
     }
 
+    fn on_start(
+        &self,
+        client: &mut postgres::Client,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        (**self).on_start(client)
+    }
+
     fn supports_batches(&self) -> bool {
         (**self).supports_batches()
     }
@@ -153,6 +171,13 @@ impl<H: Handler + ?Sized> Handler for std::sync::Arc<H> {
 
     fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
         (**self).handle_batch(events, tx)
+    }
+
+    fn on_start(
+        &self,
+        client: &mut postgres::Client,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        (**self).on_start(client)
     }
 
     fn supports_batches(&self) -> bool {

@@ -50,17 +50,20 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod alert;
 mod backoff;
 mod config;
 mod connect;
 mod consumers;
 mod dead_letter;
 mod delivery;
+pub mod dlq;
 mod error;
 mod event;
 mod fault;
 mod handler;
 mod http_handler;
+mod http_server;
 mod in_flight;
 mod migrate;
 mod pool;

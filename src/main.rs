@@ -8,14 +8,50 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use taskhub::{HttpHandler, Producer, SqlHandler, Worker};
 
+mod cli;
+
 /// Exactly-once effects from Redis Streams, with retries and dead letters.
 #[derive(Parser, Debug)]
 #[command(name = "taskhub", version, about, long_about = None)]
 struct Cli {
     #[command(flatten)]
     servers: Servers,
+    /// Log lines as text or as JSON objects (one per line). RUST_LOG sets the level.
+    #[arg(
+        long,
+        global = true,
+        env = "TASKHUB_LOG_FORMAT",
+        default_value = "text"
+    )]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Logs to stderr; the library only uses the `log` facade.
+fn init_logging(format: LogFormat) {
+    let mut builder = env_logger::Builder::from_env(
+        env_logger::Env::default().default_filter_or("info,postgres=warn,tokio_postgres=warn"),
+    );
+    match format {
+        LogFormat::Text => builder.format_timestamp_millis(),
+        LogFormat::Json => builder.format(|buf, record| {
+            let line = serde_json::json!({
+                "ts": humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string(),
+                "level": record.level().as_str(),
+                "target": record.target(),
+                "msg": record.args().to_string(),
+            });
+            writeln!(buf, "{line}")
+        }),
+    };
+    builder.init();
 }
 
 #[derive(Args, Debug)]
@@ -49,6 +85,9 @@ enum Command {
     Run(Box<RunArgs>),
     /// Add events to a stream: JSON lines on stdin, or --count demo events.
     Produce(ProduceArgs),
+    /// Dead letters: stats, list, show, replay, purge, archive, check.
+    #[command(long_about = cli::dlq::LONG_ABOUT)]
+    Dlq(Box<cli::dlq::DlqArgs>),
 }
 
 fn duration(s: &str) -> Result<Duration, String> {
@@ -124,6 +163,21 @@ struct RunArgs {
     /// Largest accepted entry in bytes; larger ones are dead-lettered as invalid.
     #[arg(long, default_value_t = 1024 * 1024)]
     max_entry_bytes: usize,
+    /// Serve /metrics, /healthz, /readyz and /dlq on this address (9090 means 127.0.0.1:9090).
+    #[arg(long, value_name = "ADDR")]
+    http: Option<String>,
+    /// POST a JSON alert here when a dead-letter stream becomes non-empty, grows or gets old.
+    #[arg(long, value_name = "URL")]
+    alert_webhook: Option<String>,
+    /// How often the dead-letter streams are checked for alerts.
+    #[arg(long, default_value = "10s", value_parser = duration, allow_hyphen_values = true)]
+    alert_interval: Duration,
+    /// Age of the oldest dead letter that raises an alert.
+    #[arg(long, default_value = "1h", value_parser = duration, allow_hyphen_values = true)]
+    alert_age: Duration,
+    /// Least time between two webhook calls for one stream.
+    #[arg(long, default_value = "1m", value_parser = duration, allow_hyphen_values = true)]
+    alert_min_gap: Duration,
     /// Where a newly created group starts: 0 (whole stream) or $ (new entries only).
     #[arg(long, default_value = "0")]
     start_id: String,
@@ -147,15 +201,19 @@ struct ProduceArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
-        .format_timestamp_millis()
-        .init();
+    init_logging(cli.log_format);
     let result = match cli.command {
         Command::Migrate => taskhub::migrate(&cli.servers.database_url)
             .map(|n| println!("migrations applied: {n}"))
             .map_err(|e| e.to_string()),
         Command::Run(args) => run(&cli.servers, *args),
         Command::Produce(args) => produce(&cli.servers, args),
+        Command::Dlq(args) => {
+            match cli::dlq::run(&cli.servers.redis_url, &cli.servers.database_url, *args) {
+                Ok(code) => return code,
+                Err(message) => Err(message),
+            }
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -195,6 +253,16 @@ fn run(servers: &Servers, args: RunArgs) -> Result<(), String> {
     if let Some(scope) = &args.scope {
         builder = builder.scope(scope);
     }
+    if let Some(addr) = &args.http {
+        builder = builder.http(addr);
+    }
+    if let Some(url) = &args.alert_webhook {
+        builder = builder.alert_webhook(url);
+    }
+    builder = builder
+        .alert_interval(args.alert_interval)
+        .alert_age(args.alert_age)
+        .alert_min_gap(args.alert_min_gap);
     let worker = match &args.http_url {
         Some(url) => builder.build(HttpHandler::new(url, args.http_timeout)),
         None => builder.build(SqlHandler::new(args.sql)),

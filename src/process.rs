@@ -331,7 +331,9 @@ impl Processor {
         for e in &events {
             fault::hit(Point::InHandler, e.event_id());
         }
+        let started = Instant::now();
         let handled = catch_panic(|| self.shared.handler.handle_batch(&events, &mut tx));
+        self.shared.stats.handler_seconds.observe(started.elapsed());
         if let Err(e) = handled {
             if e.is_panic() {
                 Stats::add(&self.shared.stats.panics, 1);
@@ -473,6 +475,7 @@ impl Processor {
         fault::hit(Point::InHandler, event.event_id());
         let started = Instant::now();
         let handled = catch_panic(|| self.shared.handler.handle(event, &mut tx));
+        self.shared.stats.handler_seconds.observe(started.elapsed());
         log::trace!(
             "{}/{}: handler ran in {:?}",
             delivery.stream,

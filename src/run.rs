@@ -10,7 +10,7 @@
 //! ```
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -25,7 +25,7 @@ use crate::handler::Handler;
 use crate::in_flight::InFlight;
 use crate::shutdown::Shutdown;
 use crate::stats::{Health, Stats, Summary};
-use crate::{dead_letter, pool, reader, reclaim, retry, streams};
+use crate::{alert, dead_letter, http_server, pool, reader, reclaim, retry, streams};
 
 /// A configured worker: reads its streams and applies each event exactly once
 /// until its [`Shutdown`] fires.
@@ -49,9 +49,18 @@ pub(crate) struct Shared {
     pub backoff: Backoff,
     pub limits: Limits,
     pub reader_idle: Vec<AtomicBool>,
+    /// The name of a thread that stopped unexpectedly, if any.
+    pub thread_died: Mutex<Option<String>>,
 }
 
 impl Shared {
+    pub fn dead_thread(&self) -> Option<String> {
+        self.thread_died
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     pub fn redis_conn(&self) -> redis::RedisResult<r2d2::PooledConnection<connect::RedisManager>> {
         self.redis.get().map_err(|e| {
             redis::RedisError::from(std::io::Error::new(
@@ -109,7 +118,7 @@ impl Worker {
         let config = self.config;
         let redis = connect::redis_pool(&config.redis_url, config.workers as u32 + 4)?;
         let pg = connect::postgres_pool(&config.database_url, config.workers as u32 + 1)?;
-        check_schema(&pg, &config)?;
+        check_schema(&pg, &config, self.handler.as_ref())?;
         {
             let mut conn = redis
                 .get()
@@ -148,6 +157,7 @@ impl Worker {
                 .iter()
                 .map(|_| AtomicBool::new(false))
                 .collect(),
+            thread_died: Mutex::new(None),
             handler: self.handler,
             config,
         });
@@ -163,7 +173,7 @@ impl Worker {
     }
 }
 
-fn check_schema(pg: &PgPool, config: &Config) -> Result<(), Error> {
+fn check_schema(pg: &PgPool, config: &Config, handler: &dyn Handler) -> Result<(), Error> {
     let mut conn = pg
         .get()
         .map_err(|e| connect::pg_unreachable(&config.database_url, e))?;
@@ -175,6 +185,12 @@ fn check_schema(pg: &PgPool, config: &Config) -> Result<(), Error> {
                 e,
             )
         })?;
+    handler.on_start(&mut conn).map_err(|e| {
+        Error::new(
+            ErrorKind::Config,
+            format!("{} handler: {e}", handler.name()),
+        )
+    })?;
     Ok(())
 }
 
@@ -189,6 +205,22 @@ fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<(
 
 fn run_threads(shared: &Arc<Shared>) -> Result<Summary, Error> {
     let config = &shared.config;
+    let http = match &config.http {
+        Some(addr) => {
+            let server = tiny_http::Server::http(addr.as_str()).map_err(|e| {
+                Error::new(
+                    ErrorKind::Config,
+                    format!("cannot serve HTTP on {addr}: {e}"),
+                )
+            })?;
+            log::info!("http: serving /metrics, /healthz, /readyz and /dlq on http://{addr}");
+            let s = shared.clone();
+            Some(spawn("taskhub-http".into(), move || {
+                http_server::http_thread(&s, &server)
+            })?)
+        }
+        None => None,
+    };
     let (jobs_tx, jobs_rx) = bounded(config.workers);
     let (retry_tx, retry_rx) = unbounded();
     let (dead_tx, dead_rx) = unbounded();
@@ -226,6 +258,10 @@ fn run_threads(shared: &Arc<Shared>) -> Result<Summary, Error> {
             reclaim::reclaim_thread(&s, &tx)
         })?
     };
+    let alerter = {
+        let s = shared.clone();
+        spawn("taskhub-alert".into(), move || alert::alert_thread(&s))?
+    };
     let mut readers = Vec::new();
     for i in 0..config.streams.len() {
         let (s, tx) = (shared.clone(), jobs_tx.clone());
@@ -241,11 +277,12 @@ fn run_threads(shared: &Arc<Shared>) -> Result<Summary, Error> {
         if let Some(dead) = readers
             .iter()
             .chain(&workers)
-            .chain([&dlq, &retrier, &reclaimer])
+            .chain([&dlq, &retrier, &reclaimer, &alerter])
             .find(|h| h.is_finished())
         {
             let name = dead.thread().name().unwrap_or("?").to_owned();
             log::error!("{name}: thread stopped unexpectedly; shutting down");
+            *shared.thread_died.lock().unwrap_or_else(|e| e.into_inner()) = Some(name.clone());
             thread_died = Some(name);
             shared.shutdown.shutdown();
             break;
@@ -260,7 +297,13 @@ fn run_threads(shared: &Arc<Shared>) -> Result<Summary, Error> {
     // thread within its tick; then the jobs channel closes, the workers drain
     // it and exit, and finally the dead-letter writer drains and exits.
     let deadline = Instant::now() + config.shutdown_timeout;
-    let stages = [readers, vec![reclaimer, retrier], workers, vec![dlq]];
+    let stages = [
+        readers,
+        vec![reclaimer, retrier, alerter],
+        workers,
+        vec![dlq],
+        http.into_iter().collect(),
+    ];
     for stage in stages {
         for handle in stage {
             while !handle.is_finished() {

@@ -128,6 +128,51 @@ impl Handler for SqlHandler {
         Ok(())
     }
 
+    /// Prepares the statement once at start-up, so a typo or a missing
+    /// table is a start-up error instead of a dead letter per event.
+    fn on_start(
+        &self,
+        client: &mut postgres::Client,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let statement = client.prepare(&self.statement).map_err(|e| {
+            let why = e.as_db_error().map_or_else(
+                || e.to_string(),
+                |db| format!("{} ({})", db.message(), db.code().code()),
+            );
+            format!(
+                "the SQL statement does not prepare: {why}: {}",
+                self.statement
+            )
+        })?;
+        let params = statement.params();
+        if params.len() > 3 {
+            return Err(format!(
+                "the SQL statement uses {} parameters; only $1 (event_id), $2 (payload) and $3 (fields) exist",
+                params.len()
+            )
+            .into());
+        }
+        for (i, ty) in params.iter().enumerate() {
+            let text_like = [
+                Type::TEXT,
+                Type::VARCHAR,
+                Type::BPCHAR,
+                Type::NAME,
+                Type::UNKNOWN,
+            ]
+            .contains(ty);
+            if !text_like && !is_json(ty) {
+                return Err(format!(
+                    "parameter ${} of the SQL statement is of type {ty}, but taskhub passes text or JSON: cast it in SQL, e.g. ${}::text::{ty}",
+                    i + 1,
+                    i + 1
+                )
+                .into());
+            }
+        }
+        Ok(())
+    }
+
     fn name(&self) -> &str {
         "sql"
     }

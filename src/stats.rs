@@ -21,6 +21,7 @@ pub(crate) struct Stats {
     pub reclaimed: AtomicU64,
     pub deleted_while_pending: AtomicU64,
     pub panics: AtomicU64,
+    pub handler_seconds: Histogram,
 }
 
 /// A copy of the counters at one moment.
@@ -136,5 +137,39 @@ impl Health {
         if self.flag(server).swap(false, Ordering::SeqCst) {
             log::info!("{server:?}: reachable again, resuming");
         }
+    }
+}
+
+/// Upper bounds (seconds) of the handler duration histogram buckets.
+pub(crate) const DURATION_BUCKETS: [f64; 10] =
+    [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0];
+
+/// A Prometheus-style histogram of handler call durations, lock-free.
+#[derive(Debug, Default)]
+pub(crate) struct Histogram {
+    /// Cumulative counts per bucket of `DURATION_BUCKETS`, then +Inf.
+    buckets: [AtomicU64; 11],
+    sum_micros: AtomicU64,
+}
+
+impl Histogram {
+    pub fn observe(&self, d: std::time::Duration) {
+        let secs = d.as_secs_f64();
+        for (i, bound) in DURATION_BUCKETS.iter().enumerate() {
+            if secs <= *bound {
+                self.buckets[i].fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.buckets[10].fetch_add(1, Ordering::Relaxed);
+        self.sum_micros.fetch_add(
+            u64::try_from(d.as_micros()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// (cumulative bucket counts, +Inf last; sum in seconds).
+    pub fn read(&self) -> ([u64; 11], f64) {
+        let counts = std::array::from_fn(|i| self.buckets[i].load(Ordering::Relaxed));
+        (counts, self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6)
     }
 }

@@ -557,3 +557,47 @@ fn missing_schema_tells_to_run_migrate() {
     assert!(line.contains("taskhub migrate"), "{line}");
     assert!(line.contains("processed_events"), "{line}");
 }
+
+/// A statement that cannot work is a start-up error, not a dead letter per
+/// event: a typo in `--sql` must not empty the stream into the DLQ.
+#[test]
+fn a_bad_sql_statement_fails_at_start_up_and_dead_letters_nothing() {
+    let db = TestDb::new();
+    let stream = unique("badsql");
+    let mut r = redis(&redis_url());
+    xadd(&mut r, &stream, &[("event_id", "e1"), ("payload", "1")]);
+    for (sql, needle) in [
+        ("INSRT INTO notifications VALUES ($1)", "42601"),
+        ("INSERT INTO no_such_table (event_id) VALUES ($1)", "42P01"),
+        (
+            "INSERT INTO notifications (event_id, payload) VALUES ($1, $2::int::text)",
+            "$2::text::int4",
+        ),
+        (
+            "SELECT $1::text, $2::text, $3::text, $4::text",
+            "4 parameters",
+        ),
+    ] {
+        let out = taskhub(&redis_url(), &db.url)
+            .args([
+                "run",
+                "--stream",
+                &stream,
+                "--group",
+                &stream,
+                "--until-idle",
+            ])
+            .args(["--sql", sql])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{sql}: {stderr}");
+        assert!(
+            stderr.contains("taskhub: error: sql handler:"),
+            "{sql}: {stderr}"
+        );
+        assert!(stderr.contains(needle), "{sql}: {stderr}");
+    }
+    assert_eq!(xlen(&mut r, &taskhub::dead_letter_stream(&stream)), 0);
+    assert_eq!(db.count("SELECT count(*) FROM notifications"), 0);
+}

@@ -1,0 +1,68 @@
+//! Subcommands of the binary that are more than a call into the library, and
+//! what they share: output that tolerates a closed pipe, and text tables.
+
+pub mod dlq;
+
+use std::io::Write;
+
+/// Writes `text` to stdout. A reader that went away (`| head`) is not an
+/// error worth a message.
+pub fn print(text: &str) -> Result<(), String> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        Err(e) => Err(format!("cannot write to stdout: {e}")),
+    }
+}
+
+/// Plain text columns aligned with spaces (the last one is not padded).
+pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (i, cell) in row.iter().enumerate() {
+            if let Some(w) = widths.get_mut(i) {
+                *w = (*w).max(cell.chars().count());
+            }
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: &mut dyn Iterator<Item = &str>| {
+        let mut text = String::new();
+        for (i, cell) in cells.enumerate() {
+            if i > 0 {
+                text.push_str("  ");
+            }
+            text.push_str(cell);
+            if i + 1 < widths.len() {
+                let pad = widths[i].saturating_sub(cell.chars().count());
+                text.extend(std::iter::repeat_n(' ', pad));
+            }
+        }
+        out.push_str(text.trim_end());
+        out.push('\n');
+    };
+    line(&mut headers.iter().copied());
+    for row in rows {
+        line(&mut row.iter().map(String::as_str));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn table_aligns_columns() {
+        let t = super::table(
+            &["ID", "KIND", "REASON"],
+            &[
+                vec!["1-0".into(), "exhausted".into(), "boom".into()],
+                vec!["22-0".into(), "invalid".into(), "x".into()],
+            ],
+        );
+        assert_eq!(
+            t,
+            "ID    KIND       REASON\n1-0   exhausted  boom\n22-0  invalid    x\n"
+        );
+    }
+}

@@ -1,0 +1,293 @@
+//! Operating `taskhub run`: /metrics, /healthz, /readyz and the dead-letter
+//! webhook alert, against real servers and a local HTTP receiver.
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use support::*;
+
+/// A statement that fails permanently (22P02) for a payload that is not an
+/// integer: a way to make dead letters on demand.
+const INT_SQL: &str =
+    "INSERT INTO notifications (event_id, payload) VALUES ($1, $2::text::int::text)";
+
+fn get(url: &str) -> (u16, String) {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(10)))
+        .build()
+        .into();
+    let mut response = agent.get(url).call().unwrap();
+    let status = response.status().as_u16();
+    (status, response.body_mut().read_to_string().unwrap())
+}
+
+/// Parses Prometheus text: every sample line is `name{labels} value` with a
+/// numeric value and a name declared by a `# TYPE` line.
+fn parse_metrics(text: &str) -> Vec<(String, f64)> {
+    let mut declared = Vec::new();
+    let mut samples = Vec::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let mut parts = rest.split_whitespace();
+            declared.push(parts.next().unwrap().to_owned());
+            assert!(
+                matches!(parts.next(), Some("counter" | "gauge" | "histogram")),
+                "{line}"
+            );
+            continue;
+        }
+        if line.starts_with("# HELP ") {
+            continue;
+        }
+        let (series, value) = line
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("bad line {line:?}"));
+        let value: f64 = value
+            .parse()
+            .unwrap_or_else(|_| panic!("bad value in {line:?}"));
+        let name = series.split('{').next().unwrap();
+        assert!(
+            name.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+            "bad name in {line:?}"
+        );
+        let base = name
+            .trim_end_matches("_bucket")
+            .trim_end_matches("_sum")
+            .trim_end_matches("_count");
+        assert!(
+            declared.iter().any(|d| d == name || d == base),
+            "{name} has no TYPE line"
+        );
+        if let Some(labels) = series.strip_prefix(name) {
+            if !labels.is_empty() {
+                assert!(labels.starts_with('{') && labels.ends_with('}'), "{line:?}");
+            }
+        }
+        samples.push((series.to_owned(), value));
+    }
+    samples
+}
+
+fn sample(samples: &[(String, f64)], series: &str) -> f64 {
+    samples
+        .iter()
+        .find(|(s, _)| s == series)
+        .unwrap_or_else(|| panic!("no {series} in {samples:?}"))
+        .1
+}
+
+#[test]
+fn metrics_health_and_readiness_match_what_the_run_did() {
+    let db = TestDb::new();
+    let stream = unique("ops");
+    let mut r = redis(&redis_url());
+    for i in 0..30 {
+        xadd(
+            &mut r,
+            &stream,
+            &[
+                ("event_id", &format!("good-{i}")),
+                ("payload", &i.to_string()),
+            ],
+        );
+    }
+    for i in 0..4 {
+        xadd(
+            &mut r,
+            &stream,
+            &[
+                ("event_id", &format!("bad-{i}")),
+                ("payload", "not a number"),
+            ],
+        );
+    }
+    let port = free_port();
+    let mut cmd = taskhub(&redis_url(), &db.url);
+    cmd.args([
+        "run",
+        "--stream",
+        &stream,
+        "--group",
+        &stream,
+        "--block-ms",
+        "100",
+    ])
+    .args(["--sql", INT_SQL, "--http", &port.to_string()]);
+    let mut p = Proc::spawn(cmd);
+    let dlq = taskhub::dead_letter_stream(&stream);
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            db.count("SELECT count(*) FROM notifications") == 30 && xlen(&mut r, &dlq) == 4
+        }),
+        "{}",
+        p.stderr()
+    );
+    let base = format!("http://127.0.0.1:{port}");
+    assert_eq!(get(&format!("{base}/healthz")).0, 200);
+    let (status, body) = get(&format!("{base}/readyz"));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(get(&format!("{base}/nothing")).0, 404);
+
+    let (status, text) = get(&format!("{base}/metrics"));
+    assert_eq!(status, 200);
+    let m = parse_metrics(&text);
+    assert_eq!(sample(&m, "taskhub_events_read_total"), 34.0);
+    assert_eq!(sample(&m, "taskhub_events_applied_total"), 30.0);
+    assert_eq!(sample(&m, "taskhub_duplicates_total"), 0.0);
+    assert_eq!(
+        sample(&m, r#"taskhub_dead_lettered_total{kind="permanent"}"#),
+        4.0
+    );
+    assert_eq!(
+        sample(&m, r#"taskhub_dead_lettered_total{kind="invalid"}"#),
+        0.0
+    );
+    assert_eq!(
+        sample(&m, &format!(r#"taskhub_dead_letters{{stream="{stream}"}}"#)),
+        4.0
+    );
+    assert_eq!(
+        sample(&m, &format!(r#"taskhub_pending{{stream="{stream}"}}"#)),
+        0.0
+    );
+    assert_eq!(
+        sample(&m, &format!(r#"taskhub_stream_lag{{stream="{stream}"}}"#)),
+        0.0
+    );
+    assert_eq!(sample(&m, "taskhub_in_flight"), 0.0);
+    assert!(sample(&m, "taskhub_handler_duration_seconds_count") >= 1.0);
+    assert_eq!(
+        sample(&m, r#"taskhub_handler_duration_seconds_bucket{le="+Inf"}"#),
+        sample(&m, "taskhub_handler_duration_seconds_count")
+    );
+
+    p.signal("TERM");
+    assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+}
+
+#[test]
+fn readyz_says_which_server_is_down() {
+    let mut pg = PrivatePostgres::start();
+    let db = TestDb::on(&pg.url("postgres"));
+    let stream = unique("ready");
+    let port = free_port();
+    let mut cmd = taskhub(&redis_url(), &db.url);
+    cmd.args([
+        "run",
+        "--stream",
+        &stream,
+        "--group",
+        &stream,
+        "--block-ms",
+        "100",
+    ])
+    .args(["--http", &format!("127.0.0.1:{port}")]);
+    let mut p = Proc::spawn(cmd);
+    let url = format!("http://127.0.0.1:{port}/readyz");
+    assert!(wait_until(Duration::from_secs(20), || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    }));
+    assert_eq!(get(&url).0, 200);
+    pg.stop();
+    let (status, body) = get(&url);
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("postgres"), "{body}");
+    assert_eq!(
+        get(&format!("http://127.0.0.1:{port}/healthz")).0,
+        200,
+        "alive all the same"
+    );
+    pg.start_again();
+    assert!(wait_until(Duration::from_secs(20), || get(&url).0 == 200));
+    p.signal("TERM");
+    assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+}
+
+#[test]
+fn webhook_fires_once_per_state_change() {
+    let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
+    let hook = format!("http://{}/alert", server.server_addr().to_ip().unwrap());
+    let posts: Arc<Mutex<Vec<serde_json::Value>>> = Arc::default();
+    let seen = posts.clone();
+    std::thread::spawn(move || {
+        for mut request in server.incoming_requests() {
+            let mut body = String::new();
+            request.as_reader().read_to_string(&mut body).unwrap();
+            seen.lock()
+                .unwrap()
+                .push(serde_json::from_str(&body).unwrap());
+            let _ = request.respond(tiny_http::Response::from_string("ok"));
+        }
+    });
+    let db = TestDb::new();
+    let stream = unique("alert");
+    let mut r = redis(&redis_url());
+    let mut cmd = taskhub(&redis_url(), &db.url);
+    cmd.args([
+        "run",
+        "--stream",
+        &stream,
+        "--group",
+        &stream,
+        "--block-ms",
+        "100",
+    ])
+    .args(["--sql", INT_SQL, "--alert-webhook", &hook])
+    .args(["--alert-interval", "100ms", "--alert-min-gap", "0s"]);
+    let mut p = Proc::spawn(cmd);
+    let count = || posts.lock().unwrap().len();
+
+    // Healthy events: no alert.
+    xadd(&mut r, &stream, &[("event_id", "ok"), ("payload", "1")]);
+    assert!(wait_until(Duration::from_secs(10), || db.effects("ok") == 1));
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(count(), 0);
+
+    // The stream becomes non-empty: one alert, then silence.
+    xadd(&mut r, &stream, &[("event_id", "bad-1"), ("payload", "x")]);
+    assert!(
+        wait_until(Duration::from_secs(10), || count() == 1),
+        "{}",
+        p.stderr()
+    );
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(count(), 1);
+    {
+        let posts = posts.lock().unwrap();
+        assert_eq!(posts[0]["change"], "non_empty");
+        assert_eq!(posts[0]["count"], 1);
+        assert_eq!(posts[0]["latest_event_id"], "bad-1");
+        assert!(
+            posts[0]["latest_reason"]
+                .as_str()
+                .unwrap()
+                .contains("22P02"),
+            "{}",
+            posts[0]
+        );
+    }
+    assert!(
+        p.stderr().contains("dead letters (no longer empty)"),
+        "{}",
+        p.stderr()
+    );
+
+    // It grows: one more alert.
+    xadd(&mut r, &stream, &[("event_id", "bad-2"), ("payload", "y")]);
+    assert!(
+        wait_until(Duration::from_secs(10), || count() == 2),
+        "{}",
+        p.stderr()
+    );
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(count(), 2);
+    assert_eq!(posts.lock().unwrap()[1]["change"], "grew");
+    assert_eq!(posts.lock().unwrap()[1]["count"], 2);
+
+    p.signal("TERM");
+    assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+}
