@@ -7,8 +7,10 @@
 //! attempt count and history, and the first-failure and dead-at times.
 //!
 //! The XADD to the dead-letter stream and the XACK of the original entry go in
-//! one MULTI/EXEC: an event is never both dead and pending, nor acked and
-//! missing. The dead-letter stream is never trimmed by taskhub.
+//! one atomic step (a Lua script that writes the letter only if the XACK
+//! acked the entry): an event is never both dead and pending, nor acked and
+//! missing, nor dead twice. The dead-letter stream is never trimmed by
+//! taskhub.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -230,12 +232,54 @@ pub(crate) struct Job {
     pub in_flight_key: String,
 }
 
-/// Adds one dead letter and acks its original entry, atomically, to `pipe`.
+/// Writes a dead letter and acks its entry in one atomic step, but only if
+/// the entry is still pending in the group (XACK returns 1); returns 1 when
+/// written, 0 when not.
+///
+/// Two consumers can hold the same entry: its owner, held up past
+/// `reclaim_min_idle` (by a PostgreSQL outage, say), and the consumer that
+/// reclaimed it meanwhile. Both reach the same verdict on an invalid or
+/// permanently failing event, and both used to write it: it was
+/// dead-lettered twice (found by scripts/chaos.sh). Now the second one finds
+/// the entry acked and writes nothing. (XACK also answers 0 when the stream
+/// or the group was deleted: the entry is gone, or is delivered again from
+/// the recreated group.)
+const WRITE_IF_PENDING: &str = "\
+    if redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then \
+        redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3)) \
+        return 1 \
+    end \
+    return 0";
+
+/// Lua's `unpack` takes fewer than 8,000 values: a letter with more fields
+/// (an entry with about 4,000 fields) is written with MULTI/EXEC instead,
+/// unconditionally, so it can still be dead-lettered twice in that race.
+const MAX_SCRIPT_VALUES: usize = 7_900;
+
+/// Adds one dead letter and the ack of its original entry, atomically, to
+/// `pipe`. Queues exactly one reply: `1` (or the EXEC array) when written,
+/// `0` when the entry was no longer pending (see [`WRITE_IF_PENDING`]).
 pub(crate) fn add_to_pipeline(pipe: &mut redis::Pipeline, letter: &DeadLetter) {
+    let fields = letter.to_fields();
+    let dlq = dead_letter_stream(&letter.stream);
+    if fields.len() * 2 <= MAX_SCRIPT_VALUES {
+        let mut eval = redis::cmd("EVAL");
+        eval.arg(WRITE_IF_PENDING)
+            .arg(2)
+            .arg(&letter.stream)
+            .arg(dlq)
+            .arg(&letter.group)
+            .arg(&letter.original_id);
+        for (k, v) in fields {
+            eval.arg(k).arg(v);
+        }
+        pipe.add_command(eval);
+        return;
+    }
     pipe.cmd("MULTI").ignore();
     let mut xadd = redis::cmd("XADD");
-    xadd.arg(dead_letter_stream(&letter.stream)).arg("*");
-    for (k, v) in letter.to_fields() {
+    xadd.arg(dlq).arg("*");
+    for (k, v) in fields {
         xadd.arg(k).arg(v);
     }
     pipe.add_command(xadd).ignore();
@@ -244,11 +288,12 @@ pub(crate) fn add_to_pipeline(pipe: &mut redis::Pipeline, letter: &DeadLetter) {
         .arg(&letter.group)
         .arg(&letter.original_id)
         .ignore();
-    pipe.cmd("EXEC").ignore();
+    pipe.cmd("EXEC");
 }
 
 /// The dead-letter writer thread: writes what the workers hand it, in
-/// pipelined batches of MULTI/EXEC blocks, retrying through Redis outages.
+/// pipelined batches of atomic write-and-ack steps, retrying through Redis
+/// outages.
 /// Exits when every sender is gone and the channel is drained, or, during a
 /// Redis outage, when a shutdown is asked for (what is left stays pending in
 /// its stream and is delivered again: nothing is lost).
@@ -262,11 +307,13 @@ pub(crate) fn writer_thread(shared: &Shared, jobs: &Receiver<Job>) {
                 Err(_) => break,
             }
         }
+        let mut written = Vec::new();
         loop {
             match write(shared, &batch) {
-                Ok(()) => {
+                Ok(w) => {
                     shared.health.up(Server::Redis);
                     attempt = 0;
+                    written = w;
                     break;
                 }
                 Err(e) => {
@@ -287,8 +334,17 @@ pub(crate) fn writer_thread(shared: &Shared, jobs: &Receiver<Job>) {
                 }
             }
         }
-        for job in batch {
+        for (i, job) in batch.into_iter().enumerate() {
             let l = &job.letter;
+            if !written.get(i).copied().unwrap_or(true) {
+                log::info!(
+                    "{}/{}: not dead-lettered: the entry is no longer pending (another consumer reclaimed and finished it)",
+                    l.stream,
+                    l.original_id
+                );
+                shared.in_flight.finish(&job.in_flight_key);
+                continue;
+            }
             let counter = match l.kind {
                 Kind::Permanent => &shared.stats.dead_permanent,
                 Kind::Exhausted => &shared.stats.dead_exhausted,
@@ -310,13 +366,18 @@ pub(crate) fn writer_thread(shared: &Shared, jobs: &Receiver<Job>) {
     }
 }
 
-fn write(shared: &Shared, batch: &[Job]) -> redis::RedisResult<()> {
+/// Writes `batch`; returns, per letter, whether it was written.
+fn write(shared: &Shared, batch: &[Job]) -> redis::RedisResult<Vec<bool>> {
     let mut conn = shared.redis_conn()?;
     let mut pipe = redis::pipe();
     for job in batch {
         add_to_pipeline(&mut pipe, &job.letter);
     }
-    pipe.query::<()>(&mut *conn)
+    let replies: Vec<redis::Value> = pipe.query(&mut *conn)?;
+    Ok(replies
+        .into_iter()
+        .map(|reply| !matches!(reply, redis::Value::Int(0)))
+        .collect())
 }
 
 #[cfg(test)]

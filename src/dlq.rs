@@ -904,7 +904,8 @@ pub fn replay(
     let mut sent = 0usize;
     let mut done = 0usize;
     for chunk in ids.chunks(CHUNK) {
-        let fetched = fetch(conn, &dlq, chunk)?;
+        let done_sent = sent;
+        let fetched = fetch(conn, &dlq, chunk).map_err(|e| progress_error(e, &report, total))?;
         let mut letters = Vec::with_capacity(chunk.len());
         for (id, fields) in chunk.iter().zip(fetched) {
             let letter = fields.map(|f| DeadLetter::from_fields(Some(id.clone()), &f));

@@ -1,0 +1,1444 @@
+//! `taskhub dlq` as an operator runs it, against the real Redis and
+//! PostgreSQL: stats, list (filters, pagination), show, replay (dry run, rate,
+//! already-processed events, events applied once after a fix), purge (needs
+//! --yes), archive (to PostgreSQL and to a file, and interrupted half-way by a
+//! SIGKILL: nothing lost), check (exit codes), and `--json` output.
+//!
+//! Dead letters come from a real worker run with a failing `--sql`, or are
+//! written directly with `DeadLetter::to_fields` when a test needs control over
+//! kinds, reasons and times.
+
+mod support;
+
+use std::collections::{BTreeSet, HashMap};
+use std::io::Read;
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::Value;
+use support::*;
+use taskhub::{Attempt, DeadLetter, DeadLetterKind};
+
+const T: Duration = Duration::from_secs(30);
+
+/// Fails for payloads that are not integers (SQLSTATE 22P02: permanent), so
+/// these events are dead-lettered at once; the default statement is the fix.
+const INT_SQL: &str =
+    "INSERT INTO notifications (event_id, payload) VALUES ($1, $2::text::int::text)";
+
+/// What a finished command left behind.
+struct Out {
+    status: ExitStatus,
+    stdout: String,
+    stderr: String,
+    took: Duration,
+}
+
+impl Out {
+    fn code(&self) -> Option<i32> {
+        self.status.code()
+    }
+
+    /// The stdout as one JSON document.
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("stdout is not one JSON document ({e}):\n{}", self.stdout))
+    }
+}
+
+/// Runs `cmd` to the end, at most `timeout` (killed and panics after that).
+fn output(mut cmd: Command, timeout: Duration) -> Out {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let started = Instant::now();
+    let mut child = cmd.spawn().expect("taskhub starts");
+    let grab = |mut s: Box<dyn Read + Send>| {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let b = buf.clone();
+        let t = std::thread::spawn(move || {
+            let mut all = Vec::new();
+            let _ = s.read_to_end(&mut all);
+            *b.lock().unwrap() = all;
+        });
+        (buf, t)
+    };
+    let (out, out_t) = grab(Box::new(child.stdout.take().unwrap()));
+    let (err, err_t) = grab(Box::new(child.stderr.take().unwrap()));
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > timeout {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{cmd:?} did not exit within {timeout:?}; stderr:\n{}",
+                String::from_utf8_lossy(&err.lock().unwrap())
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = started.elapsed();
+    out_t.join().unwrap();
+    err_t.join().unwrap();
+    let text = |b: &Arc<Mutex<Vec<u8>>>| String::from_utf8_lossy(&b.lock().unwrap()).into_owned();
+    Out {
+        status,
+        stdout: text(&out),
+        stderr: text(&err),
+        took,
+    }
+}
+
+/// `taskhub dlq --stream <stream> <args>` with the shared Redis and `db_url`.
+fn dlq(db_url: &str, stream: &str, args: &[&str]) -> Out {
+    let mut cmd = taskhub(&redis_url(), db_url);
+    cmd.env("RUST_LOG", "warn")
+        .args(["dlq", "--stream", stream])
+        .args(args);
+    output(cmd, T)
+}
+
+/// Asserts exit 0 and returns the output.
+fn dlq_ok(db_url: &str, stream: &str, args: &[&str]) -> Out {
+    let out = dlq(db_url, stream, args);
+    assert_eq!(
+        out.code(),
+        Some(0),
+        "dlq {args:?}: stdout:\n{}\nstderr:\n{}",
+        out.stdout,
+        out.stderr
+    );
+    out
+}
+
+/// `taskhub run --until-idle` on `stream` (group `g`, one worker), with
+/// `sql` as the handler; returns the summary line's counters.
+fn run_worker(db_url: &str, stream: &str, sql: Option<&str>) -> HashMap<String, u64> {
+    let mut cmd = taskhub(&redis_url(), db_url);
+    cmd.args(["run", "--stream", stream, "--group", "g", "--consumer", "c"])
+        .args(["--workers", "1", "--block-ms", "200", "--until-idle"])
+        .args(["--backoff-base", "10ms", "--backoff-cap", "100ms"]);
+    if let Some(sql) = sql {
+        cmd.args(["--sql", sql]);
+    }
+    let out = output(cmd, T);
+    assert_eq!(out.code(), Some(0), "run: {}", out.stderr);
+    let line = out
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("read="))
+        .unwrap_or_else(|| panic!("no summary line: {}", out.stdout));
+    line.split_whitespace()
+        .filter_map(|kv| kv.trim_matches(['(', ')']).split_once('='))
+        .filter_map(|(k, v)| Some((k.to_owned(), v.parse().ok()?)))
+        .collect()
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// A dead letter of `stream` (group `g`) for `event_id`, dead-lettered `ago`
+/// before now, with a payload and extra original fields.
+fn letter(
+    stream: &str,
+    event_id: &str,
+    kind: DeadLetterKind,
+    reason: &str,
+    ago: Duration,
+    extra: &[(&str, &[u8])],
+) -> DeadLetter {
+    let dead_at = now_ms() - ago.as_millis() as u64;
+    let mut fields = vec![
+        (b"event_id".to_vec(), event_id.as_bytes().to_vec()),
+        (
+            b"payload".to_vec(),
+            format!(r#"{{"order":1234,"event":"{event_id}"}}"#).into_bytes(),
+        ),
+    ];
+    for (k, v) in extra {
+        fields.push((k.as_bytes().to_vec(), v.to_vec()));
+    }
+    DeadLetter {
+        id: None,
+        original_id: "1-0".into(),
+        stream: stream.into(),
+        group: "g".into(),
+        consumer: "c".into(),
+        event_id: Some(event_id.into()),
+        kind,
+        reason: reason.into(),
+        attempts: 2,
+        history: vec![
+            Attempt {
+                attempt: 1,
+                at: None,
+                error: "delivered but never finished".into(),
+            },
+            Attempt {
+                attempt: 2,
+                at: Some(UNIX_EPOCH + Duration::from_millis(dead_at)),
+                error: reason.into(),
+            },
+        ],
+        first_failed_at: dead_at,
+        dead_at,
+        fields,
+    }
+}
+
+/// Writes `letter` to `<stream>:dlq` as the worker would; returns its id.
+fn put(conn: &mut redis::Connection, letter: &DeadLetter) -> String {
+    let mut cmd = redis::cmd("XADD");
+    cmd.arg(taskhub::dead_letter_stream(&letter.stream))
+        .arg("*");
+    for (k, v) in letter.to_fields() {
+        cmd.arg(k).arg(v);
+    }
+    cmd.query(conn).unwrap()
+}
+
+/// Ids in `<stream>:dlq`, oldest first.
+fn dlq_ids(conn: &mut redis::Connection, stream: &str) -> Vec<String> {
+    dead_letters(conn, stream)
+        .into_iter()
+        .map(|l| l.id.unwrap())
+        .collect()
+}
+
+/// Entries of `stream`, oldest first, fields as text.
+fn entries(conn: &mut redis::Connection, stream: &str) -> Vec<(String, HashMap<String, String>)> {
+    let rows: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
+        .arg(stream)
+        .arg("-")
+        .arg("+")
+        .query(conn)
+        .unwrap();
+    rows.into_iter()
+        .map(|(id, f)| (id, f.into_iter().collect()))
+        .collect()
+}
+
+fn ids_of(docs: &[Value]) -> Vec<String> {
+    docs.iter()
+        .map(|d| d["id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// `list --json`: one JSON object per line.
+fn list_json(db_url: &str, stream: &str, args: &[&str]) -> Vec<Value> {
+    let mut all = vec!["list", "--json"];
+    all.extend_from_slice(args);
+    let out = dlq_ok(db_url, stream, &all);
+    out.stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect()
+}
+
+fn cleanup(conn: &mut redis::Connection, stream: &str) {
+    let _: i64 = redis::cmd("DEL")
+        .arg(stream)
+        .arg(taskhub::dead_letter_stream(stream))
+        .query(conn)
+        .unwrap();
+}
+
+const H: u64 = 3600;
+
+/// event_id, kind, reason, age in seconds, extra original fields.
+type Spec<'a> = (
+    &'a str,
+    DeadLetterKind,
+    &'a str,
+    u64,
+    &'a [(&'a str, &'a [u8])],
+);
+
+/// Five dead letters with known kinds, reasons, ages and fields; ids oldest
+/// first.
+fn five_letters(conn: &mut redis::Connection, stream: &str) -> Vec<String> {
+    let specs: [Spec; 5] = [
+        (
+            "e0",
+            DeadLetterKind::Exhausted,
+            "HTTP 503 for order 1234",
+            5 * H,
+            &[("tenant", b"acme")],
+        ),
+        (
+            "e1",
+            DeadLetterKind::Permanent,
+            "postgres 23505: duplicate key",
+            4 * H,
+            &[("tenant", b"other")],
+        ),
+        (
+            "e2",
+            DeadLetterKind::Exhausted,
+            "HTTP 503 for order 99",
+            3 * H,
+            &[("tenant", b"acme")],
+        ),
+        (
+            "e3",
+            DeadLetterKind::Invalid,
+            "missing field event_id",
+            H / 2,
+            &[],
+        ),
+        (
+            "e4",
+            DeadLetterKind::CrashLoop,
+            "Timeout after 30s for 6f1c2a7e-8b1d-4c2e-9a33-0c5d7e9f1a2b",
+            60,
+            &[("tenant", b"acme")],
+        ),
+    ];
+    specs
+        .iter()
+        .map(|(id, kind, reason, ago, extra)| {
+            put(
+                conn,
+                &letter(stream, id, *kind, reason, Duration::from_secs(*ago), extra),
+            )
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------
+// Help
+// ---------------------------------------------------------------------------
+
+#[test]
+fn help_of_dlq_and_each_subcommand_names_the_flags() {
+    let cases: [(&[&str], &[&str]); 8] = [
+        (
+            &["dlq", "--help"],
+            &[
+                "stats", "list", "show", "replay", "purge", "archive", "check", "--stream",
+                "--json", "RFC 3339",
+            ],
+        ),
+        (&["dlq", "stats", "--help"], &["--json"]),
+        (
+            &["dlq", "list", "--help"],
+            &[
+                "--kind",
+                "--reason",
+                "--reason-regex",
+                "--since",
+                "--until",
+                "--field",
+                "--limit",
+                "--before",
+            ],
+        ),
+        (&["dlq", "show", "--help"], &["<ID>"]),
+        (
+            &["dlq", "replay", "--help"],
+            &[
+                "--dry-run",
+                "--rate",
+                "--all",
+                "--scope",
+                "replayed_from",
+                "replay_count",
+                "processed_events",
+            ],
+        ),
+        (&["dlq", "purge", "--help"], &["--yes", "--all", "--kind"]),
+        (
+            &["dlq", "archive", "--help"],
+            &["--older-than", "--to", "postgres", "JSONL"],
+        ),
+        (&["dlq", "check", "--help"], &["exit"]),
+    ];
+    for (args, needles) in cases {
+        let mut cmd = taskhub(&redis_url(), "postgres://postgres@127.0.0.1:1/none");
+        cmd.args(args);
+        let out = output(cmd, T);
+        assert_eq!(out.code(), Some(0), "{args:?}: {}", out.stderr);
+        for needle in needles {
+            assert!(
+                out.stdout.contains(needle),
+                "{args:?} help should mention {needle}:\n{}",
+                out.stdout
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Stats, list, show
+// ---------------------------------------------------------------------------
+
+#[test]
+fn stats_counts_by_kind_and_reason_fingerprint_with_ages() {
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut conn = redis(&redis_url());
+    five_letters(&mut conn, &stream);
+
+    let doc = dlq_ok(&db.url, &stream, &["stats", "--json"]).json();
+    assert_eq!(doc["count"], 5);
+    assert_eq!(doc["undecodable"], 0);
+    assert_eq!(
+        doc["by_kind"],
+        serde_json::json!({"exhausted": 2, "permanent": 1, "invalid": 1, "crash_loop": 1})
+    );
+    let reasons: HashMap<String, u64> = doc["by_reason"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["fingerprint"].as_str().unwrap().to_owned(),
+                r["count"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(reasons.len(), 4, "{reasons:?}");
+    assert_eq!(
+        reasons["HTTP # for order #"], 2,
+        "numbers masked: {reasons:?}"
+    );
+    assert_eq!(reasons["postgres #: duplicate key"], 1, "{reasons:?}");
+    assert_eq!(
+        reasons["Timeout after #s for #"], 1,
+        "UUID masked: {reasons:?}"
+    );
+    let oldest = doc["oldest_age_secs"].as_u64().unwrap();
+    let newest = doc["newest_age_secs"].as_u64().unwrap();
+    assert!((5 * H..5 * H + 60).contains(&oldest), "oldest age {oldest}");
+    assert!((60..120).contains(&newest), "newest age {newest}");
+    assert_eq!(
+        doc["latest_reason"],
+        "Timeout after 30s for 6f1c2a7e-8b1d-4c2e-9a33-0c5d7e9f1a2b"
+    );
+
+    let text = dlq_ok(&db.url, &stream, &["stats"]).stdout;
+    assert!(text.contains("5 dead letters"), "{text}");
+    assert!(text.contains("oldest 5h0m ago"), "{text}");
+    let line = |needle: &str| {
+        text.lines()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no line with {needle}:\n{text}"))
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert_eq!(line("exhausted"), "2 exhausted");
+    assert_eq!(line("HTTP #"), "2 HTTP # for order #");
+    cleanup(&mut conn, &stream);
+}
+
+#[test]
+fn list_filters_newest_first_with_pagination_and_json_lines() {
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut conn = redis(&redis_url());
+    let ids = five_letters(&mut conn, &stream);
+    let newest_first: Vec<String> = ids.iter().rev().cloned().collect();
+
+    let all = list_json(&db.url, &stream, &[]);
+    assert_eq!(ids_of(&all), newest_first, "newest first");
+    let e4 = &all[0];
+    assert_eq!(e4["event_id"], "e4");
+    assert_eq!(e4["kind"], "crash_loop");
+    assert_eq!(e4["fields"]["tenant"], "acme");
+    assert_eq!(e4["history"].as_array().unwrap().len(), 2);
+
+    let pick = |args: &[&str]| ids_of(&list_json(&db.url, &stream, args));
+    let at = |i: &[usize]| -> Vec<String> { i.iter().map(|&i| ids[i].clone()).collect() };
+    assert_eq!(pick(&["--kind", "exhausted"]), at(&[2, 0]));
+    assert_eq!(pick(&["--kind", "invalid,crash-loop"]), at(&[4, 3]));
+    assert_eq!(
+        pick(&["--kind", "invalid", "--kind", "permanent"]),
+        at(&[3, 1])
+    );
+    assert_eq!(pick(&["--reason", "HTTP 503"]), at(&[2, 0]));
+    assert_eq!(
+        pick(&["--reason", "http 503"]),
+        at(&[]),
+        "substring is case-sensitive"
+    );
+    assert_eq!(
+        pick(&["--reason-regex", "(?i)^http 5\\d\\d for order \\d{4}$"]),
+        at(&[0])
+    );
+    assert_eq!(pick(&["--since", "2h"]), at(&[4, 3]));
+    assert_eq!(pick(&["--until", "2h"]), at(&[2, 1, 0]));
+    assert_eq!(pick(&["--since", "4h30m", "--until", "1h"]), at(&[2, 1]));
+    let rfc = humantime::format_rfc3339_seconds(SystemTime::now() - Duration::from_secs(2 * H))
+        .to_string();
+    assert_eq!(pick(&["--since", &rfc]), at(&[4, 3]), "RFC 3339 time {rfc}");
+    assert_eq!(pick(&["--field", "tenant=acme"]), at(&[4, 2, 0]));
+    assert_eq!(
+        pick(&[
+            "--field",
+            "tenant=acme",
+            "--kind",
+            "exhausted",
+            "--since",
+            "4h"
+        ]),
+        at(&[2])
+    );
+    assert_eq!(pick(&["--field", "tenant=nobody"]), at(&[]));
+
+    // Pagination: two per page, the next page after the last id.
+    let page1 = dlq_ok(&db.url, &stream, &["list", "--json", "--limit", "2"]);
+    assert_eq!(page1.stdout.lines().count(), 2);
+    assert!(
+        page1.stderr.contains(&format!("--before {}", ids[3])),
+        "says how to get the next page: {}",
+        page1.stderr
+    );
+    assert_eq!(pick(&["--limit", "2", "--before", &ids[3]]), at(&[2, 1]));
+    assert_eq!(pick(&["--limit", "2", "--before", &ids[1]]), at(&[0]));
+    assert_eq!(pick(&["--limit", "0"]), newest_first);
+
+    // The table: a header and one row per dead letter, newest first.
+    let table = dlq_ok(&db.url, &stream, &["list"]).stdout;
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 6, "{table}");
+    for needle in ["ID", "AGE", "KIND", "ATTEMPTS", "EVENT_ID", "REASON"] {
+        assert!(lines[0].contains(needle), "{table}");
+    }
+    assert!(
+        lines[1].starts_with(&ids[4]) && lines[1].contains("crash_loop"),
+        "{table}"
+    );
+    assert!(
+        lines[5].starts_with(&ids[0]) && lines[5].contains("HTTP 503 for order 1234"),
+        "{table}"
+    );
+
+    // Bad filters are refused with a message.
+    for args in [
+        &["list", "--kind", "nope"][..],
+        &["list", "--since", "yesterday"],
+        &["list", "--field", "tenant"],
+        &["list", "--reason-regex", "("],
+        &["list", "--before", "not-an-id"],
+    ] {
+        let out = dlq(&db.url, &stream, args);
+        assert_ne!(out.code(), Some(0), "{args:?}");
+        assert!(out.stderr.contains("error"), "{args:?}: {}", out.stderr);
+    }
+    cleanup(&mut conn, &stream);
+}
+
+#[test]
+fn show_prints_everything_with_pretty_payload_and_history() {
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut conn = redis(&redis_url());
+    let mut l = letter(
+        &stream,
+        "show-1",
+        DeadLetterKind::Exhausted,
+        "HTTP 503 \u{1b}[31mred",
+        Duration::from_secs(90),
+        &[("bin", &[0, 255, 1])],
+    );
+    l.fields[1].1 = br#"{"order":1234,"items":[{"sku":"a"}]}"#.to_vec();
+    let id = put(&mut conn, &l);
+
+    let text = dlq_ok(&db.url, &stream, &["show", &id]).stdout;
+    for needle in [
+        id.as_str(),
+        "exhausted",
+        "show-1",
+        "group g, consumer c",
+        "attempts      2",
+        "(never reported)",
+        "delivered but never finished",
+        "payload: (JSON)",
+        "      \"order\": 1234",
+        "          \"sku\": \"a\"",
+        "(3 bytes, not UTF-8) 00ff01",
+        "\\u{1b}[31mred",
+    ] {
+        assert!(
+            text.contains(needle),
+            "show should contain {needle:?}:\n{text}"
+        );
+    }
+    assert!(
+        !text.contains('\u{1b}'),
+        "terminal escapes are made visible"
+    );
+
+    let doc = dlq_ok(&db.url, &stream, &["show", &id, "--json"]).json();
+    assert_eq!(doc["id"], id.as_str());
+    assert_eq!(doc["event_id"], "show-1");
+    assert_eq!(doc["payload_json"]["items"][0]["sku"], "a");
+    assert_eq!(doc["fields"]["bin"], serde_json::json!({"hex": "00ff01"}));
+    assert_eq!(doc["history"][0]["at"], Value::Null);
+    assert_eq!(doc["history"][1]["error"], "HTTP 503 \u{1b}[31mred");
+
+    let out = dlq(&db.url, &stream, &["show", "1-0"]);
+    assert_eq!(out.code(), Some(1));
+    assert!(out.stderr.contains("no dead letter 1-0"), "{}", out.stderr);
+    let out = dlq(&db.url, &stream, &["show", "x"]);
+    assert_eq!(out.code(), Some(1));
+    assert!(
+        out.stderr.contains("not a dead-letter id"),
+        "{}",
+        out.stderr
+    );
+    cleanup(&mut conn, &stream);
+}
+
+// ---------------------------------------------------------------------------
+// Replay
+// ---------------------------------------------------------------------------
+
+/// A real dead letter (the worker's failing SQL), replayed after the fix:
+/// the dry run changes nothing; the replay moves it back with the same
+/// event_id and the audit fields; the next run applies it exactly once.
+#[test]
+fn replay_of_an_unprocessed_event_applies_it_exactly_once() {
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut conn = redis(&redis_url());
+    let event = unique("ev");
+    xadd(
+        &mut conn,
+        &stream,
+        &[
+            ("event_id", &event),
+            ("payload", "not-a-number"),
+            ("tenant", "acme"),
+        ],
+    );
+    let ok_event = unique("ok");
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", &ok_event), ("payload", "7")],
+    );
+    let summary = run_worker(&db.url, &stream, Some(INT_SQL));
+    assert_eq!(
+        (summary["applied"], summary["permanent"]),
+        (1, 1),
+        "{summary:?}"
+    );
+    let ids = dlq_ids(&mut conn, &stream);
+    assert_eq!(ids.len(), 1);
+    let dead_id = &ids[0];
+    let stream_len = xlen(&mut conn, &stream);
+
+    // Dry run: says it would replay 1, none processed; changes nothing.
+    let out = dlq_ok(&db.url, &stream, &["replay", dead_id, "--dry-run"]);
+    assert!(
+        out.stdout.contains("would replay 1 dead letter")
+            && out.stdout.contains("0 already processed"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout.contains(&event),
+        "lists the entry: {}",
+        out.stdout
+    );
+    assert_eq!(
+        dlq_ids(&mut conn, &stream),
+        ids,
+        "dry run: the dead letter stays"
+    );
+    assert_eq!(
+        xlen(&mut conn, &stream),
+        stream_len,
+        "dry run: nothing added"
+    );
+
+    let doc = dlq_ok(&db.url, &stream, &["replay", dead_id, "--json"]).json();
+    assert_eq!(doc["dry_run"], false);
+    assert_eq!(doc["replayed"], 1);
+    assert_eq!(doc["already_processed"], 0);
+    assert_eq!(doc["checked_with"], "postgres");
+    let new_id = doc["items"][0]["replayed_as"].as_str().unwrap().to_owned();
+    assert!(
+        dlq_ids(&mut conn, &stream).is_empty(),
+        "left the dead-letter stream"
+    );
+    let all = entries(&mut conn, &stream);
+    let (last_id, fields) = all.last().unwrap();
+    assert_eq!(last_id, &new_id);
+    assert_eq!(fields["event_id"], event, "same event_id");
+    assert_eq!(fields["payload"], "not-a-number");
+    assert_eq!(fields["tenant"], "acme", "every original field");
+    assert_eq!(&fields["replayed_from"], dead_id);
+    assert_eq!(fields["replay_count"], "1");
+    let at: u64 = fields["replayed_at"].parse().unwrap();
+    assert!(now_ms() - at < 60_000, "replayed_at is now (ms): {at}");
+
+    // After the fix: applied exactly once.
+    let summary = run_worker(&db.url, &stream, None);
+    assert_eq!(summary["applied"], 1, "{summary:?}");
+    assert_eq!(db.effects(&event), 1);
+    assert_eq!(db.effects(&ok_event), 1);
+    assert_eq!(pending(&mut conn, &stream, "g"), 0);
+    assert!(dlq_ids(&mut conn, &stream).is_empty());
+
+    // A second replay of the same id finds nothing, and says so.
+    let out = dlq(&db.url, &stream, &["replay", dead_id]);
+    assert_eq!(out.code(), Some(1));
+    assert!(out.stdout.contains("1 not found"), "{}", out.stdout);
+    cleanup(&mut conn, &stream);
+}
+
+/// An event whose effect is committed but that also sits in the dead-letter
+/// stream: the replay says 1 already processed (from processed_events, or
+/// from the Redis marker when PostgreSQL is unreachable), the worker skips
+/// it, and the effect count stays 1.
+#[test]
+fn replay_of_an_already_processed_event_is_skipped_and_counted() {
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut conn = redis(&redis_url());
+    let done = unique("done");
+    let fresh = unique("fresh");
+    xadd(&mut conn, &stream, &[("event_id", &done), ("payload", "p")]);
+    assert_eq!(run_worker(&db.url, &stream, None)["applied"], 1);
+    assert_eq!(db.effects(&done), 1);
+    put(
+        &mut conn,
+        &letter(
+            &stream,
+            &done,
+            DeadLetterKind::Exhausted,
+            "timeout",
+            Duration::from_secs(5),
+            &[],
+        ),
+    );
+    put(
+        &mut conn,
+        &letter(
+            &stream,
+            &fresh,
+            DeadLetterKind::Exhausted,
+            "timeout",
+            Duration::from_secs(5),
+            &[],
+        ),
+    );
+
+    // The dry run with PostgreSQL unreachable checks the Redis markers.
+    let out = dlq_ok(
+        "postgres://postgres@127.0.0.1:1/none",
+        &stream,
+        &["replay", "--all", "--dry-run", "--json"],
+    );
+    let doc = out.json();
+    assert_eq!(doc["checked_with"], "redis-marker");
+    assert_eq!(
+        (doc["replayed"].as_u64(), doc["already_processed"].as_u64()),
+        (Some(2), Some(1))
+    );
+    assert!(out.stderr.contains("Redis markers"), "{}", out.stderr);
+    assert_eq!(
+        dlq_ids(&mut conn, &stream).len(),
+        2,
+        "dry run changed nothing"
+    );
+
+    // The replay checks processed_events.
+    let out = dlq_ok(&db.url, &stream, &["replay", "--reason", "timeout"]);
+    assert!(
+        out.stdout.contains("replayed 2 dead letters")
+            && out.stdout.contains("1 already processed"),
+        "{}",
+        out.stdout
+    );
+    assert!(out.stdout.contains("processed_events"), "{}", out.stdout);
+    assert!(dlq_ids(&mut conn, &stream).is_empty());
+
+    let summary = run_worker(&db.url, &stream, None);
+    assert_eq!(
+        (summary["applied"], summary["duplicates"]),
+        (1, 1),
+        "{summary:?}"
+    );
+    assert_eq!(
+        db.effects(&done),
+        1,
+        "the already-processed event is not applied again"
+    );
+    assert_eq!(db.effects(&fresh), 1);
+    assert_eq!(pending(&mut conn, &stream, "g"), 0);
+
+    // --scope: in another scope nothing is processed yet.
+    put(
+        &mut conn,
+        &letter(
+            &stream,
+            &done,
+            DeadLetterKind::Exhausted,
+            "timeout",
+            Duration::from_secs(5),
+            &[],
+        ),
+    );
+    let doc = dlq_ok(
+        &db.url,
+        &stream,
+        &[
+            "replay",
+            "--all",
+            "--dry-run",
+            "--json",
+            "--scope",
+            "elsewhere",
+        ],
+    )
+    .json();
+    assert_eq!(doc["already_processed"], 0);
+    let doc = dlq_ok(
+        &db.url,
+        &stream,
+        &["replay", "--all", "--dry-run", "--json"],
+    )
+    .json();
+    assert_eq!(doc["already_processed"], 1);
+    cleanup(&mut conn, &stream);
+}
+
+/// A filter selects; the replay goes oldest first, at most --rate per second;
+/// --limit takes the newest matches; a replayed entry replayed again counts 2.
+#[test]
+fn replay_by_filter_oldest_first_at_a_rate() {
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut conn = redis(&redis_url());
+    let ids = five_letters(&mut conn, &stream);
+
+    // A selection is required.
+    let out = dlq(&db.url, &stream, &["replay"]);
+    assert_eq!(out.code(), Some(1));
+    assert!(out.stderr.contains("--all"), "{}", out.stderr);
+    let out = dlq(&db.url, &stream, &["replay", &ids[0], "--kind", "invalid"]);
+    assert_eq!(out.code(), Some(1), "ids and filters together are refused");
+    assert_eq!(dlq_ids(&mut conn, &stream), ids);
+
+    // --field tenant=acme: e0, e2, e4, replayed oldest first at 10/s.
+    let out = dlq_ok(
+        &db.url,
+        &stream,
+        &["replay", "--field", "tenant=acme", "--rate", "10"],
+    );
+    assert!(
+        out.stdout.contains("replayed 3 dead letters"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.took >= Duration::from_millis(200),
+        "3 entries at 10/s take at least 0.2 s: {:?}",
+        out.took
+    );
+    assert_eq!(
+        dlq_ids(&mut conn, &stream),
+        vec![ids[1].clone(), ids[3].clone()]
+    );
+    let back = entries(&mut conn, &stream);
+    let order: Vec<&str> = back.iter().map(|(_, f)| f["event_id"].as_str()).collect();
+    assert_eq!(order, ["e0", "e2", "e4"], "oldest first");
+    let from: Vec<&str> = back
+        .iter()
+        .map(|(_, f)| f["replayed_from"].as_str())
+        .collect();
+    assert_eq!(from, [ids[0].as_str(), ids[2].as_str(), ids[4].as_str()]);
+
+    // --limit 1 with a filter: the newest match only.
+    let doc = dlq_ok(
+        &db.url,
+        &stream,
+        &[
+            "replay",
+            "--kind",
+            "permanent,invalid",
+            "--limit",
+            "1",
+            "--json",
+        ],
+    )
+    .json();
+    assert_eq!(doc["replayed"], 1);
+    assert_eq!(doc["items"][0]["id"], ids[3].as_str());
+
+    // Dead again after a replay, and replayed again: replay_count 2, one set
+    // of audit fields.
+    let mut again = letter(
+        &stream,
+        "e0",
+        DeadLetterKind::Exhausted,
+        "again",
+        Duration::from_secs(1),
+        &[],
+    );
+    again.fields = back[0]
+        .1
+        .iter()
+        .map(|(k, v)| (k.as_bytes().to_vec(), v.as_bytes().to_vec()))
+        .collect();
+    let again_id = put(&mut conn, &again);
+    dlq_ok(&db.url, &stream, &["replay", &again_id]);
+    let raw: Vec<(String, Vec<(String, String)>)> = redis::cmd("XREVRANGE")
+        .arg(&stream)
+        .arg("+")
+        .arg("-")
+        .arg("COUNT")
+        .arg(1)
+        .query(&mut conn)
+        .unwrap();
+    let names: Vec<&str> = raw[0].1.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        names.iter().filter(|n| **n == "replay_count").count(),
+        1,
+        "{names:?}"
+    );
+    let f: HashMap<&str, &str> = raw[0]
+        .1
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    assert_eq!(
+        (f["replay_count"], f["replayed_from"]),
+        ("2", again_id.as_str())
+    );
+    cleanup(&mut conn, &stream);
+}
+
+/// When the XADD fails (the original key is not a stream), the dead letter
+/// is not removed: replay never loses an entry.
+#[test]
+fn replay_that_cannot_add_keeps_the_dead_letter() {
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut conn = redis(&redis_url());
+    let id = put(
+        &mut conn,
+        &letter(
+            &stream,
+            "k",
+            DeadLetterKind::Permanent,
+            "x",
+            Duration::from_secs(1),
+            &[],
+        ),
+    );
+    let _: () = redis::cmd("SET")
+        .arg(&stream)
+        .arg("not a stream")
+        .query(&mut conn)
+        .unwrap();
+    let out = dlq(&db.url, &stream, &["replay", &id]);
+    assert_eq!(out.code(), Some(1), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("not replayed") && out.stdout.contains("1 failed"),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(dlq_ids(&mut conn, &stream), [id]);
+    cleanup(&mut conn, &stream);
+}
+
+// ---------------------------------------------------------------------------
+// Purge
+// ---------------------------------------------------------------------------
+
+#[test]
+fn purge_needs_yes_and_prints_the_count() {
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut conn = redis(&redis_url());
+    let ids = five_letters(&mut conn, &stream);
+
+    let out = dlq(&db.url, &stream, &["purge", "--kind", "exhausted"]);
+    assert_eq!(out.code(), Some(1), "without --yes: exit 1");
+    assert!(
+        out.stderr.contains("would remove 2 dead letters"),
+        "{}",
+        out.stderr
+    );
+    assert!(out.stderr.contains("--yes"), "{}", out.stderr);
+    assert_eq!(dlq_ids(&mut conn, &stream), ids, "nothing removed");
+    let out = dlq(&db.url, &stream, &["purge", "--all", "--json"]);
+    assert_eq!(out.code(), Some(1));
+    assert_eq!(out.json()["would_remove"], 5);
+    assert_eq!(dlq_ids(&mut conn, &stream), ids, "nothing removed");
+    let out = dlq(&db.url, &stream, &["purge", "--yes"]);
+    assert_eq!(out.code(), Some(1), "no selection: refused");
+    assert_eq!(dlq_ids(&mut conn, &stream), ids);
+
+    let out = dlq_ok(&db.url, &stream, &["purge", "--kind", "exhausted", "--yes"]);
+    assert!(
+        out.stdout.contains("removed 2 dead letters"),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(dlq_ids(&mut conn, &stream), at(&ids, &[1, 3, 4]));
+
+    let doc = dlq_ok(
+        &db.url,
+        &stream,
+        &["purge", &ids[1], &ids[3], "--yes", "--json"],
+    )
+    .json();
+    assert_eq!(doc["removed"], 2);
+    assert_eq!(dlq_ids(&mut conn, &stream), at(&ids, &[4]));
+
+    let out = dlq(&db.url, &stream, &["purge", &ids[1], "--yes"]);
+    assert_eq!(out.code(), Some(1), "an id that is not there");
+    assert!(
+        out.stdout.contains("removed 0") && out.stdout.contains(&ids[1]),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(dlq_ids(&mut conn, &stream), at(&ids, &[4]));
+    cleanup(&mut conn, &stream);
+}
+
+fn at(ids: &[String], i: &[usize]) -> Vec<String> {
+    i.iter().map(|&i| ids[i].clone()).collect()
+}
+
+// ---------------------------------------------------------------------------
+// Archive
+// ---------------------------------------------------------------------------
+
+/// `n` dead letters dead-lettered 3 h ago, then 2 recent ones; ids oldest
+/// first.
+fn old_and_new(conn: &mut redis::Connection, stream: &str, n: usize) -> (Vec<String>, Vec<String>) {
+    let old = (0..n)
+        .map(|i| {
+            put(
+                conn,
+                &letter(
+                    stream,
+                    &format!("old{i}"),
+                    DeadLetterKind::Exhausted,
+                    &format!("HTTP 500 #{i}"),
+                    Duration::from_secs(3 * H),
+                    &[("bin", &[0, 255, i as u8])],
+                ),
+            )
+        })
+        .collect();
+    let new = (0..2)
+        .map(|i| {
+            put(
+                conn,
+                &letter(
+                    stream,
+                    &format!("new{i}"),
+                    DeadLetterKind::Permanent,
+                    "bad",
+                    Duration::from_secs(60),
+                    &[],
+                ),
+            )
+        })
+        .collect();
+    (old, new)
+}
+
+/// Dead-letter ids in dead_letters_archive for `stream`, sorted.
+fn archived_ids(db: &TestDb, stream: &str) -> Vec<String> {
+    let mut ids: Vec<String> = db
+        .client()
+        .query(
+            "SELECT dead_letter_id FROM dead_letters_archive WHERE stream = $1",
+            &[&stream],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    ids.sort();
+    ids
+}
+
+/// Dead-letter ids of the lines of a JSONL archive, in file order.
+fn file_ids(path: &std::path::Path) -> Vec<String> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let doc: Value =
+                serde_json::from_str(l).unwrap_or_else(|e| panic!("bad line ({e}): {l}"));
+            doc["dead_letter_id"].as_str().unwrap().to_owned()
+        })
+        .collect()
+}
+
+#[test]
+fn archive_to_postgres_moves_only_old_entries_and_keeps_every_field() {
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut conn = redis(&redis_url());
+    let (old, new) = old_and_new(&mut conn, &stream, 3);
+
+    let out = dlq_ok(&db.url, &stream, &["archive", "--older-than", "2h"]);
+    assert!(
+        out.stdout.contains("archived 3 dead letters"),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(dlq_ids(&mut conn, &stream), new, "recent ones stay");
+    let mut sorted = old.clone();
+    sorted.sort();
+    assert_eq!(archived_ids(&db, &stream), sorted);
+    let row = db
+        .client()
+        .query_one(
+            "SELECT event_id, kind, reason, fields FROM dead_letters_archive WHERE stream = $1 AND dead_letter_id = $2",
+            &[&stream, &old[1]],
+        )
+        .unwrap();
+    let (event_id, kind, reason, fields): (String, String, String, Value) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    assert_eq!(
+        (event_id.as_str(), kind.as_str(), reason.as_str()),
+        ("old1", "exhausted", "HTTP 500 #1")
+    );
+    assert_eq!(fields["f:event_id"], "old1");
+    assert_eq!(fields["f:payload"], r#"{"order":1234,"event":"old1"}"#);
+    assert_eq!(
+        fields["f:bin"],
+        serde_json::json!({"hex": "00ff01"}),
+        "binary kept exactly"
+    );
+    assert_eq!(fields["group"], "g");
+    assert_eq!(fields["attempts"], "2");
+    let history: Value = serde_json::from_str(fields["history"].as_str().unwrap()).unwrap();
+    assert_eq!(history.as_array().unwrap().len(), 2);
+
+    // Again: nothing more is old enough; then everything, as JSON.
+    let out = dlq_ok(&db.url, &stream, &["archive", "--older-than", "2h"]);
+    assert!(
+        out.stdout.contains("archived 0 dead letters"),
+        "{}",
+        out.stdout
+    );
+    let doc = dlq_ok(
+        &db.url,
+        &stream,
+        &["archive", "--older-than", "0s", "--json"],
+    )
+    .json();
+    assert_eq!(
+        (doc["selected"].as_u64(), doc["archived"].as_u64()),
+        (Some(2), Some(2))
+    );
+    assert!(dlq_ids(&mut conn, &stream).is_empty());
+    assert_eq!(archived_ids(&db, &stream).len(), 5);
+
+    // A row already archived with other content is never overwritten, and
+    // its entry is not removed (the copy does not match).
+    let clash = put(
+        &mut conn,
+        &letter(
+            &stream,
+            "clash",
+            DeadLetterKind::Invalid,
+            "x",
+            Duration::from_secs(3 * H),
+            &[],
+        ),
+    );
+    db.client()
+        .execute(
+            "INSERT INTO dead_letters_archive (stream, dead_letter_id, fields) VALUES ($1, $2, '{}')",
+            &[&stream, &clash],
+        )
+        .unwrap();
+    let out = dlq(&db.url, &stream, &["archive", "--older-than", "1h"]);
+    assert_eq!(out.code(), Some(1), "{}", out.stdout);
+    assert!(
+        out.stdout.contains(&clash) && out.stdout.contains("kept"),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(dlq_ids(&mut conn, &stream), [clash]);
+    cleanup(&mut conn, &stream);
+}
+
+#[test]
+fn archive_to_a_jsonl_file_appends_verified_lines() {
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut conn = redis(&redis_url());
+    let (old, new) = old_and_new(&mut conn, &stream, 3);
+    let dir = TempDir::new("dlq-archive");
+    let path = dir.0.join("dead.jsonl");
+    // An earlier archive cut short in the middle of a line.
+    std::fs::write(&path, "{\"stream\":\"x\",\"dead_le").unwrap();
+
+    let out = dlq_ok(
+        &db.url,
+        &stream,
+        &[
+            "archive",
+            "--older-than",
+            "1h",
+            "--to",
+            path.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        out.stdout.contains("archived 3 dead letters"),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(dlq_ids(&mut conn, &stream), new);
+    let text = std::fs::read_to_string(&path).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(
+        lines.len(),
+        4,
+        "the cut line, then one line per entry:\n{text}"
+    );
+    assert!(text.ends_with('\n'));
+    let docs: Vec<Value> = lines[1..]
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let ids: Vec<&str> = docs
+        .iter()
+        .map(|d| d["dead_letter_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        ids,
+        old.iter().map(String::as_str).collect::<Vec<_>>(),
+        "oldest first"
+    );
+    assert_eq!(docs[2]["stream"], stream.as_str());
+    assert_eq!(docs[2]["event_id"], "old2");
+    assert_eq!(docs[2]["kind"], "exhausted");
+    assert_eq!(
+        docs[2]["fields"]["f:bin"],
+        serde_json::json!({"hex": "00ff02"})
+    );
+    assert_eq!(docs[2]["fields"]["reason"], "HTTP 500 #2");
+    assert!(docs[2]["archived_at"].as_str().unwrap().ends_with('Z'));
+    assert!(
+        archived_ids(&db, &stream).is_empty(),
+        "nothing went to PostgreSQL"
+    );
+
+    // A file that cannot be written: nothing is removed.
+    let out = dlq(
+        &db.url,
+        &stream,
+        &[
+            "archive",
+            "--older-than",
+            "0s",
+            "--to",
+            "/nonexistent-dir/x.jsonl",
+        ],
+    );
+    assert_eq!(out.code(), Some(1));
+    assert!(
+        out.stderr.contains("/nonexistent-dir/x.jsonl"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(dlq_ids(&mut conn, &stream), new);
+    cleanup(&mut conn, &stream);
+}
+
+/// The archive SIGKILLed after copying (and verifying) its second chunk,
+/// before deleting it: every entry is in the stream or in the archive (the
+/// second chunk in both), none in neither; a second run finishes the job.
+fn archive_interrupted(to_file: bool) {
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut conn = redis(&redis_url());
+    let (old, _) = old_and_new(&mut conn, &stream, 10);
+    let dir = TempDir::new("dlq-archive");
+    let path = dir.0.join("dead.jsonl");
+    let to = if to_file {
+        path.to_str().unwrap().to_owned()
+    } else {
+        "postgres".to_owned()
+    };
+    let archived = |db: &TestDb| -> Vec<String> {
+        if to_file {
+            file_ids(&path)
+        } else {
+            archived_ids(db, &stream)
+        }
+    };
+
+    let mut cmd = taskhub(&redis_url(), &db.url);
+    cmd.env("TASKHUB_FAULT", format!("archive-after-copy@{}", old[4]))
+        .args([
+            "dlq",
+            "--stream",
+            &stream,
+            "archive",
+            "--older-than",
+            "1h",
+            "--chunk",
+            "4",
+            "--to",
+            &to,
+        ]);
+    let mut p = Proc::spawn(cmd);
+    assert!(
+        p.wait_for(&format!("taskhub-fault: archive-after-copy {}", old[4]), T),
+        "stderr:\n{}",
+        p.stderr()
+    );
+    p.kill();
+
+    let in_stream: BTreeSet<String> = dlq_ids(&mut conn, &stream).into_iter().collect();
+    let in_archive: BTreeSet<String> = archived(&db).into_iter().collect();
+    for id in &old {
+        assert!(
+            in_stream.contains(id) || in_archive.contains(id),
+            "{id} is in neither the stream nor the archive"
+        );
+    }
+    let set = |i: &[usize]| -> BTreeSet<String> { i.iter().map(|&i| old[i].clone()).collect() };
+    assert_eq!(
+        &in_archive,
+        &set(&[0, 1, 2, 3, 4, 5, 6, 7]),
+        "two chunks copied"
+    );
+    let old_in_stream: BTreeSet<String> = in_stream
+        .intersection(&set(&(0..10).collect::<Vec<_>>()))
+        .cloned()
+        .collect();
+    assert_eq!(
+        old_in_stream,
+        set(&[4, 5, 6, 7, 8, 9]),
+        "only the first chunk removed"
+    );
+
+    // Run again: everything old is archived and gone from the stream.
+    let out = dlq_ok(
+        &db.url,
+        &stream,
+        &["archive", "--older-than", "1h", "--chunk", "4", "--to", &to],
+    );
+    assert!(
+        out.stdout.contains("archived 6 dead letters"),
+        "{}",
+        out.stdout
+    );
+    let in_stream: BTreeSet<String> = dlq_ids(&mut conn, &stream).into_iter().collect();
+    assert!(
+        in_stream.is_disjoint(&set(&(0..10).collect::<Vec<_>>())),
+        "{in_stream:?}"
+    );
+    assert_eq!(in_stream.len(), 2, "the recent ones stay");
+    let all = archived(&db);
+    let unique_ids: BTreeSet<String> = all.iter().cloned().collect();
+    assert_eq!(unique_ids, set(&(0..10).collect::<Vec<_>>()));
+    // The table keeps one row each; the file holds the second chunk twice.
+    assert_eq!(all.len(), if to_file { 14 } else { 10 });
+    cleanup(&mut conn, &stream);
+}
+
+#[test]
+fn archive_to_postgres_killed_half_way_loses_nothing() {
+    archive_interrupted(false);
+}
+
+#[test]
+fn archive_to_a_file_killed_half_way_loses_nothing() {
+    archive_interrupted(true);
+}
+
+// ---------------------------------------------------------------------------
+// Check
+// ---------------------------------------------------------------------------
+
+#[test]
+fn check_exits_0_when_empty_and_1_with_a_one_line_summary() {
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut conn = redis(&redis_url());
+
+    let out = dlq(&db.url, &stream, &["check"]);
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    assert_eq!(out.stdout.lines().count(), 1, "{}", out.stdout);
+    let doc = dlq_ok(&db.url, &stream, &["check", "--json"]).json();
+    assert_eq!(
+        (doc["ok"].as_bool(), doc["count"].as_u64()),
+        (Some(true), Some(0))
+    );
+
+    put(
+        &mut conn,
+        &letter(
+            &stream,
+            "c1",
+            DeadLetterKind::Exhausted,
+            "HTTP 503",
+            Duration::from_secs(2 * H),
+            &[],
+        ),
+    );
+    put(
+        &mut conn,
+        &letter(
+            &stream,
+            "c2",
+            DeadLetterKind::Permanent,
+            "constraint\nviolated",
+            Duration::from_secs(10),
+            &[],
+        ),
+    );
+    let out = dlq(&db.url, &stream, &["check"]);
+    assert_eq!(out.code(), Some(1), "{}", out.stderr);
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(lines.len(), 1, "one line: {}", out.stdout);
+    for needle in [
+        "2 dead letters",
+        "exhausted 1",
+        "permanent 1",
+        "oldest 2h0m ago",
+        "latest reason: constraint violated",
+    ] {
+        assert!(lines[0].contains(needle), "{needle:?} in {}", lines[0]);
+    }
+    assert!(out.stderr.is_empty(), "{}", out.stderr);
+    let out = dlq(&db.url, &stream, &["check", "--json"]);
+    assert_eq!(out.code(), Some(1));
+    let doc = out.json();
+    assert_eq!(
+        (doc["ok"].as_bool(), doc["count"].as_u64()),
+        (Some(false), Some(2))
+    );
+    assert_eq!(doc["by_kind"]["exhausted"], 1);
+    assert_eq!(doc["latest_reason"], "constraint\nviolated");
+
+    // Redis unreachable: an error, not "empty".
+    let mut cmd = taskhub("redis://127.0.0.1:1", &db.url);
+    cmd.args(["dlq", "--stream", &stream, "check"]);
+    let out = output(cmd, T);
+    assert_eq!(out.code(), Some(1));
+    assert!(
+        out.stderr
+            .starts_with("taskhub: error: cannot connect to Redis"),
+        "{}",
+        out.stderr
+    );
+    cleanup(&mut conn, &stream);
+}
