@@ -49,6 +49,8 @@ pg_bin_dir() {
 
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+# tests/dlq_page.rs renders the dead-letter page in a real headless Chromium.
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 pg_bin_dir >/dev/null || missing+=(postgresql)
 if ((${#missing[@]})); then
     echo "test.sh: installing ${missing[*]} (the tests start their own servers)" >&2

@@ -37,6 +37,7 @@ pub struct Config {
     pub(crate) mode: Mode,
     pub(crate) http: Option<String>,
     pub(crate) alert_webhook: Option<String>,
+    pub(crate) admin_token: Option<String>,
     pub(crate) alert_interval: Duration,
     pub(crate) alert_age: Duration,
     pub(crate) alert_min_gap: Duration,
@@ -120,6 +121,7 @@ impl fmt::Debug for Config {
             .field("mode", &self.mode)
             .field("http", &self.http)
             .field("alert_webhook", &self.alert_webhook.as_deref().map(redact))
+            .field("admin_token", &self.admin_token.as_ref().map(|_| "***"))
             .field("alert_interval", &self.alert_interval)
             .field("alert_age", &self.alert_age)
             .field("alert_min_gap", &self.alert_min_gap)
@@ -173,6 +175,7 @@ impl Default for Builder {
                 mode: Mode::Batch,
                 http: None,
                 alert_webhook: None,
+                admin_token: None,
                 alert_interval: Duration::from_secs(10),
                 alert_age: Duration::from_secs(3600),
                 alert_min_gap: Duration::from_secs(60),
@@ -323,6 +326,13 @@ impl Builder {
         self
     }
 
+    /// Enables the replay and delete buttons of the `/dlq` page for whoever
+    /// gives this token. Defaults to none: the page is read-only.
+    pub fn admin_token(mut self, token: &str) -> Builder {
+        self.config.admin_token = Some(token.to_owned());
+        self
+    }
+
     /// The idempotency scope: events are applied once per scope. Defaults to
     /// the group name, so two groups reading one stream each apply their own
     /// effect once.
@@ -393,6 +403,9 @@ impl Builder {
                 "backoff base must be positive and not above the cap ({:?} > {:?})",
                 c.backoff_base, c.backoff_cap
             ));
+        }
+        if c.admin_token.as_ref().is_some_and(|t| t.len() < 12) {
+            return err("the admin token must be at least 12 characters".into());
         }
         if c.alert_interval.is_zero() {
             return err("alert interval must be positive".into());

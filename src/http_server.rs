@@ -29,7 +29,7 @@ pub(crate) fn bind_address(addr: &str) -> String {
 /// Serves until shutdown.
 pub(crate) fn http_thread(shared: &Shared, server: &tiny_http::Server) {
     while !shared.shutdown.is_shutdown() {
-        let request = match server.recv_timeout(Duration::from_millis(100)) {
+        let mut request = match server.recv_timeout(Duration::from_millis(100)) {
             Ok(Some(r)) => r,
             Ok(None) => continue,
             Err(e) => {
@@ -38,7 +38,8 @@ pub(crate) fn http_thread(shared: &Shared, server: &tiny_http::Server) {
                 continue;
             }
         };
-        let response = route(shared, &request);
+        let response =
+            crate::dlq_page::route(shared, &mut request).unwrap_or_else(|| route(shared, &request));
         if let Err(e) = request.respond(response) {
             log::debug!("http: cannot answer: {e}");
         }

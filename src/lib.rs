@@ -58,6 +58,7 @@ mod consumers;
 mod dead_letter;
 mod delivery;
 pub mod dlq;
+mod dlq_page;
 mod error;
 mod event;
 mod fault;

@@ -166,6 +166,9 @@ struct RunArgs {
     /// Serve /metrics, /healthz, /readyz and /dlq on this address (9090 means 127.0.0.1:9090).
     #[arg(long, value_name = "ADDR")]
     http: Option<String>,
+    /// Token that enables the replay and delete buttons of the /dlq page (prefer the environment).
+    #[arg(long, env = "TASKHUB_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
     /// POST a JSON alert here when a dead-letter stream becomes non-empty, grows or gets old.
     #[arg(long, value_name = "URL")]
     alert_webhook: Option<String>,
@@ -255,6 +258,9 @@ fn run(servers: &Servers, args: RunArgs) -> Result<(), String> {
     }
     if let Some(addr) = &args.http {
         builder = builder.http(addr);
+    }
+    if let Some(token) = &args.admin_token {
+        builder = builder.admin_token(token);
     }
     if let Some(url) = &args.alert_webhook {
         builder = builder.alert_webhook(url);
