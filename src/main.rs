@@ -75,6 +75,30 @@ struct Servers {
         hide_default_value = true
     )]
     database_url: String,
+    /// Read the Redis URL from this file (keeps a password out of argv and
+    /// the environment); wins over --redis-url.
+    #[arg(long, env = "REDIS_URL_FILE", global = true, value_name = "PATH")]
+    redis_url_file: Option<std::path::PathBuf>,
+    /// Read the PostgreSQL URL from this file; wins over --database-url.
+    #[arg(long, env = "DATABASE_URL_FILE", global = true, value_name = "PATH")]
+    database_url_file: Option<std::path::PathBuf>,
+}
+
+impl Servers {
+    /// Replaces the URLs by the contents of the URL files, when given.
+    fn read_files(&mut self) -> Result<(), String> {
+        for (file, url) in [
+            (&self.redis_url_file, &mut self.redis_url),
+            (&self.database_url_file, &mut self.database_url),
+        ] {
+            if let Some(path) = file {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+                *url = text.trim().to_owned();
+            }
+        }
+        Ok(())
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -88,6 +112,50 @@ enum Command {
     /// Dead letters: stats, list, show, replay, purge, archive, check.
     #[command(long_about = cli::dlq::LONG_ABOUT)]
     Dlq(Box<cli::dlq::DlqArgs>),
+    /// List a group's consumers (pending entries, idle time), or remove one that left for good.
+    Consumers(ConsumersArgs),
+}
+
+#[derive(Args, Debug)]
+struct ConsumersArgs {
+    /// The stream.
+    #[arg(long, default_value = "tasks:events")]
+    stream: String,
+    /// The consumer group.
+    #[arg(long, default_value = "workers")]
+    group: String,
+    /// Remove this consumer; refused while it has pending entries (they
+    /// would become unclaimable).
+    #[arg(long, value_name = "NAME")]
+    remove: Option<String>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn consumers(servers: &Servers, args: ConsumersArgs) -> Result<(), String> {
+    if let Some(name) = &args.remove {
+        taskhub::remove_consumer(&servers.redis_url, &args.stream, &args.group, name)
+            .map_err(|e| e.to_string())?;
+        println!("removed consumer {name} from {}/{}", args.stream, args.group);
+        return Ok(());
+    }
+    let list = taskhub::consumers(&servers.redis_url, &args.stream, &args.group).map_err(|e| e.to_string())?;
+    if args.json {
+        let items: Vec<serde_json::Value> = list
+            .iter()
+            .map(|c| serde_json::json!({"name": c.name, "pending": c.pending, "idle_ms": c.idle.as_millis() as u64}))
+            .collect();
+        println!("{}", serde_json::Value::Array(items));
+        return Ok(());
+    }
+    let width = list.iter().map(|c| c.name.len()).max().unwrap_or(4).max(8);
+    println!("{:<width$}  {:>8}  {:>12}", "consumer", "pending", "idle");
+    for c in &list {
+        let idle = humantime::format_duration(std::time::Duration::from_secs(c.idle.as_secs())).to_string();
+        println!("{:<width$}  {:>8}  {:>12}", c.name, c.pending, idle);
+    }
+    Ok(())
 }
 
 fn duration(s: &str) -> Result<Duration, String> {
@@ -205,12 +273,18 @@ struct ProduceArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);
+    let mut cli = cli;
+    if let Err(message) = cli.servers.read_files() {
+        eprintln!("taskhub: error: {message}");
+        return ExitCode::FAILURE;
+    }
     let result = match cli.command {
         Command::Migrate => taskhub::migrate(&cli.servers.database_url)
             .map(|n| println!("migrations applied: {n}"))
             .map_err(|e| e.to_string()),
         Command::Run(args) => run(&cli.servers, *args),
         Command::Produce(args) => produce(&cli.servers, args),
+        Command::Consumers(args) => consumers(&cli.servers, args),
         Command::Dlq(args) => {
             match cli::dlq::run(&cli.servers.redis_url, &cli.servers.database_url, *args) {
                 Ok(code) => return code,
