@@ -87,3 +87,81 @@ fn list_and_remove_only_when_nothing_is_pending() {
     assert_eq!(list.len(), 1);
     assert_eq!((list[0].name.as_str(), list[0].pending), ("alive", 5));
 }
+
+#[test]
+fn cli_lists_and_refuses_to_remove_a_consumer_with_pending_entries() {
+    let url = redis_url();
+    let (stream, group) = (unique("cons-cli"), unique("g"));
+    let mut conn = redis(&url);
+    xadd(&mut conn, &stream, &[("event_id", "e1")]);
+    redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&stream)
+        .arg(&group)
+        .arg("0")
+        .query::<()>(&mut conn)
+        .unwrap();
+    read_as(&mut conn, &stream, &group, "old-host", 1);
+    let db_url = "postgres://nobody@127.0.0.1:1/none";
+    let out = taskhub(&url, db_url)
+        .args(["consumers", "--stream", &stream, "--group", &group])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("old-host") && l.contains(" 1 ")),
+        "{table}"
+    );
+    let out = taskhub(&url, db_url)
+        .args([
+            "consumers",
+            "--stream",
+            &stream,
+            "--group",
+            &group,
+            "--remove",
+            "old-host",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("still has pending entries"));
+    assert_eq!(taskhub::consumers(&url, &stream, &group).unwrap().len(), 1);
+}
+
+#[test]
+fn urls_can_come_from_files() {
+    let dir = TempDir::new("urls");
+    let file = dir.0.join("redis.url");
+    std::fs::write(&file, format!("{}\n", redis_url())).unwrap();
+    let stream = unique("file-url");
+    // The environment points nowhere; the file wins.
+    let out = taskhub("redis://127.0.0.1:1", "postgres://x@127.0.0.1:1/x")
+        .arg("--redis-url-file")
+        .arg(&file)
+        .args(["produce", "--stream", &stream, "--count", "3"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(xlen(&mut redis(&redis_url()), &stream), 3);
+    // A password read from a file is redacted in errors like any other.
+    std::fs::write(&file, "redis://:s3cret-pw@127.0.0.1:1/").unwrap();
+    let out = taskhub(&redis_url(), "postgres://x@127.0.0.1:1/x")
+        .env("REDIS_URL_FILE", &file)
+        .args(["produce", "--stream", &stream, "--count", "1"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("***") && !stderr.contains("s3cret-pw"),
+        "{stderr}"
+    );
+}
