@@ -576,6 +576,10 @@ fn handler_always_panicking_is_dead_lettered_and_the_pool_keeps_its_size() {
             if event.event_id() == "boom" {
                 panic!("simulated bug on every attempt");
             }
+            // Slow enough that the others are still being handled when the
+            // retry of "boom" comes back (retries no longer wait for room
+            // behind the backlog, so with instant events it could come last).
+            pause(1);
             insert(event, tx)
         }))
         .unwrap();
