@@ -137,10 +137,14 @@ fn consumers(servers: &Servers, args: ConsumersArgs) -> Result<(), String> {
     if let Some(name) = &args.remove {
         taskhub::remove_consumer(&servers.redis_url, &args.stream, &args.group, name)
             .map_err(|e| e.to_string())?;
-        println!("removed consumer {name} from {}/{}", args.stream, args.group);
+        println!(
+            "removed consumer {name} from {}/{}",
+            args.stream, args.group
+        );
         return Ok(());
     }
-    let list = taskhub::consumers(&servers.redis_url, &args.stream, &args.group).map_err(|e| e.to_string())?;
+    let list = taskhub::consumers(&servers.redis_url, &args.stream, &args.group)
+        .map_err(|e| e.to_string())?;
     if args.json {
         let items: Vec<serde_json::Value> = list
             .iter()
@@ -152,7 +156,8 @@ fn consumers(servers: &Servers, args: ConsumersArgs) -> Result<(), String> {
     let width = list.iter().map(|c| c.name.len()).max().unwrap_or(4).max(8);
     println!("{:<width$}  {:>8}  {:>12}", "consumer", "pending", "idle");
     for c in &list {
-        let idle = humantime::format_duration(std::time::Duration::from_secs(c.idle.as_secs())).to_string();
+        let idle = humantime::format_duration(std::time::Duration::from_secs(c.idle.as_secs()))
+            .to_string();
         println!("{:<width$}  {:>8}  {:>12}", c.name, c.pending, idle);
     }
     Ok(())
