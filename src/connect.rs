@@ -104,6 +104,14 @@ pub(crate) fn postgres_pool(url: &str, size: u32) -> Result<PgPool, Error> {
     // names the cause (refused, authentication, unknown database...).
     drop(postgres(url)?);
     let manager = PgManager::new(pg_config(url)?, postgres::NoTls);
+    pool_builder(size, "taskhub-pg-pool-{}")
+        .build(manager)
+        .map_err(|e| pg_unreachable(url, e))
+}
+
+/// The settings both pools share: no test on check-out (a broken connection
+/// shows on its next command), a bounded wait, one named helper thread.
+fn pool_builder<M: r2d2::ManageConnection>(size: u32, thread_name: &str) -> r2d2::Builder<M> {
     r2d2::Pool::builder()
         .max_size(size)
         .min_idle(Some(1))
@@ -113,11 +121,9 @@ pub(crate) fn postgres_pool(url: &str, size: u32) -> Result<PgPool, Error> {
         .thread_pool(std::sync::Arc::new(
             scheduled_thread_pool::ScheduledThreadPool::builder()
                 .num_threads(1)
-                .thread_name_pattern("taskhub-pg-pool-{}")
+                .thread_name_pattern(thread_name)
                 .build(),
         ))
-        .build(manager)
-        .map_err(|e| pg_unreachable(url, e))
 }
 
 /// Opens a Redis client for `url` (no connection yet).
@@ -177,18 +183,7 @@ pub(crate) fn redis_pool(url: &str, size: u32) -> Result<RedisPool, Error> {
         .query::<()>(&mut conn)
         .map_err(|e| redis_unreachable(url, e))?;
     drop(conn);
-    r2d2::Pool::builder()
-        .max_size(size)
-        .min_idle(Some(1))
-        .test_on_check_out(false)
-        .connection_timeout(CONNECT_TIMEOUT)
-        .error_handler(Box::new(r2d2::NopErrorHandler))
-        .thread_pool(std::sync::Arc::new(
-            scheduled_thread_pool::ScheduledThreadPool::builder()
-                .num_threads(1)
-                .thread_name_pattern("taskhub-redis-pool-{}")
-                .build(),
-        ))
+    pool_builder(size, "taskhub-redis-pool-{}")
         .build(RedisManager { client })
         .map_err(|e| {
             Error::with_source(

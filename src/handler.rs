@@ -135,63 +135,43 @@ impl<'a> DerefMut for Tx<'a> {
     }
 }
 
-impl<H: Handler + ?Sized> Handler for Box<H> {
-    fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-        (**self).handle(event, tx)
-    }
+/// `Box<dyn Handler>` and `Arc<dyn Handler>` are handlers too (every method
+/// forwarded, so overridden hooks are kept).
+macro_rules! forward_handler {
+    ($($pointer:ident)::+) => {
+        impl<H: Handler + ?Sized> Handler for $($pointer)::+<H> {
+            fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+                (**self).handle(event, tx)
+            }
 
-    fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-        (**self).handle_batch(events, tx)
-    }
+            fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+                (**self).handle_batch(events, tx)
+            }
 
-    fn on_start(
-        &self,
-        client: &mut postgres::Client,
-    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        (**self).on_start(client)
-    }
+            fn on_start(
+                &self,
+                client: &mut postgres::Client,
+            ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+                (**self).on_start(client)
+            }
 
-    fn supports_batches(&self) -> bool {
-        (**self).supports_batches()
-    }
+            fn supports_batches(&self) -> bool {
+                (**self).supports_batches()
+            }
 
-    fn committed(&self, event: &Event) {
-        (**self).committed(event)
-    }
+            fn committed(&self, event: &Event) {
+                (**self).committed(event)
+            }
 
-    fn name(&self) -> &str {
-        (**self).name()
-    }
+            fn name(&self) -> &str {
+                (**self).name()
+            }
+        }
+    };
 }
 
-impl<H: Handler + ?Sized> Handler for std::sync::Arc<H> {
-    fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-        (**self).handle(event, tx)
-    }
-
-    fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-        (**self).handle_batch(events, tx)
-    }
-
-    fn on_start(
-        &self,
-        client: &mut postgres::Client,
-    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        (**self).on_start(client)
-    }
-
-    fn supports_batches(&self) -> bool {
-        (**self).supports_batches()
-    }
-
-    fn committed(&self, event: &Event) {
-        (**self).committed(event)
-    }
-
-    fn name(&self) -> &str {
-        (**self).name()
-    }
-}
+forward_handler!(Box);
+forward_handler!(std::sync::Arc);
 
 /// A [`Handler`] made from a closure.
 pub struct FnHandler<F>(F);

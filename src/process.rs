@@ -172,7 +172,7 @@ impl Processor {
             let size = chunk.len();
             let mut failures = 0;
             while chunk.len() > 1 {
-                match self.apply_batch_through_outages(&chunk) {
+                match self.through_outages(|p| p.apply_batch(&chunk)) {
                     None => self.abandon(std::mem::take(&mut chunk)),
                     Some(Ok(new)) => {
                         for (delivery, new) in std::mem::take(&mut chunk).into_iter().zip(new) {
@@ -238,7 +238,7 @@ impl Processor {
         if !self.count_start(&mut delivery) {
             return self.abandon(vec![delivery]);
         }
-        match self.apply_through_outages(&delivery) {
+        match self.through_outages(|p| p.apply(&delivery)) {
             None => self.abandon(vec![delivery]),
             Some(Ok(Applied::New)) => {
                 Stats::add(&self.shared.stats.applied, 1);
@@ -261,37 +261,6 @@ impl Processor {
                 self.dead_letter(delivery, Kind::CrashLoop, reason);
             }
             Some(Err(e)) => self.failed(delivery, e),
-        }
-    }
-
-    /// Applies a batch in one transaction, waiting out PostgreSQL outages.
-    /// `None` when a shutdown interrupted the wait.
-    fn apply_batch_through_outages(
-        &mut self,
-        batch: &[Delivery],
-    ) -> Option<Result<Vec<bool>, HandlerError>> {
-        let mut outages = 0u32;
-        loop {
-            match self.apply_batch(batch) {
-                Err(e) if e.class() == FailureClass::Outage => {
-                    self.pg = None;
-                    self.shared.health.down(Server::Postgres, &e);
-                    outages += 1;
-                    if self
-                        .shared
-                        .shutdown
-                        .sleep(self.shared.outage_backoff(outages))
-                    {
-                        return None;
-                    }
-                }
-                result => {
-                    if result.is_ok() {
-                        self.shared.health.up(Server::Postgres);
-                    }
-                    return Some(result);
-                }
-            }
         }
     }
 
@@ -393,19 +362,20 @@ impl Processor {
         true
     }
 
-    /// Applies one event, waiting out PostgreSQL outages (they are not the
-    /// event's fault). `None` when a shutdown interrupted the wait.
-    fn apply_through_outages(
+    /// Runs `apply` (one event or a batch), waiting out PostgreSQL outages:
+    /// they are not the events' fault, so they count no attempt. `None` when
+    /// a shutdown interrupted the wait.
+    fn through_outages<T>(
         &mut self,
-        delivery: &Delivery,
-    ) -> Option<Result<Applied, HandlerError>> {
+        mut apply: impl FnMut(&mut Processor) -> Result<T, HandlerError>,
+    ) -> Option<Result<T, HandlerError>> {
         let mut outages = 0u32;
         loop {
-            match self.apply(delivery) {
+            match apply(self) {
                 Err(e) if e.class() == FailureClass::Outage => {
-                    if self.pg.as_ref().is_some_and(|c| c.is_closed()) || outages > 0 {
-                        self.pg = None;
-                    }
+                    // A fresh connection for the next try; the pool drops
+                    // the broken one.
+                    self.pg = None;
                     self.shared.health.down(Server::Postgres, &e);
                     outages += 1;
                     if self
