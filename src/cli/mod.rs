@@ -1,7 +1,11 @@
 //! Subcommands of the binary that are more than a call into the library, and
 //! what they share: output that tolerates a closed pipe, and text tables.
 
+pub mod consumers;
 pub mod dlq;
+pub mod produce;
+pub mod run;
+pub mod servers;
 
 use std::io::Write;
 
@@ -65,4 +69,10 @@ mod tests {
             "ID    KIND       REASON\n1-0   exhausted  boom\n22-0  invalid    x\n"
         );
     }
+}
+
+/// Parses a duration flag (`20ms`, `1s`, `5m`).
+pub fn duration(s: &str) -> Result<std::time::Duration, String> {
+    humantime::parse_duration(s)
+        .map_err(|e| format!("{e} (expected a duration such as 20ms, 1s or 5m)"))
 }

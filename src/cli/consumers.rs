@@ -1,0 +1,52 @@
+//! `taskhub consumers`: list a group's consumers, remove one that left.
+
+use clap::Args;
+
+use super::servers::Servers;
+
+#[derive(Args, Debug)]
+pub struct ConsumersArgs {
+    /// The stream.
+    #[arg(long, default_value = "tasks:events")]
+    pub stream: String,
+    /// The consumer group.
+    #[arg(long, default_value = "workers")]
+    pub group: String,
+    /// Remove this consumer; refused while it has pending entries (they
+    /// would become unclaimable).
+    #[arg(long, value_name = "NAME")]
+    pub remove: Option<String>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn consumers(servers: &Servers, args: ConsumersArgs) -> Result<(), String> {
+    if let Some(name) = &args.remove {
+        taskhub::remove_consumer(&servers.redis_url, &args.stream, &args.group, name)
+            .map_err(|e| e.to_string())?;
+        println!(
+            "removed consumer {name} from {}/{}",
+            args.stream, args.group
+        );
+        return Ok(());
+    }
+    let list = taskhub::consumers(&servers.redis_url, &args.stream, &args.group)
+        .map_err(|e| e.to_string())?;
+    if args.json {
+        let items: Vec<serde_json::Value> = list
+            .iter()
+            .map(|c| serde_json::json!({"name": c.name, "pending": c.pending, "idle_ms": c.idle.as_millis() as u64}))
+            .collect();
+        println!("{}", serde_json::Value::Array(items));
+        return Ok(());
+    }
+    let width = list.iter().map(|c| c.name.len()).max().unwrap_or(4).max(8);
+    println!("{:<width$}  {:>8}  {:>12}", "consumer", "pending", "idle");
+    for c in &list {
+        let idle = humantime::format_duration(std::time::Duration::from_secs(c.idle.as_secs()))
+            .to_string();
+        println!("{:<width$}  {:>8}  {:>12}", c.name, c.pending, idle);
+    }
+    Ok(())
+}

@@ -1,0 +1,165 @@
+//! `taskhub run`: flags to a `Worker`, signals to its shutdown handle.
+
+use std::time::Duration;
+
+use clap::Args;
+use taskhub::{HttpHandler, SqlHandler, Worker};
+
+use super::duration;
+use super::servers::Servers;
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// Stream to read (repeat for several streams; one reader thread each).
+    #[arg(long, default_value = "tasks:events")]
+    pub stream: Vec<String>,
+    /// Consumer group (created when missing).
+    #[arg(long, default_value = "workers")]
+    pub group: String,
+    /// Consumer name, stable across restarts and unique per instance [default: host name].
+    #[arg(long, env = "TASKHUB_CONSUMER")]
+    pub consumer: Option<String>,
+    /// Idempotency scope [default: the group].
+    #[arg(long)]
+    pub scope: Option<String>,
+    /// Worker threads.
+    #[arg(long, default_value_t = 8)]
+    pub workers: usize,
+    /// Entries per XREADGROUP, and so the largest batch.
+    #[arg(long, default_value_t = 64)]
+    pub count: usize,
+    /// XREADGROUP BLOCK in milliseconds; a shutdown is seen within this time.
+    #[arg(long, default_value_t = 2000)]
+    pub block_ms: u64,
+    /// Exit 0 once nothing new arrives and the group has nothing pending.
+    #[arg(long)]
+    pub until_idle: bool,
+    /// SQL run per event in its transaction: $1 event_id, $2 payload, $3 fields as JSON.
+    #[arg(long, default_value = taskhub::DEFAULT_STATEMENT)]
+    pub sql: String,
+    /// POST each event to this URL instead of running SQL (body: the payload;
+    /// header Idempotency-Key: the event_id).
+    #[arg(long, conflicts_with = "sql")]
+    pub http_url: Option<String>,
+    /// Timeout of one --http-url request.
+    #[arg(long, default_value = "10s", value_parser = duration, allow_hyphen_values = true)]
+    pub http_timeout: Duration,
+    /// batch: one transaction per batch of new events (falls back to one per
+    /// event for a batch that fails); per-event: one transaction per event.
+    #[arg(long, env = "TASKHUB_MODE", default_value = "batch")]
+    pub mode: taskhub::Mode,
+    /// All attempts of an event, the first included, before it is dead-lettered.
+    #[arg(long, default_value_t = 5)]
+    pub max_attempts: u32,
+    /// First retry delay (doubles per attempt, equal jitter).
+    #[arg(long, default_value = "200ms", value_parser = duration, allow_hyphen_values = true)]
+    pub backoff_base: Duration,
+    /// Longest retry delay.
+    #[arg(long, default_value = "30s", value_parser = duration, allow_hyphen_values = true)]
+    pub backoff_cap: Duration,
+    /// Longest Retry-After honoured.
+    #[arg(long, default_value = "2m", value_parser = duration, allow_hyphen_values = true)]
+    pub max_retry_after: Duration,
+    /// How often to look for entries abandoned by dead consumers.
+    #[arg(long, default_value = "30s", value_parser = duration, allow_hyphen_values = true)]
+    pub reclaim_interval: Duration,
+    /// Idle time after which another consumer's pending entry is taken over;
+    /// must exceed the longest handler run and retry wait.
+    #[arg(long, default_value = "5m", value_parser = duration, allow_hyphen_values = true)]
+    pub reclaim_min_idle: Duration,
+    /// Lifetime of the Redis duplicate marker.
+    #[arg(long, default_value = "24h", value_parser = duration, allow_hyphen_values = true)]
+    pub marker_ttl: Duration,
+    /// Deadline for a graceful shutdown.
+    #[arg(long, default_value = "30s", value_parser = duration, allow_hyphen_values = true)]
+    pub shutdown_timeout: Duration,
+    /// Largest accepted entry in bytes; larger ones are dead-lettered as invalid.
+    #[arg(long, default_value_t = 1024 * 1024)]
+    pub max_entry_bytes: usize,
+    /// Serve /metrics, /healthz, /readyz and /dlq on this address (9090 means 127.0.0.1:9090).
+    #[arg(long, value_name = "ADDR")]
+    pub http: Option<String>,
+    /// Token that enables the replay and delete buttons of the /dlq page (prefer the environment).
+    #[arg(long, env = "TASKHUB_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// POST a JSON alert here when a dead-letter stream becomes non-empty, grows or gets old.
+    #[arg(long, value_name = "URL")]
+    pub alert_webhook: Option<String>,
+    /// How often the dead-letter streams are checked for alerts.
+    #[arg(long, default_value = "10s", value_parser = duration, allow_hyphen_values = true)]
+    pub alert_interval: Duration,
+    /// Age of the oldest dead letter that raises an alert.
+    #[arg(long, default_value = "1h", value_parser = duration, allow_hyphen_values = true)]
+    pub alert_age: Duration,
+    /// Least time between two webhook calls for one stream.
+    #[arg(long, default_value = "1m", value_parser = duration, allow_hyphen_values = true)]
+    pub alert_min_gap: Duration,
+    /// Where a newly created group starts: 0 (whole stream) or $ (new entries only).
+    #[arg(long, default_value = "0")]
+    pub start_id: String,
+}
+
+pub fn run(servers: &Servers, args: RunArgs) -> Result<(), String> {
+    let mut builder = Worker::builder()
+        .redis_url(&servers.redis_url)
+        .database_url(&servers.database_url)
+        .group(&args.group)
+        .workers(args.workers)
+        .count(args.count)
+        .block(Duration::from_millis(args.block_ms))
+        .until_idle(args.until_idle)
+        .max_attempts(args.max_attempts)
+        .backoff_base(args.backoff_base)
+        .backoff_cap(args.backoff_cap)
+        .max_retry_after(args.max_retry_after)
+        .reclaim_interval(args.reclaim_interval)
+        .reclaim_min_idle(args.reclaim_min_idle)
+        .marker_ttl(args.marker_ttl)
+        .shutdown_timeout(args.shutdown_timeout)
+        .max_entry_bytes(args.max_entry_bytes)
+        .start_id(&args.start_id)
+        .mode(args.mode);
+    for stream in &args.stream {
+        builder = builder.stream(stream);
+    }
+    if let Some(consumer) = &args.consumer {
+        builder = builder.consumer(consumer);
+    }
+    if let Some(scope) = &args.scope {
+        builder = builder.scope(scope);
+    }
+    if let Some(addr) = &args.http {
+        builder = builder.http(addr);
+    }
+    if let Some(token) = &args.admin_token {
+        builder = builder.admin_token(token);
+    }
+    if let Some(url) = &args.alert_webhook {
+        builder = builder.alert_webhook(url);
+    }
+    builder = builder
+        .alert_interval(args.alert_interval)
+        .alert_age(args.alert_age)
+        .alert_min_gap(args.alert_min_gap);
+    let worker = match &args.http_url {
+        Some(url) => builder.build(HttpHandler::new(url, args.http_timeout)),
+        None => builder.build(SqlHandler::new(args.sql)),
+    }
+    .map_err(|e| e.to_string())?;
+
+    // First SIGINT/SIGTERM: graceful shutdown. Second: exit at once.
+    let stop = worker.shutdown_handle();
+    ctrlc::set_handler(move || {
+        if stop.is_shutdown() {
+            eprintln!("taskhub: second signal, exiting now (unfinished entries stay pending)");
+            std::process::exit(130);
+        }
+        log::info!("taskhub: signal received, shutting down gracefully (again to force)");
+        stop.shutdown();
+    })
+    .map_err(|e| format!("cannot install the signal handler: {e}"))?;
+
+    let summary = worker.run().map_err(|e| e.to_string())?;
+    println!("{summary}");
+    Ok(())
+}
