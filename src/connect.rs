@@ -65,6 +65,15 @@ fn pg_config(url: &str) -> Result<postgres::Config, Error> {
     if config.get_connect_timeout().is_none() {
         config.connect_timeout(CONNECT_TIMEOUT);
     }
+    // A server that stops answering without closing the connection (a host
+    // gone, a network partition) must turn into an error, not a worker
+    // blocked for the kernel's 15-minute retransmission timeout.
+    if config.get_tcp_user_timeout().is_none() {
+        config.tcp_user_timeout(Duration::from_secs(30));
+    }
+    if config.get_keepalives_idle() == Duration::from_secs(2 * 60 * 60) {
+        config.keepalives_idle(Duration::from_secs(30));
+    }
     if config.get_application_name().is_none() {
         config.application_name("taskhub");
     }

@@ -233,23 +233,25 @@ pub(crate) struct Job {
 }
 
 /// Writes a dead letter and acks its entry in one atomic step, but only if
-/// the entry is still pending in the group (XACK returns 1); returns 1 when
-/// written, 0 when not.
+/// the entry is still pending in the group; returns 1 when written, 0 when
+/// not. The XADD comes before the XACK: a script is not rolled back, so if
+/// the XADD fails the entry must still be pending (and is retried), never
+/// acked and missing.
 ///
 /// Two consumers can hold the same entry: its owner, held up past
 /// `reclaim_min_idle` (by a PostgreSQL outage, say), and the consumer that
 /// reclaimed it meanwhile. Both reach the same verdict on an invalid or
 /// permanently failing event, and both used to write it: it was
 /// dead-lettered twice (found by scripts/chaos.sh). Now the second one finds
-/// the entry acked and writes nothing. (XACK also answers 0 when the stream
-/// or the group was deleted: the entry is gone, or is delivered again from
-/// the recreated group.)
+/// the entry no longer pending and writes nothing. (A deleted group, NOGROUP,
+/// also answers 0: the entry is gone, or is delivered again from the
+/// recreated group.)
 const WRITE_IF_PENDING: &str = "\
-    if redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then \
-        redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3)) \
-        return 1 \
-    end \
-    return 0";
+    local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) \
+    if type(pending) ~= 'table' or #pending == 0 then return 0 end \
+    redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3)) \
+    redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) \
+    return 1";
 
 /// Lua's `unpack` takes fewer than 8,000 values: a letter with more fields
 /// (an entry with about 4,000 fields) is written with MULTI/EXEC instead,

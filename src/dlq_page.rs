@@ -109,7 +109,13 @@ fn html(status: u16, title: &str, body: &str) -> Response {
     )
 }
 
+/// RFC 3339, or the raw number for a time humantime cannot format (year
+/// 10000 and later: a corrupted field must not crash the page).
 fn time(ms: u64) -> String {
+    const MAX_MS: u64 = 253_402_300_799_999; // 9999-12-31T23:59:59.999Z
+    if ms > MAX_MS {
+        return format!("{ms} ms");
+    }
     humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
 }
 
@@ -132,6 +138,13 @@ pub(crate) fn route(shared: &Shared, request: &mut tiny_http::Request) -> Option
         (tiny_http::Method::Get, "/dlq") => list_page(shared, &query),
         (tiny_http::Method::Get, "/dlq/show") => show_page(shared, &query),
         (tiny_http::Method::Post, "/dlq/replay" | "/dlq/delete") => {
+            if request.body_length().is_none_or(|n| n > 64 * 1024) {
+                return Some(html(
+                    413,
+                    "Too large",
+                    "<p>form too large or without a length</p>",
+                ));
+            }
             let mut body = String::new();
             if std::io::Read::take(request.as_reader(), 64 * 1024)
                 .read_to_string(&mut body)
@@ -342,7 +355,7 @@ fn detail(shared: &Shared, stream: &str, id: &str, l: &DeadLetter) -> String {
     body.push_str("</table><h2>Attempts</h2><table id=\"history\"><tr><th>#</th><th>at</th><th>error</th></tr>");
     for a in &l.history {
         let at = a.at.map_or("(never reported: crashed)".to_owned(), |t| {
-            humantime::format_rfc3339_millis(t).to_string()
+            time(crate::dead_letter::millis(t))
         });
         let _ = write!(
             body,

@@ -256,9 +256,9 @@ pub fn classify_postgres(err: &postgres::Error) -> FailureClass {
     if let Some(code) = err.code() {
         return classify_sqlstate(code.code());
     }
-    // No SQLSTATE: a transport failure (I/O, TLS, protocol) or a client-side
-    // conversion problem. Transport errors have an io::Error somewhere in the
-    // chain; conversion errors are the event's fault.
+    // No SQLSTATE: a transport failure (I/O, a timeout) has an io::Error in
+    // its chain; anything else is client-side (a conversion, a row count, a
+    // parameter count) and could loop forever if it were called an outage.
     let mut cause: Option<&(dyn StdError + 'static)> = err.source();
     while let Some(c) = cause {
         if c.is::<std::io::Error>() {
@@ -266,10 +266,13 @@ pub fn classify_postgres(err: &postgres::Error) -> FailureClass {
         }
         cause = c.source();
     }
-    if err.to_string().contains("error serializing") || err.to_string().contains("deserializ") {
+    let text = err.to_string();
+    if text.contains("timed out") || text.contains("timeout") {
+        FailureClass::Outage
+    } else if text.contains("error serializing") || text.contains("error deserializing") {
         FailureClass::Permanent
     } else {
-        FailureClass::Outage
+        FailureClass::Retryable
     }
 }
 

@@ -10,6 +10,8 @@
 //! length per stream); nothing is added to the path of an event.
 
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::run::Shared;
@@ -26,10 +28,16 @@ pub(crate) fn bind_address(addr: &str) -> String {
     }
 }
 
+/// Requests answered at once, each on its own short-lived thread: a client
+/// that sends its body slowly, or never reads the answer, holds one of these
+/// and never the server (tiny_http sets no socket timeouts).
+const MAX_CONCURRENT: usize = 8;
+
 /// Serves until shutdown.
-pub(crate) fn http_thread(shared: &Shared, server: &tiny_http::Server) {
+pub(crate) fn http_thread(shared: &Arc<Shared>, server: &tiny_http::Server) {
+    let busy = Arc::new(AtomicUsize::new(0));
     while !shared.shutdown.is_shutdown() {
-        let mut request = match server.recv_timeout(Duration::from_millis(100)) {
+        let request = match server.recv_timeout(Duration::from_millis(100)) {
             Ok(Some(r)) => r,
             Ok(None) => continue,
             Err(e) => {
@@ -38,12 +46,67 @@ pub(crate) fn http_thread(shared: &Shared, server: &tiny_http::Server) {
                 continue;
             }
         };
-        let response =
-            crate::dlq_page::route(shared, &mut request).unwrap_or_else(|| route(shared, &request));
-        if let Err(e) = request.respond(response) {
-            log::debug!("http: cannot answer: {e}");
+        if busy.fetch_add(1, Ordering::SeqCst) >= MAX_CONCURRENT {
+            busy.fetch_sub(1, Ordering::SeqCst);
+            let _ = request.respond(text(503, "text/plain", "busy\n".into()));
+            continue;
+        }
+        let (s, b) = (shared.clone(), busy.clone());
+        let spawned = std::thread::Builder::new()
+            .name("taskhub-http-request".into())
+            .spawn(move || {
+                answer(&s, request);
+                b.fetch_sub(1, Ordering::SeqCst);
+            });
+        if let Err(e) = spawned {
+            busy.fetch_sub(1, Ordering::SeqCst);
+            log::error!("http: cannot start a request thread: {e}");
         }
     }
+}
+
+/// Answers one request; a panic (a bug) costs that request only.
+fn answer(shared: &Shared, mut request: tiny_http::Request) {
+    if !host_allowed(shared, &request) {
+        let _ = request.respond(text(421, "text/plain", "unexpected Host header\n".into()));
+        return;
+    }
+    let routed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        crate::dlq_page::route(shared, &mut request).unwrap_or_else(|| route(shared, &request))
+    }));
+    let response = routed.unwrap_or_else(|_| {
+        log::error!("http: {} {} panicked", request.method(), request.url());
+        text(500, "text/plain", "internal error\n".into())
+    });
+    if let Err(e) = request.respond(response) {
+        log::debug!("http: cannot answer: {e}");
+    }
+}
+
+/// On a loopback address, only requests naming this server in their Host
+/// header are served: a web page the operator visits cannot rebind its own
+/// name to 127.0.0.1 and read the dead letters (DNS rebinding).
+fn host_allowed(shared: &Shared, request: &tiny_http::Request) -> bool {
+    let Some(addr) = &shared.config.http else {
+        return true;
+    };
+    let loopback =
+        addr.starts_with("127.") || addr.starts_with("[::1]") || addr.starts_with("localhost");
+    if !loopback {
+        return true;
+    }
+    let port = addr.rsplit(':').next().unwrap_or("");
+    let Some(host) = request
+        .headers()
+        .iter()
+        .find(|h| h.field.equiv("Host"))
+        .map(|h| h.value.as_str().to_ascii_lowercase())
+    else {
+        return true; // HTTP/1.0 clients (curl -0, probes) send none
+    };
+    ["127.0.0.1", "localhost", "[::1]"]
+        .iter()
+        .any(|name| host == format!("{name}:{port}") || (port == "80" && host == *name))
 }
 
 type Response = tiny_http::Response<std::io::Cursor<Vec<u8>>>;

@@ -234,7 +234,18 @@ impl Processor {
     }
 
     /// Step 3 for one event in its own transaction.
+    ///
+    /// A redelivered entry (not a retry) is a suspect: the process that had
+    /// it may have died of it. Suspects are applied one at a time in this
+    /// process, so a crash while one runs is charged (by `count_start`) to
+    /// that one alone. Run side by side, the events that happened to be in
+    /// progress next to a crash-looping event were charged one attempt per
+    /// crash and dead-lettered with it (found by scripts/chaos.sh; see
+    /// tests/chaos.rs).
     fn apply_one(&mut self, mut delivery: Delivery, done: &mut Finished) {
+        let shared = self.shared.clone();
+        let _one_suspect_at_a_time = (delivery.delivery_count > 1 && delivery.failures.is_empty())
+            .then(|| shared.suspects.lock().unwrap_or_else(|e| e.into_inner()));
         if !self.count_start(&mut delivery) {
             return self.abandon(vec![delivery]);
         }
@@ -317,10 +328,10 @@ impl Processor {
         for e in &events {
             fault::hit(Point::BeforeCommit, e.event_id());
         }
-        tx.tx.commit()?;
+        commit(tx)?;
         for e in &events {
             fault::hit(Point::AfterCommit, e.event_id());
-            self.shared.handler.committed(e);
+            self.committed(e);
         }
         Ok(new)
     }
@@ -459,10 +470,25 @@ impl Processor {
             return Err(e);
         }
         fault::hit(Point::BeforeCommit, event.event_id());
-        tx.tx.commit()?;
+        commit(tx)?;
         fault::hit(Point::AfterCommit, event.event_id());
-        self.shared.handler.committed(event);
+        self.committed(event);
         Ok(Applied::New)
+    }
+
+    /// The handler's `committed` hook; a panic in it is logged, not spread
+    /// (the event is committed: it must be acked all the same).
+    fn committed(&self, event: &Event) {
+        let hook = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.shared.handler.committed(event)
+        }));
+        if hook.is_err() {
+            log::error!(
+                "{}/{}: the handler's committed hook panicked",
+                event.stream(),
+                event.entry_id()
+            );
+        }
     }
 
     /// Step 4: set markers for `finished[to_mark]`, then XACK all of
@@ -492,17 +518,19 @@ impl Processor {
                     fault::hit(Point::AfterMarker, event(&finished[i]).event_id());
                 }
             }
-            pipe.cmd("XACK")
-                .arg(stream)
-                .arg(&group)
-                .arg(
-                    finished
-                        .iter()
-                        .map(|d| d.entry_id.as_str())
-                        .collect::<Vec<_>>(),
-                )
-                .ignore();
-            pipe.query::<()>(conn)
+            let ids: Vec<&str> = finished.iter().map(|d| d.entry_id.as_str()).collect();
+            pipe.cmd("XACK").arg(stream).arg(&group).arg(&ids).ignore();
+            match pipe.query::<()>(conn) {
+                // Markers are only a cache: if Redis refuses them (out of
+                // memory, say), ack without them; PostgreSQL still decides.
+                Err(e) if !crate::error::redis_is_outage(&e) => {
+                    log::warn!(
+                        "{stream}: duplicate markers not written ({e}); acking without them"
+                    );
+                    crate::streams::ack(conn, stream, &group, &ids)
+                }
+                result => result,
+            }
         });
         if done.is_none() {
             log::warn!("{stream}: shutdown during a Redis outage; {} committed entries stay pending and will be skipped as duplicates", finished.len());
@@ -513,7 +541,8 @@ impl Processor {
     }
 
     /// Runs `f` with a pooled Redis connection, retrying through outages.
-    /// `None` when a shutdown interrupted the wait.
+    /// `None` when a shutdown interrupted the wait, or after three failures
+    /// that are not an outage.
     fn with_redis<T>(
         &self,
         mut f: impl FnMut(&mut redis::Connection, &str) -> redis::RedisResult<T>,
@@ -532,12 +561,18 @@ impl Processor {
                     return Some(value);
                 }
                 Err(e) => {
+                    failures += 1;
                     if crate::error::redis_is_outage(&e) {
                         self.shared.health.down(Server::Redis, &e);
                     } else {
+                        // Not an outage (out of memory, a refused command):
+                        // a few tries, then leave the entries pending; they
+                        // come back by reclaim and PostgreSQL deduplicates.
                         log::error!("redis: {e}");
+                        if failures >= 3 {
+                            return None;
+                        }
                     }
-                    failures += 1;
                     if self
                         .shared
                         .shutdown
@@ -631,6 +666,25 @@ impl Processor {
             self.shared.in_flight.finish(&d.key());
         }
     }
+}
+
+/// COMMIT, but never of an aborted transaction. PostgreSQL answers COMMIT in
+/// a failed transaction with ROLLBACK and no error, and the client reports
+/// success: a handler that swallowed a statement error and returned Ok would
+/// have its event acked with nothing written. One cheap statement first
+/// fails (25P02) if the transaction is aborted.
+fn commit(mut tx: Tx<'_>) -> Result<(), HandlerError> {
+    let alive = tx.prepare_cached("SELECT 1")?;
+    if let Err(e) = tx.query_one(&alive, &[]) {
+        if crate::error::classify_postgres(&e) == FailureClass::Outage {
+            return Err(e.into());
+        }
+        return Err(HandlerError::retryable(format!(
+            "a statement of the handler failed and the transaction was aborted, but the handler returned Ok; rolled back ({e})"
+        )));
+    }
+    tx.tx.commit()?;
+    Ok(())
 }
 
 fn event(delivery: &Delivery) -> &Event {

@@ -138,6 +138,9 @@ pub(crate) fn reader_thread(shared: &Shared, index: usize, jobs: &Sender<Job>) {
                 } else {
                     log::error!("{stream}: XREADGROUP failed: {e}");
                     conn = None;
+                    // The reply may have carried entries we never saw: they
+                    // are pending for us, so re-read them first.
+                    position = Position::Pending("0".into());
                     failures += 1;
                     shared.shutdown.sleep(shared.outage_backoff(failures));
                 }
@@ -185,13 +188,16 @@ pub(crate) fn deliveries(
         });
     }
     if !deleted.is_empty() {
-        ack_deleted(shared, stream, &deleted);
+        ack_deleted(shared, stream, &deleted, true);
     }
     job
 }
 
-/// Acks entries that were deleted from the stream while pending.
-pub(crate) fn ack_deleted(shared: &Shared, stream: &str, ids: &[String]) {
+/// Acks entries that were deleted from the stream while pending. `admitted`:
+/// whether this process admitted them to its in-flight set (a reader did; the
+/// reclaimer's deleted ids were never admitted, and must not release keys
+/// that a worker or the retry thread may hold).
+pub(crate) fn ack_deleted(shared: &Shared, stream: &str, ids: &[String], admitted: bool) {
     log::warn!(
         "{stream}: {} entries were deleted while pending ({}...); acking them, nothing is left to process",
         ids.len(),
@@ -205,7 +211,9 @@ pub(crate) fn ack_deleted(shared: &Shared, stream: &str, ids: &[String]) {
     if let Err(e) = acked {
         log::error!("{stream}: cannot ack deleted entries: {e}");
     }
-    for id in ids {
-        shared.in_flight.finish(&crate::in_flight::key(stream, id));
+    if admitted {
+        for id in ids {
+            shared.in_flight.finish(&crate::in_flight::key(stream, id));
+        }
     }
 }

@@ -75,8 +75,17 @@ fn reclaim_stream(
                 &first.id,
                 &last.id,
                 claimed.entries.len(),
-            )?,
-            _ => Default::default(),
+            ),
+            _ => Ok(Default::default()),
+        };
+        let counts = match counts {
+            Ok(c) => c,
+            Err(e) => {
+                // Give the room back (the claimed entries stay pending and
+                // are claimed again next time).
+                shared.in_flight.admit(room, std::iter::empty());
+                return Err(e);
+            }
         };
         let keys: Vec<String> = claimed
             .entries
@@ -98,7 +107,7 @@ fn reclaim_stream(
             counts.get(id).copied().unwrap_or(1)
         });
         if !claimed.deleted.is_empty() {
-            ack_deleted(shared, stream, &claimed.deleted);
+            ack_deleted(shared, stream, &claimed.deleted, false);
         }
         if !job.is_empty() && jobs.send(job).is_err() {
             return Ok(());

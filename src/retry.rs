@@ -160,7 +160,7 @@ fn hand_back(
 ) {
     let Some(fields) = fields else {
         shared.in_flight.unpark();
-        crate::reader::ack_deleted(shared, &retry.stream, &[retry.entry_id]);
+        crate::reader::ack_deleted(shared, &retry.stream, &[retry.entry_id], true);
         return;
     };
     let body = Event::parse(

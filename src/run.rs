@@ -51,6 +51,9 @@ pub(crate) struct Shared {
     pub reader_idle: Vec<AtomicBool>,
     /// The name of a thread that stopped unexpectedly, if any.
     pub thread_died: Mutex<Option<String>>,
+    /// Held while a redelivered entry (a suspect) is applied: see
+    /// `Processor::apply_one`.
+    pub suspects: Mutex<()>,
 }
 
 impl Shared {
@@ -158,6 +161,7 @@ impl Worker {
                 .map(|_| AtomicBool::new(false))
                 .collect(),
             thread_died: Mutex::new(None),
+            suspects: Mutex::new(()),
             handler: self.handler,
             config,
         });
@@ -204,6 +208,17 @@ fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<(
 }
 
 fn run_threads(shared: &Arc<Shared>) -> Result<Summary, Error> {
+    let result = start_and_run(shared);
+    if result.is_err() {
+        // A thread that could not start: stop the ones that did (their
+        // entries stay pending), so nothing keeps running in an embedding
+        // program after run() returned.
+        shared.shutdown.shutdown();
+    }
+    result
+}
+
+fn start_and_run(shared: &Arc<Shared>) -> Result<Summary, Error> {
     let config = &shared.config;
     let http = match &config.http {
         Some(addr) => {
@@ -278,6 +293,7 @@ fn run_threads(shared: &Arc<Shared>) -> Result<Summary, Error> {
             .iter()
             .chain(&workers)
             .chain([&dlq, &retrier, &reclaimer, &alerter])
+            .chain(http.as_ref())
             .find(|h| h.is_finished())
         {
             let name = dead.thread().name().unwrap_or("?").to_owned();

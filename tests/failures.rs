@@ -1032,3 +1032,49 @@ fn destroyed_group_is_recreated_and_new_events_are_processed() {
     assert_eq!(pending(&mut conn, &stream, &group), 0);
     assert!(dead_letters(&mut conn, &stream).is_empty());
 }
+
+// Regression (found in review): PostgreSQL answers COMMIT in an aborted
+// transaction with ROLLBACK and no error. A handler that swallowed a failed
+// statement and returned Ok had its event acked as applied with nothing
+// written: lost. Now the commit is refused and the event takes the retry path.
+#[test]
+fn a_handler_that_swallows_a_statement_error_is_not_acked_as_applied() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "swallow"), ("payload", "p")],
+    );
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "fine"), ("payload", "p")],
+    );
+    let worker = builder(&redis_url(), &db.url, &stream, &group)
+        .max_attempts(2)
+        .build(handler_fn(|event: &Event, tx: &mut Tx<'_>| {
+            if event.event_id() == "swallow" {
+                let _ = tx.execute("SELECT 1/0", &[]); // error ignored: the transaction is aborted
+                let _ = insert(event, tx);
+                return Ok(());
+            }
+            insert(event, tx)
+        }))
+        .unwrap();
+    let summary = start(worker).join(Duration::from_secs(30));
+    assert_eq!(summary.applied, 1, "{summary:?}");
+    assert_eq!(db.effects("swallow"), 0);
+    assert_eq!(db.effects("fine"), 1);
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].event_id.as_deref(), Some("swallow"));
+    assert_eq!(letters[0].kind, DeadLetterKind::Exhausted);
+    assert!(
+        letters[0].reason.contains("aborted"),
+        "{}",
+        letters[0].reason
+    );
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
