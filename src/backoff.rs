@@ -37,7 +37,12 @@ impl Backoff {
     pub fn delay_with(&self, retry: u32, unit: f64, retry_after: Option<Duration>) -> Duration {
         let ceiling = self.ceiling(retry);
         let half = ceiling / 2;
-        let jittered = half + half.mul_f64(unit.clamp(0.0, 1.0));
+        let unit = if unit.is_nan() {
+            1.0
+        } else {
+            unit.clamp(0.0, 1.0)
+        };
+        let jittered = half + half.mul_f64(unit);
         match retry_after {
             Some(asked) => jittered.max(asked.min(self.max_retry_after)),
             None => jittered,

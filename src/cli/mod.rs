@@ -53,6 +53,12 @@ pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
+/// Parses a duration flag (`20ms`, `1s`, `5m`).
+pub fn duration(s: &str) -> Result<std::time::Duration, String> {
+    humantime::parse_duration(s)
+        .map_err(|e| format!("{e} (expected a duration such as 20ms, 1s or 5m)"))
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -69,10 +75,4 @@ mod tests {
             "ID    KIND       REASON\n1-0   exhausted  boom\n22-0  invalid    x\n"
         );
     }
-}
-
-/// Parses a duration flag (`20ms`, `1s`, `5m`).
-pub fn duration(s: &str) -> Result<std::time::Duration, String> {
-    humantime::parse_duration(s)
-        .map_err(|e| format!("{e} (expected a duration such as 20ms, 1s or 5m)"))
 }

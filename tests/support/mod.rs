@@ -184,8 +184,18 @@ pub fn dead_letters(conn: &mut redis::Connection, stream: &str) -> Vec<taskhub::
         .collect()
 }
 
-/// A free TCP port on loopback.
+/// A free TCP port on loopback, below the kernel's ephemeral range
+/// (32768 and up): a private server restarted on the same port must not find
+/// it taken by some client socket meanwhile.
 pub fn free_port() -> u16 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let seed = u64::from(std::process::id()) * 7919 + NEXT.fetch_add(1, Ordering::SeqCst) * 104_729;
+    for i in 0..1000u64 {
+        let port = 20_000 + ((seed + i * 7_877) % 12_000) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()

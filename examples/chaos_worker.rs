@@ -1,0 +1,1021 @@
+//! The chaos driver of `scripts/chaos.sh`: it produces the mixed events, runs
+//! as one of the worker processes, waits for the group to drain, and checks
+//! the end state. Each subcommand is one step of the script:
+//!
+//! - `setup`: migrations plus the table the "permanent" events violate;
+//! - `produce`: adds the events at a steady rate with explicit entry ids (so
+//!   a write cut by a Redis restart is retried without a second copy) and
+//!   writes a manifest (JSON lines) of every entry and its expected outcome;
+//! - `work`: a worker embedding the library, with the same flags as
+//!   `taskhub run` (`--mode` / `TASKHUB_MODE` included) and a handler whose
+//!   behaviour depends on the payload: `plain` inserts its notification;
+//!   `transient` fails with a retryable error until it has been called `k`
+//!   times (the count lives in Redis, so it survives the rollback and the
+//!   process); `permanent` violates a CHECK constraint (SQLSTATE 23514);
+//!   `panic` panics on every call, `panic-once` on the first only; `abort`
+//!   kills the whole process (a crash loop); a payload that is not JSON is
+//!   invalid;
+//! - `settle`: waits until everything was delivered and nothing is pending;
+//! - `check`: loads the manifest and the dead-letter stream into PostgreSQL
+//!   and checks, per entry and per event_id, with SQL, that every event has
+//!   its expected outcome exactly once; prints the summary table; exits 1 on
+//!   any violation.
+//!
+//! Not meant to be run by hand: see `scripts/chaos.sh`.
+
+use std::collections::HashMap;
+use std::io::{BufRead, Write};
+use std::time::{Duration, Instant};
+
+use clap::{Args, Parser, Subcommand};
+use rand::{Rng, SeedableRng};
+use taskhub::{Event, Handler, HandlerError, Tx, Worker};
+
+#[derive(Parser)]
+struct Cli {
+    /// Redis URL.
+    #[arg(long, env = "REDIS_URL", global = true, default_value = "")]
+    redis_url: String,
+    /// PostgreSQL URL.
+    #[arg(long, env = "DATABASE_URL", global = true, default_value = "")]
+    database_url: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    Setup,
+    Produce(ProduceArgs),
+    Work(Box<WorkArgs>),
+    Settle(SettleArgs),
+    Check(CheckArgs),
+}
+
+fn duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| e.to_string())
+}
+
+#[derive(Args)]
+struct ProduceArgs {
+    #[arg(long)]
+    stream: String,
+    #[arg(long)]
+    events: usize,
+    /// Spread the events over this many seconds.
+    #[arg(long, default_value_t = 10.0)]
+    seconds: f64,
+    /// Events that kill their process (crash loops).
+    #[arg(long, default_value_t = 1)]
+    aborts: usize,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The workers' --max-entry-bytes, to size the oversized entries.
+    #[arg(long, default_value_t = 65536)]
+    max_entry_bytes: usize,
+    /// Where to write the manifest (JSON lines).
+    #[arg(long)]
+    manifest: std::path::PathBuf,
+}
+
+#[derive(Args)]
+struct WorkArgs {
+    #[arg(long)]
+    stream: String,
+    #[arg(long)]
+    group: String,
+    #[arg(long)]
+    consumer: String,
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+    #[arg(long, default_value_t = 64)]
+    count: usize,
+    #[arg(long, default_value_t = 200)]
+    block_ms: u64,
+    #[arg(long, env = "TASKHUB_MODE", default_value = "batch")]
+    mode: taskhub::Mode,
+    #[arg(long, default_value_t = 4)]
+    max_attempts: u32,
+    #[arg(long, default_value = "50ms", value_parser = duration)]
+    backoff_base: Duration,
+    #[arg(long, default_value = "1s", value_parser = duration)]
+    backoff_cap: Duration,
+    #[arg(long, default_value = "1s", value_parser = duration)]
+    max_retry_after: Duration,
+    #[arg(long, default_value = "1s", value_parser = duration)]
+    reclaim_interval: Duration,
+    #[arg(long, default_value = "5s", value_parser = duration)]
+    reclaim_min_idle: Duration,
+    #[arg(long, default_value = "20s", value_parser = duration)]
+    shutdown_timeout: Duration,
+    #[arg(long, default_value_t = 65536)]
+    max_entry_bytes: usize,
+}
+
+#[derive(Args)]
+struct SettleArgs {
+    #[arg(long)]
+    stream: String,
+    #[arg(long)]
+    group: String,
+    #[arg(long, default_value = "300s", value_parser = duration)]
+    timeout: Duration,
+}
+
+#[derive(Args)]
+struct CheckArgs {
+    #[arg(long)]
+    stream: String,
+    #[arg(long)]
+    group: String,
+    #[arg(long)]
+    manifest: std::path::PathBuf,
+    #[arg(long)]
+    max_attempts: u32,
+    /// Figures of the run, for the table.
+    #[arg(long, default_value = "")]
+    mode: String,
+    #[arg(long, default_value_t = 0)]
+    kills: u64,
+    #[arg(long, default_value_t = 0)]
+    abort_deaths: u64,
+    #[arg(long, default_value_t = 0)]
+    redis_restarts: u64,
+    #[arg(long, default_value_t = 0)]
+    pg_restarts: u64,
+    #[arg(long, default_value_t = 0)]
+    killed_for_good: u64,
+    /// Entries the worker killed for good held when it died.
+    #[arg(long, default_value_t = 0)]
+    orphaned: u64,
+    #[arg(long, default_value_t = 0)]
+    reclaimed: u64,
+    #[arg(long, default_value_t = 0.0)]
+    elapsed: f64,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
+        .format_timestamp_millis()
+        .init();
+    let result = match cli.command {
+        Command::Setup => setup(&cli.database_url),
+        Command::Produce(a) => produce(&cli.redis_url, &a),
+        Command::Work(a) => work(&cli.redis_url, &cli.database_url, &a),
+        Command::Settle(a) => settle(&cli.redis_url, &a),
+        Command::Check(a) => check(&cli.redis_url, &cli.database_url, &a),
+    };
+    if let Err(e) = result {
+        eprintln!("chaos_worker: error: {e}");
+        std::process::exit(1);
+    }
+}
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+// ---------------------------------------------------------------------------
+// setup
+
+fn setup(db_url: &str) -> Res<()> {
+    taskhub::migrate(db_url)?;
+    let mut client = postgres::Client::connect(db_url, postgres::NoTls)?;
+    client.batch_execute(
+        "CREATE TABLE IF NOT EXISTS chaos_rejects (
+             event_id text NOT NULL,
+             amount int NOT NULL CHECK (amount >= 0)
+         )",
+    )?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// produce
+
+/// What should become of an entry.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Expect {
+    Apply,
+    Permanent,
+    Exhausted,
+    CrashLoop,
+    Invalid,
+}
+
+impl Expect {
+    fn as_str(self) -> &'static str {
+        match self {
+            Expect::Apply => "apply",
+            Expect::Permanent => "permanent",
+            Expect::Exhausted => "exhausted",
+            Expect::CrashLoop => "crash_loop",
+            Expect::Invalid => "invalid",
+        }
+    }
+}
+
+/// One produced entry.
+struct Entry {
+    chaos_id: String,
+    kind: String,
+    event_id: Option<String>,
+    expect: Expect,
+    /// A fragment the dead letter's reason must contain.
+    reason: &'static str,
+    fields: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Res<Vec<u8>> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| Ok(u8::from_str_radix(&s[i..i + 2], 16)?))
+        .collect()
+}
+
+fn payload(kind: &str, k: u32, chaos_id: &str, rng: &mut impl Rng) -> String {
+    let pad_len = rng.random_range(20..400);
+    let text: String = "taskhub chaos \"quoted\" 'single' <b>é漢🙂</b> \\ "
+        .chars()
+        .cycle()
+        .take(pad_len)
+        .collect();
+    serde_json::json!({"id": chaos_id, "kind": kind, "k": k, "text": text}).to_string()
+}
+
+/// The events: mostly plain, with every kind of trouble mixed in at random.
+fn plan(args: &ProduceArgs) -> Vec<Entry> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
+    let n = args.events;
+    // The crash loops sit in the middle of the run, where there is traffic.
+    let mut abort_at: Vec<usize> = (0..args.aborts.min(n))
+        .map(|i| n / 4 + (i * n / 2) / args.aborts.max(1))
+        .collect();
+    abort_at.sort();
+    let mut plain_ids: Vec<String> = Vec::new();
+    let mut invalid_variant = 0usize;
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let chaos_id = format!("c{i:06}");
+        let event_id = format!("ev-{i:06}");
+        let roll: f64 = rng.random();
+        let simple = |kind: &str, expect, reason, k, rng: &mut rand::rngs::StdRng| {
+            let p = payload(kind, k, &chaos_id, rng);
+            Entry {
+                chaos_id: chaos_id.clone(),
+                kind: if k > 0 {
+                    format!("{kind}:{k}")
+                } else {
+                    kind.to_owned()
+                },
+                event_id: Some(event_id.clone()),
+                expect,
+                reason,
+                fields: vec![
+                    (b"event_id".to_vec(), event_id.clone().into_bytes()),
+                    (b"payload".to_vec(), p.into_bytes()),
+                    (b"chaos_id".to_vec(), chaos_id.clone().into_bytes()),
+                ],
+            }
+        };
+        let entry = if abort_at.binary_search(&i).is_ok() {
+            simple("abort", Expect::CrashLoop, "", 0, &mut rng)
+        } else if roll < 0.02 {
+            let v = invalid_variant;
+            invalid_variant += 1;
+            invalid(v, &chaos_id, &event_id, args.max_entry_bytes, &mut rng)
+        } else if roll < 0.05 {
+            simple("permanent", Expect::Permanent, "23514", 0, &mut rng)
+        } else if roll < 0.15 {
+            let k = rng.random_range(1..=2);
+            simple("transient", Expect::Apply, "", k, &mut rng)
+        } else if roll < 0.16 {
+            simple("panic", Expect::Exhausted, "panicked", 0, &mut rng)
+        } else if roll < 0.17 {
+            simple("panic-once", Expect::Apply, "", 0, &mut rng)
+        } else if roll < 0.20 && !plain_ids.is_empty() {
+            // The same event sent again: at most one effect in total.
+            let again = plain_ids[rng.random_range(0..plain_ids.len())].clone();
+            let p = payload("plain", 0, &chaos_id, &mut rng);
+            Entry {
+                chaos_id: chaos_id.clone(),
+                kind: "resent".into(),
+                event_id: Some(again.clone()),
+                expect: Expect::Apply,
+                reason: "",
+                fields: vec![
+                    (b"event_id".to_vec(), again.into_bytes()),
+                    (b"payload".to_vec(), p.into_bytes()),
+                    (b"chaos_id".to_vec(), chaos_id.clone().into_bytes()),
+                ],
+            }
+        } else {
+            plain_ids.push(event_id.clone());
+            simple("plain", Expect::Apply, "", 0, &mut rng)
+        };
+        out.push(entry);
+    }
+    out
+}
+
+/// Entries that break the message contract, and one whose payload the
+/// handler rejects as invalid.
+fn invalid(
+    variant: usize,
+    chaos_id: &str,
+    event_id: &str,
+    max_entry_bytes: usize,
+    rng: &mut impl Rng,
+) -> Entry {
+    let p = payload("plain", 0, chaos_id, rng).into_bytes();
+    let cid = (b"chaos_id".to_vec(), chaos_id.as_bytes().to_vec());
+    let (kind, id, reason, fields): (&str, Option<String>, &'static str, Vec<_>) = match variant % 7
+    {
+        0 => (
+            "invalid-missing-id",
+            None,
+            "missing field event_id",
+            vec![(b"payload".to_vec(), p), cid],
+        ),
+        1 => (
+            "invalid-empty-id",
+            None,
+            "empty event_id",
+            vec![
+                (b"event_id".to_vec(), vec![]),
+                (b"payload".to_vec(), p),
+                cid,
+            ],
+        ),
+        2 => {
+            let id = format!("{event_id}\nline");
+            (
+                "invalid-control",
+                None,
+                "control characters",
+                vec![
+                    (b"event_id".to_vec(), id.into_bytes()),
+                    (b"payload".to_vec(), p),
+                    cid,
+                ],
+            )
+        }
+        3 => {
+            let mut id = vec![0xff, 0xfe];
+            id.extend_from_slice(event_id.as_bytes());
+            (
+                "invalid-not-utf8",
+                None,
+                "not UTF-8",
+                vec![(b"event_id".to_vec(), id), (b"payload".to_vec(), p), cid],
+            )
+        }
+        4 => {
+            let big = vec![b'x'; max_entry_bytes + 1000];
+            (
+                "invalid-too-big",
+                None,
+                "over the limit",
+                vec![
+                    (b"event_id".to_vec(), event_id.as_bytes().to_vec()),
+                    (b"payload".to_vec(), big),
+                    cid,
+                ],
+            )
+        }
+        5 => {
+            let id = format!("{event_id}-{}", "i".repeat(300));
+            (
+                "invalid-long-id",
+                None,
+                "over the limit",
+                vec![
+                    (b"event_id".to_vec(), id.into_bytes()),
+                    (b"payload".to_vec(), p),
+                    cid,
+                ],
+            )
+        }
+        _ => (
+            "invalid-payload",
+            Some(event_id.to_owned()),
+            "payload is not JSON",
+            vec![
+                (b"event_id".to_vec(), event_id.as_bytes().to_vec()),
+                (b"payload".to_vec(), b"{not json".to_vec()),
+                cid,
+            ],
+        ),
+    };
+    Entry {
+        chaos_id: chaos_id.to_owned(),
+        kind: kind.to_owned(),
+        event_id: id,
+        expect: Expect::Invalid,
+        reason,
+        fields,
+    }
+}
+
+fn redis_conn(url: &str) -> redis::RedisResult<redis::Connection> {
+    let client = redis::Client::open(url)?;
+    let conn = client.get_connection_with_timeout(Duration::from_secs(2))?;
+    conn.set_read_timeout(Some(Duration::from_secs(10)))?;
+    conn.set_write_timeout(Some(Duration::from_secs(10)))?;
+    Ok(conn)
+}
+
+fn xadd_cmd(stream: &str, id: &str, fields: &[(Vec<u8>, Vec<u8>)]) -> redis::Cmd {
+    let mut cmd = redis::cmd("XADD");
+    cmd.arg(stream).arg(id);
+    for (k, v) in fields {
+        cmd.arg(k).arg(v);
+    }
+    cmd
+}
+
+/// Adds `entries` with their explicit ids, through Redis restarts: after an
+/// error each entry is sent again alone, and "ID equal or smaller" means the
+/// earlier try had written it.
+fn send_chunk(
+    url: &str,
+    conn: &mut Option<redis::Connection>,
+    stream: &str,
+    entries: &[(String, &Entry)],
+) -> Res<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut one_by_one = false;
+    loop {
+        if Instant::now() > deadline {
+            return Err("Redis did not come back within 120 s".into());
+        }
+        let c = match conn.as_mut() {
+            Some(c) => c,
+            None => match redis_conn(url) {
+                Ok(c) => conn.insert(c),
+                Err(_) => {
+                    std::thread::sleep(Duration::from_millis(200));
+                    continue;
+                }
+            },
+        };
+        let result: redis::RedisResult<()> = if one_by_one {
+            entries.iter().try_for_each(|(id, e)| {
+                match xadd_cmd(stream, id, &e.fields).query::<String>(c) {
+                    Ok(_) => Ok(()),
+                    Err(err) if err.to_string().contains("equal or smaller") => Ok(()),
+                    Err(err) => Err(err),
+                }
+            })
+        } else {
+            let mut pipe = redis::pipe();
+            for (id, e) in entries {
+                pipe.add_command(xadd_cmd(stream, id, &e.fields)).ignore();
+            }
+            pipe.query(c)
+        };
+        match result {
+            Ok(()) => return Ok(()),
+            Err(e) => {
+                eprintln!("chaos produce: {e}; sending the chunk again");
+                *conn = None;
+                one_by_one = true;
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+}
+
+fn produce(url: &str, args: &ProduceArgs) -> Res<()> {
+    let entries = plan(args);
+    let base = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_millis();
+    let ids: Vec<String> = (0..entries.len()).map(|i| format!("{base}-{i}")).collect();
+    // The manifest first, so that whatever reached the stream is in it.
+    let mut manifest = std::io::BufWriter::new(std::fs::File::create(&args.manifest)?);
+    for (id, e) in ids.iter().zip(&entries) {
+        let fields: Vec<[String; 2]> = e.fields.iter().map(|(k, v)| [hex(k), hex(v)]).collect();
+        let line = serde_json::json!({
+            "chaos_id": e.chaos_id,
+            "entry_id": id,
+            "kind": e.kind,
+            "event_id": e.event_id,
+            "expect": e.expect.as_str(),
+            "reason": e.reason,
+            "fields": fields,
+        });
+        writeln!(manifest, "{line}")?;
+    }
+    manifest.flush()?;
+    drop(manifest);
+
+    let mut conn = None;
+    let started = Instant::now();
+    let chunk = 50;
+    let per_chunk = Duration::from_secs_f64(args.seconds * chunk as f64 / entries.len() as f64);
+    let all: Vec<(String, &Entry)> = ids.into_iter().zip(&entries).collect();
+    for (n, part) in all.chunks(chunk).enumerate() {
+        send_chunk(url, &mut conn, &args.stream, part)?;
+        let due = per_chunk * (n as u32 + 1);
+        if let Some(wait) = due.checked_sub(started.elapsed()) {
+            std::thread::sleep(wait);
+        }
+    }
+    eprintln!(
+        "chaos produce: {} entries in {:.1} s",
+        entries.len(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// work
+
+/// The chaos handler: behaviour chosen by the payload's `kind`.
+struct Chaos {
+    redis: redis::Client,
+    conns: std::sync::Mutex<Vec<redis::Connection>>,
+}
+
+impl Chaos {
+    /// Counts a call of `event_id` in Redis (outside the transaction, so a
+    /// rollback does not undo it) and returns the count.
+    fn count_call(&self, event_id: &str) -> Result<u64, HandlerError> {
+        let pooled = self.conns.lock().unwrap().pop();
+        let mut conn = match pooled {
+            Some(c) => c,
+            None => self
+                .redis
+                .get_connection_with_timeout(Duration::from_secs(2))?,
+        };
+        conn.set_read_timeout(Some(Duration::from_secs(5)))?;
+        let n: u64 = redis::cmd("INCR")
+            .arg(format!("chaos:calls:{event_id}"))
+            .query(&mut conn)?;
+        self.conns.lock().unwrap().push(conn);
+        Ok(n)
+    }
+}
+
+impl Handler for Chaos {
+    fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        let payload = event.payload().unwrap_or("");
+        let value: serde_json::Value = serde_json::from_str(payload)
+            .map_err(|e| HandlerError::invalid(format!("payload is not JSON: {e}")))?;
+        let kind = value["kind"].as_str().unwrap_or("plain");
+        let id = event.event_id();
+        // The effect comes first, so every failure below has something to
+        // roll back.
+        let insert =
+            tx.prepare_cached("INSERT INTO notifications (event_id, payload) VALUES ($1, $2)")?;
+        tx.execute(&insert, &[&id, &payload])?;
+        match kind {
+            "transient" => {
+                let k = value["k"].as_u64().unwrap_or(1);
+                let n = self.count_call(id)?;
+                if n <= k {
+                    let e = HandlerError::retryable(format!("chaos: transient failure {n} of {k}"));
+                    return Err(if n % 2 == 0 {
+                        e.with_retry_after(Duration::from_millis(300))
+                    } else {
+                        e
+                    });
+                }
+            }
+            "permanent" => {
+                // SQLSTATE 23514 (check_violation): permanent.
+                tx.execute(
+                    "INSERT INTO chaos_rejects (event_id, amount) VALUES ($1, -1)",
+                    &[&id],
+                )?;
+            }
+            "panic" => panic!("chaos: {id} panics on every call"),
+            "panic-once" if self.count_call(id)? == 1 => {
+                panic!("chaos: {id} panics on its first call")
+            }
+            "abort" => {
+                eprintln!("chaos-abort: {id}");
+                std::process::abort();
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn name(&self) -> &str {
+        "chaos"
+    }
+}
+
+fn work(redis_url: &str, db_url: &str, a: &WorkArgs) -> Res<()> {
+    let handler = Chaos {
+        redis: redis::Client::open(redis_url)?,
+        conns: std::sync::Mutex::new(Vec::new()),
+    };
+    let worker = Worker::builder()
+        .redis_url(redis_url)
+        .database_url(db_url)
+        .stream(&a.stream)
+        .group(&a.group)
+        .consumer(&a.consumer)
+        .workers(a.workers)
+        .count(a.count)
+        .block(Duration::from_millis(a.block_ms))
+        .mode(a.mode)
+        .max_attempts(a.max_attempts)
+        .backoff_base(a.backoff_base)
+        .backoff_cap(a.backoff_cap)
+        .max_retry_after(a.max_retry_after)
+        .reclaim_interval(a.reclaim_interval)
+        .reclaim_min_idle(a.reclaim_min_idle)
+        .shutdown_timeout(a.shutdown_timeout)
+        .max_entry_bytes(a.max_entry_bytes)
+        .build(handler)?;
+    let stop = worker.shutdown_handle();
+    ctrlc::set_handler(move || stop.shutdown())?;
+    let summary = worker.run()?;
+    println!("{summary}");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// settle
+
+/// `(pending, last-delivered-id)` of the group and the stream's last id.
+fn group_state(
+    conn: &mut redis::Connection,
+    stream: &str,
+    group: &str,
+) -> Res<(u64, String, String)> {
+    let groups: Vec<HashMap<String, redis::Value>> =
+        redis::cmd("XINFO").arg("GROUPS").arg(stream).query(conn)?;
+    let g = groups
+        .into_iter()
+        .find(
+            |g| matches!(g.get("name"), Some(redis::Value::BulkString(n)) if n == group.as_bytes()),
+        )
+        .ok_or("group not found")?;
+    let pending = match g.get("pending") {
+        Some(redis::Value::Int(n)) => *n as u64,
+        other => return Err(format!("pending: {other:?}").into()),
+    };
+    let delivered = match g.get("last-delivered-id") {
+        Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+        other => return Err(format!("last-delivered-id: {other:?}").into()),
+    };
+    let info: HashMap<String, redis::Value> =
+        redis::cmd("XINFO").arg("STREAM").arg(stream).query(conn)?;
+    let last = match info.get("last-generated-id") {
+        Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+        other => return Err(format!("last-generated-id: {other:?}").into()),
+    };
+    Ok((pending, delivered, last))
+}
+
+fn settle(url: &str, a: &SettleArgs) -> Res<()> {
+    let deadline = Instant::now() + a.timeout;
+    let mut quiet = 0;
+    let mut last_report = Instant::now();
+    loop {
+        let state = redis_conn(url)
+            .map_err(|e| e.into())
+            .and_then(|mut c| group_state(&mut c, &a.stream, &a.group));
+        match &state {
+            Ok((0, delivered, last)) if delivered == last => quiet += 1,
+            _ => quiet = 0,
+        }
+        if quiet >= 3 {
+            return Ok(());
+        }
+        if last_report.elapsed() > Duration::from_secs(10) {
+            eprintln!("chaos settle: {state:?}");
+            last_report = Instant::now();
+        }
+        if Instant::now() > deadline {
+            return Err(format!("not settled within {:?}: {state:?}", a.timeout).into());
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// check
+
+struct Manifest {
+    chaos_id: String,
+    entry_id: String,
+    kind: String,
+    event_id: Option<String>,
+    expect: String,
+    reason: String,
+    fields: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+fn read_manifest(path: &std::path::Path) -> Res<Vec<Manifest>> {
+    let file = std::io::BufReader::new(std::fs::File::open(path)?);
+    let mut out = Vec::new();
+    for line in file.lines() {
+        let v: serde_json::Value = serde_json::from_str(&line?)?;
+        let s = |k: &str| v[k].as_str().unwrap_or_default().to_owned();
+        let fields = v["fields"]
+            .as_array()
+            .ok_or("fields")?
+            .iter()
+            .map(|pair| {
+                Ok((
+                    unhex(pair[0].as_str().ok_or("name")?)?,
+                    unhex(pair[1].as_str().ok_or("value")?)?,
+                ))
+            })
+            .collect::<Res<Vec<_>>>()?;
+        out.push(Manifest {
+            chaos_id: s("chaos_id"),
+            entry_id: s("entry_id"),
+            kind: s("kind"),
+            event_id: v["event_id"].as_str().map(str::to_owned),
+            expect: s("expect"),
+            reason: s("reason"),
+            fields,
+        });
+    }
+    Ok(out)
+}
+
+/// The checks, as SQL over `chaos_expected`, `chaos_dlq`, `notifications`
+/// and `processed_events`: (name, counts as, query returning offending rows).
+const CHECKS: &[(&str, &str, &str)] = &[
+    (
+        "applied events without an effect",
+        "lost",
+        "SELECT DISTINCT e.event_id FROM chaos_expected e
+         WHERE e.expect = 'apply'
+           AND NOT EXISTS (SELECT 1 FROM notifications n WHERE n.event_id = e.event_id)",
+    ),
+    (
+        "events with more than one effect",
+        "duplicated",
+        "SELECT event_id || ' x' || count(*) FROM notifications GROUP BY event_id HAVING count(*) > 1",
+    ),
+    (
+        "entries to dead-letter missing from the DLQ",
+        "lost",
+        "SELECT e.chaos_id FROM chaos_expected e
+         WHERE e.expect <> 'apply'
+           AND NOT EXISTS (SELECT 1 FROM chaos_dlq d WHERE d.original_id = e.entry_id)",
+    ),
+    (
+        "entries dead-lettered more than once",
+        "duplicated",
+        "SELECT original_id || ' x' || count(*) FROM chaos_dlq GROUP BY original_id HAVING count(*) > 1",
+    ),
+    (
+        "dead letters of entries that should apply",
+        "wrong",
+        "SELECT d.original_id || ' ' || d.kind || ': ' || d.reason FROM chaos_dlq d
+         LEFT JOIN chaos_expected e ON e.entry_id = d.original_id
+         WHERE e.entry_id IS NULL OR e.expect = 'apply'",
+    ),
+    (
+        "dead letters of the wrong kind or without the expected reason",
+        "wrong",
+        // An always-panicking event whose process is killed while it waits
+        // for its retries can also end as a crash loop: its failures in the
+        // dead process are not known to the next one.
+        "SELECT e.chaos_id || ' ' || e.kind || ' -> ' || d.kind || ': ' || d.reason
+         FROM chaos_dlq d JOIN chaos_expected e ON e.entry_id = d.original_id
+         WHERE e.expect <> 'apply'
+           AND CASE WHEN d.kind = e.expect THEN strpos(d.reason, e.reason) = 0 OR d.reason = ''
+                    WHEN e.kind = 'panic' AND d.kind = 'crash_loop' THEN d.reason = ''
+                    ELSE true END",
+    ),
+    (
+        "dead letters without the original fields and full payload",
+        "wrong",
+        "SELECT d.original_id FROM chaos_dlq d WHERE NOT d.fields_intact",
+    ),
+    (
+        "exhausted dead letters without max-attempts attempts",
+        "wrong",
+        "SELECT d.original_id || ' attempts=' || d.attempts FROM chaos_dlq d
+         WHERE d.kind = 'exhausted' AND d.attempts <> $1",
+    ),
+    (
+        "events both dead-lettered and applied",
+        "wrong",
+        "SELECT DISTINCT d.event_id FROM chaos_dlq d
+         WHERE EXISTS (SELECT 1 FROM notifications n WHERE n.event_id = d.event_id)
+            OR EXISTS (SELECT 1 FROM processed_events p WHERE p.event_id = d.event_id)",
+    ),
+    (
+        "effects of events that should have none",
+        "wrong",
+        "SELECT DISTINCT n.event_id FROM notifications n
+         WHERE NOT EXISTS (SELECT 1 FROM chaos_expected e
+                           WHERE e.event_id = n.event_id AND e.expect = 'apply')",
+    ),
+    (
+        "effects without their processed_events row",
+        "wrong",
+        "SELECT DISTINCT n.event_id FROM notifications n
+         WHERE NOT EXISTS (SELECT 1 FROM processed_events p WHERE p.event_id = n.event_id)",
+    ),
+];
+
+fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
+    let manifest = read_manifest(&a.manifest)?;
+    let by_entry: HashMap<&str, &Manifest> =
+        manifest.iter().map(|m| (m.entry_id.as_str(), m)).collect();
+    let mut conn = redis_conn(redis_url)?;
+    let (pending, delivered, last) = group_state(&mut conn, &a.stream, &a.group)?;
+    let xlen: u64 = redis::cmd("XLEN").arg(&a.stream).query(&mut conn)?;
+    let dlq: Vec<(String, taskhub::Fields)> = redis::cmd("XRANGE")
+        .arg(taskhub::dead_letter_stream(&a.stream))
+        .arg("-")
+        .arg("+")
+        .query(&mut conn)?;
+
+    let mut db = postgres::Client::connect(db_url, postgres::NoTls)?;
+    db.batch_execute(
+        "DROP TABLE IF EXISTS chaos_expected, chaos_dlq;
+         CREATE TABLE chaos_expected (chaos_id text PRIMARY KEY, entry_id text UNIQUE NOT NULL,
+             kind text NOT NULL, event_id text, expect text NOT NULL, reason text NOT NULL);
+         CREATE TABLE chaos_dlq (dlq_id text PRIMARY KEY, original_id text NOT NULL,
+             event_id text, kind text NOT NULL, reason text NOT NULL, attempts int NOT NULL,
+             fields_intact bool NOT NULL);",
+    )?;
+    let mut tx = db.transaction()?;
+    let ins = tx.prepare("INSERT INTO chaos_expected VALUES ($1, $2, $3, $4, $5, $6)")?;
+    for m in &manifest {
+        tx.execute(
+            &ins,
+            &[
+                &m.chaos_id,
+                &m.entry_id,
+                &m.kind,
+                &m.event_id,
+                &m.expect,
+                &m.reason,
+            ],
+        )?;
+    }
+    let ins = tx.prepare("INSERT INTO chaos_dlq VALUES ($1, $2, $3, $4, $5, $6, $7)")?;
+    let mut undecodable = Vec::new();
+    for (id, fields) in &dlq {
+        let letter = match taskhub::DeadLetter::from_fields(Some(id.clone()), fields) {
+            Ok(l) => l,
+            Err(e) => {
+                undecodable.push(format!("{id}: {e}"));
+                continue;
+            }
+        };
+        // Every original field, byte for byte, the full payload included.
+        let intact = by_entry
+            .get(letter.original_id.as_str())
+            .is_some_and(|m| m.fields == letter.fields);
+        tx.execute(
+            &ins,
+            &[
+                id,
+                &letter.original_id,
+                &letter.event_id,
+                &letter.kind.as_str(),
+                &letter.reason,
+                &(letter.attempts as i32),
+                &intact,
+            ],
+        )?;
+    }
+    tx.commit()?;
+
+    let mut lost = 0u64;
+    let mut duplicated = 0u64;
+    let mut wrong = 0u64;
+    let mut report = Vec::new();
+    for (name, class, sql) in CHECKS {
+        let rows = if sql.contains("$1") {
+            db.query(*sql, &[&(a.max_attempts as i32)])?
+        } else {
+            db.query(*sql, &[])?
+        };
+        let n = rows.len() as u64;
+        match *class {
+            "lost" => lost += n,
+            "duplicated" => duplicated += n,
+            _ => wrong += n,
+        }
+        if n > 0 {
+            let examples: Vec<String> =
+                rows.iter().take(5).map(|r| r.get::<_, String>(0)).collect();
+            report.push(format!("VIOLATION {name}: {n}, e.g. {examples:?}"));
+        }
+    }
+    if !undecodable.is_empty() {
+        wrong += undecodable.len() as u64;
+        report.push(format!(
+            "VIOLATION undecodable dead letters: {undecodable:?}"
+        ));
+    }
+    if pending != 0 || delivered != last {
+        wrong += 1;
+        report.push(format!(
+            "VIOLATION group not drained: pending={pending} last-delivered={delivered} last={last}"
+        ));
+    }
+    if xlen != manifest.len() as u64 {
+        lost += (manifest.len() as u64).saturating_sub(xlen);
+        report.push(format!(
+            "VIOLATION the stream has {xlen} entries, {} were produced",
+            manifest.len()
+        ));
+    }
+
+    fn count(db: &mut postgres::Client, sql: &str) -> Res<i64> {
+        Ok(db.query_one(sql, &[])?.get(0))
+    }
+    let applied = count(
+        &mut db,
+        "SELECT count(DISTINCT event_id) FROM notifications",
+    )?;
+    let expected_applied = count(
+        &mut db,
+        "SELECT count(DISTINCT event_id) FROM chaos_expected WHERE expect = 'apply'",
+    )?;
+    let by_kind: Vec<(String, i64)> = db
+        .query(
+            "SELECT kind, count(*) FROM chaos_dlq GROUP BY kind ORDER BY kind",
+            &[],
+        )?
+        .into_iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let expected_dead = count(
+        &mut db,
+        "SELECT count(*) FROM chaos_expected WHERE expect <> 'apply'",
+    )?;
+    let kinds: Vec<(String, i64)> = db
+        .query(
+            "SELECT split_part(kind, ':', 1), count(*) FROM chaos_expected GROUP BY 1 ORDER BY 1",
+            &[],
+        )?
+        .into_iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+
+    let kinds_text: Vec<String> = kinds.iter().map(|(k, n)| format!("{k} {n}")).collect();
+    let dead_text: Vec<String> = by_kind.iter().map(|(k, n)| format!("{k} {n}")).collect();
+    let rows: Vec<(&str, String)> = vec![
+        ("mode", a.mode.clone()),
+        ("events (stream entries)", manifest.len().to_string()),
+        ("  by kind", kinds_text.join(", ")),
+        ("SIGKILLs of workers (restarted)", a.kills.to_string()),
+        ("crash-loop aborts (restarted)", a.abort_deaths.to_string()),
+        ("workers killed for good", a.killed_for_good.to_string()),
+        (
+            "  entries they held / reclaimed by others",
+            format!("{} / {}", a.orphaned, a.reclaimed),
+        ),
+        (
+            "Redis restarts (SIGKILL, AOF)",
+            a.redis_restarts.to_string(),
+        ),
+        ("PostgreSQL restarts (immediate)", a.pg_restarts.to_string()),
+        (
+            "applied (event_ids with an effect)",
+            format!("{applied} (expected {expected_applied})"),
+        ),
+        (
+            "dead-lettered",
+            format!(
+                "{} (expected {expected_dead}): {}",
+                dlq.len(),
+                dead_text.join(", ")
+            ),
+        ),
+        ("pending at the end", pending.to_string()),
+        ("lost (must be 0)", lost.to_string()),
+        ("duplicated (must be 0)", duplicated.to_string()),
+        ("other violations (must be 0)", wrong.to_string()),
+        ("elapsed", format!("{:.1} s", a.elapsed)),
+    ];
+    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    println!("{}", "-".repeat(width + 40));
+    for (k, v) in &rows {
+        println!("{k:<width$}  {v}");
+    }
+    println!("{}", "-".repeat(width + 40));
+    for line in &report {
+        println!("{line}");
+    }
+    if lost + duplicated + wrong > 0 {
+        return Err(
+            format!("{lost} lost, {duplicated} duplicated, {wrong} other violations").into(),
+        );
+    }
+    println!("chaos check: OK");
+    Ok(())
+}

@@ -1,0 +1,444 @@
+//! The bad-input corpus not covered elsewhere (failures.rs covers odd and
+//! invalid event_ids, exactly_once.rs binary values and duplicates in one
+//! batch, cli.rs bad configurations): each input has a defined outcome
+//! (applied, or dead-lettered with a clear reason), nothing crashes and
+//! nothing stays pending.
+//!
+//! - an entry with 1,000 fields: applied, every field reaches the handler
+//!   (library handler and `taskhub run --sql` with `$3`);
+//! - a 5 MB payload: dead-lettered as invalid with the default entry limit,
+//!   the reason naming the size and the limit, the payload kept whole in the
+//!   dead letter; applied with `--max-entry-bytes 8000000`;
+//! - the stream deleted (`DEL`) while the worker reads, with an event waiting
+//!   for its retry: the worker keeps running, recreates its group, applies
+//!   the entries added afterwards, and drops the waiting retry of the deleted
+//!   entry instead of applying or dead-lettering it.
+
+mod support;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use support::*;
+use taskhub::{handler_fn, Builder, DeadLetterKind, Event, HandlerError, Summary, Tx, Worker};
+
+const INSERT: &str = "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)";
+
+fn builder(db_url: &str, stream: &str, group: &str) -> Builder {
+    Worker::builder()
+        .mode(mode())
+        .redis_url(&redis_url())
+        .database_url(db_url)
+        .stream(stream)
+        .group(group)
+        .consumer("c1")
+        .workers(2)
+        .count(16)
+        .block(Duration::from_millis(200))
+        .backoff_base(Duration::from_millis(10))
+        .backoff_cap(Duration::from_millis(100))
+        .max_retry_after(Duration::from_secs(5))
+        .reclaim_interval(Duration::from_millis(500))
+        .reclaim_min_idle(Duration::from_secs(10))
+        .shutdown_timeout(Duration::from_secs(15))
+}
+
+/// Runs `worker` on a thread; `finish` waits (bounded) for `run()` to return.
+struct Running {
+    stop: taskhub::Shutdown,
+    done: mpsc::Receiver<Result<Summary, taskhub::Error>>,
+}
+
+impl Running {
+    fn start(worker: Worker) -> Running {
+        let stop = worker.shutdown_handle();
+        let (tx, done) = mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(worker.run());
+        });
+        Running { stop, done }
+    }
+
+    fn finish(self, timeout: Duration) -> Summary {
+        match self.done.recv_timeout(timeout) {
+            Ok(result) => result.expect("run() succeeds"),
+            Err(_) => {
+                self.stop.shutdown();
+                let _ = self.done.recv_timeout(Duration::from_secs(20));
+                panic!("run() did not return within {timeout:?}");
+            }
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stop.shutdown();
+    }
+}
+
+fn xadd_raw(conn: &mut redis::Connection, stream: &str, fields: &[(Vec<u8>, Vec<u8>)]) -> String {
+    let mut cmd = redis::cmd("XADD");
+    cmd.arg(stream).arg("*");
+    for (k, v) in fields {
+        cmd.arg(k).arg(v);
+    }
+    cmd.query(conn).unwrap()
+}
+
+fn del(conn: &mut redis::Connection, keys: &[&str]) {
+    let _: i64 = redis::cmd("DEL").arg(keys).query(conn).unwrap();
+}
+
+/// `taskhub run --until-idle` with fast timings; returns the summary line
+/// parsed, after asserting exit 0.
+fn run_binary(db: &TestDb, stream: &str, group: &str, extra: &[&str]) -> HashMap<String, u64> {
+    let mut cmd = taskhub(&redis_url(), &db.url);
+    cmd.args([
+        "run",
+        "--stream",
+        stream,
+        "--group",
+        group,
+        "--consumer",
+        "c1",
+    ])
+    .args(["--workers", "2", "--block-ms", "200", "--until-idle"])
+    .args(["--backoff-base", "10ms", "--backoff-cap", "100ms"])
+    .args(extra);
+    let mut p = Proc::spawn(cmd);
+    let status = p.wait(Duration::from_secs(60));
+    assert!(status.success(), "exit {status}\nstderr:\n{}", p.stderr());
+    let stdout = p.stdout();
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("read="))
+        .unwrap_or_else(|| panic!("no summary line on stdout: {stdout:?}"));
+    line.split_whitespace()
+        .filter_map(|t| t.trim_matches(|c| c == '(' || c == ')').split_once('='))
+        .filter_map(|(k, v)| Some((k.to_owned(), v.parse().ok()?)))
+        .collect()
+}
+
+// ---------------------------------------------------------------------------
+
+/// 1,000 fields (binary values among them): one effect, and the handler sees
+/// every field, in order, byte for byte. The same entry (text values only)
+/// through `taskhub run --sql` with `$3`: all 1,000 fields in the JSON.
+#[test]
+fn entry_with_a_thousand_fields_is_applied_with_every_field() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let mut fields: Vec<(Vec<u8>, Vec<u8>)> = vec![
+        (b"event_id".to_vec(), b"wide-1".to_vec()),
+        (b"payload".to_vec(), b"many fields".to_vec()),
+    ];
+    for i in 2..1000 {
+        let value = match i % 3 {
+            0 => format!("value {i}").into_bytes(),
+            1 => vec![0xff, 0x00, (i % 256) as u8],
+            _ => Vec::new(),
+        };
+        fields.push((format!("f{i:04}").into_bytes(), value));
+    }
+    assert_eq!(fields.len(), 1000);
+    xadd_raw(&mut conn, &stream, &fields);
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "narrow-1"), ("payload", "p")],
+    );
+
+    let seen: Arc<Mutex<HashMap<String, taskhub::Fields>>> = Arc::default();
+    let s = seen.clone();
+    let worker = builder(&db.url, &stream, &group)
+        .until_idle(true)
+        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+            s.lock()
+                .unwrap()
+                .insert(event.event_id().to_owned(), event.fields().to_vec());
+            tx.execute(INSERT, &[&event.event_id(), &event.payload()])?;
+            Ok::<(), HandlerError>(())
+        }))
+        .unwrap();
+    let summary = Running::start(worker).finish(Duration::from_secs(40));
+
+    assert_eq!(
+        (summary.applied, summary.dead_lettered),
+        (2, 0),
+        "{summary}"
+    );
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen["wide-1"].len(), 1000);
+    assert!(
+        seen["wide-1"] == fields,
+        "fields reached the handler intact"
+    );
+    assert_eq!(db.effects("wide-1"), 1);
+    assert_eq!(db.effects("narrow-1"), 1);
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+
+    // The CLI's SQL handler: $3 is every field as one JSON object.
+    let stream2 = unique("s");
+    let text_fields: Vec<(Vec<u8>, Vec<u8>)> =
+        std::iter::once((b"event_id".to_vec(), b"wide-2".to_vec()))
+            .chain((1..1000).map(|i| {
+                (
+                    format!("f{i:04}").into_bytes(),
+                    format!("v{i}").into_bytes(),
+                )
+            }))
+            .collect();
+    xadd_raw(&mut conn, &stream2, &text_fields);
+    let summary = run_binary(
+        &db,
+        &stream2,
+        &group,
+        &[
+            "--sql",
+            // wide-2 has no payload: $2 is NULL.
+            "INSERT INTO notifications (event_id, payload) VALUES ($1, coalesce($2::text, '') || $3::text)",
+        ],
+    );
+    assert_eq!(summary["applied"], 1, "{summary:?}");
+    assert_eq!(summary["dead_lettered"], 0, "{summary:?}");
+    let json: String = db
+        .client()
+        .query_one(
+            "SELECT payload FROM notifications WHERE event_id = 'wide-2'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    let object: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&json).unwrap();
+    assert_eq!(object.len(), 1000, "all fields in $3");
+    assert_eq!(object["event_id"], "wide-2");
+    assert_eq!(object["f0999"], "v999");
+    assert_eq!(pending(&mut conn, &stream2, &group), 0);
+    del(&mut conn, &[&stream, &stream2]);
+}
+
+/// A 5 MB payload with the default limit (1 MiB): dead-lettered at once as
+/// invalid, the reason naming the entry's size and the limit, every byte of
+/// the payload kept in the dead letter, its neighbours applied. With
+/// `--max-entry-bytes 8000000` the same entry is applied, payload whole.
+#[test]
+fn five_megabyte_payload_is_dead_lettered_by_default_and_applied_when_allowed() {
+    let db = TestDb::new();
+    let group = unique("g");
+    let mut conn = redis(&redis_url());
+    let big: Vec<u8> = (0..5 * 1024 * 1024)
+        .map(|i| b'a' + (i % 26) as u8)
+        .collect();
+    let size = big.len() + "payload".len() + "event_id".len() + "big-1".len();
+
+    let stream = unique("s");
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "small-1"), ("payload", "p")],
+    );
+    let big_fields = vec![
+        (b"event_id".to_vec(), b"big-1".to_vec()),
+        (b"payload".to_vec(), big.clone()),
+    ];
+    let big_entry = xadd_raw(&mut conn, &stream, &big_fields);
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "small-2"), ("payload", "p")],
+    );
+
+    let summary = run_binary(&db, &stream, &group, &[]);
+    assert_eq!(summary["applied"], 2, "{summary:?}");
+    assert_eq!(summary["dead_lettered"], 1, "{summary:?}");
+    assert_eq!(summary["invalid"], 1, "{summary:?}");
+    assert_eq!(db.effects("big-1"), 0);
+    assert_eq!(db.effects("small-1"), 1);
+    assert_eq!(db.effects("small-2"), 1);
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 1, "one dead letter");
+    let l = &letters[0];
+    assert_eq!(l.kind, DeadLetterKind::Invalid);
+    assert_eq!(l.original_id, big_entry);
+    assert_eq!(l.event_id.as_deref(), Some("big-1"));
+    assert!(
+        l.reason.contains(&format!("{size} bytes"))
+            && l.reason
+                .contains(&format!("limit of {} bytes", 1024 * 1024)),
+        "the reason names the size and the limit: {}",
+        l.reason
+    );
+    assert!(
+        l.field("payload") == Some(big.as_slice()),
+        "the 5 MB payload is kept whole in the dead letter"
+    );
+    assert!(l.fields == big_fields, "every field kept");
+
+    // Allowed: applied, the payload stored whole.
+    let stream2 = unique("s");
+    xadd_raw(&mut conn, &stream2, &big_fields);
+    let summary = run_binary(&db, &stream2, &group, &["--max-entry-bytes", "8000000"]);
+    assert_eq!(summary["applied"], 1, "{summary:?}");
+    assert_eq!(summary["dead_lettered"], 0, "{summary:?}");
+    let stored: String = db
+        .client()
+        .query_one(
+            "SELECT payload FROM notifications WHERE event_id = 'big-1'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!(stored.as_bytes() == big.as_slice(), "payload stored whole");
+    assert_eq!(db.effects("big-1"), 1);
+    assert_eq!(pending(&mut conn, &stream2, &group), 0);
+    assert!(dead_letters(&mut conn, &stream2).is_empty());
+    let dlq = taskhub::dead_letter_stream(&stream);
+    del(&mut conn, &[&stream, &stream2, &dlq]);
+}
+
+/// `DEL stream` while the worker reads and one event waits for its retry:
+/// no crash, the worker keeps running, recreates the group (it lived in the
+/// deleted key), applies every entry added afterwards exactly once, and
+/// drops the waiting retry of the deleted entry (it is gone: not applied,
+/// not dead-lettered). `run()` returning by itself (`until_idle`) shows the
+/// dropped retry was finished and nothing was left in flight.
+#[test]
+fn stream_deleted_while_the_worker_reads_then_new_entries_are_applied() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let before: Vec<String> = (0..20).map(|i| format!("before-{i}")).collect();
+    for id in &before {
+        xadd(&mut conn, &stream, &[("event_id", id), ("payload", "p")]);
+    }
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "waiting"), ("payload", "p")],
+    );
+
+    let waiting_calls = Arc::new(AtomicUsize::new(0));
+    let w = waiting_calls.clone();
+    let worker = builder(&db.url, &stream, &group)
+        .until_idle(true)
+        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+            if event.event_id() == "waiting" {
+                w.fetch_add(1, Ordering::SeqCst);
+                return Err(
+                    HandlerError::retryable("not yet").with_retry_after(Duration::from_secs(5))
+                );
+            }
+            tx.execute(INSERT, &[&event.event_id(), &event.payload()])?;
+            Ok(())
+        }))
+        .unwrap();
+    let running = Running::start(worker);
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            db.count("SELECT count(*) FROM notifications") == 20
+                && waiting_calls.load(Ordering::SeqCst) == 1
+        }),
+        "the first events were not processed"
+    );
+    let deleted_at = Instant::now();
+    del(&mut conn, &[&stream]);
+
+    // The reader finds its group gone and creates it again (MKSTREAM).
+    let group_exists = |conn: &mut redis::Connection| -> bool {
+        let groups: redis::RedisResult<Vec<HashMap<String, redis::Value>>> =
+            redis::cmd("XINFO").arg("GROUPS").arg(&stream).query(conn);
+        groups.is_ok_and(|g| g.len() == 1)
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), || group_exists(&mut conn)),
+        "the group was not recreated"
+    );
+    let after: Vec<String> = (0..20).map(|i| format!("after-{i}")).collect();
+    for id in &after {
+        xadd(&mut conn, &stream, &[("event_id", id), ("payload", "p")]);
+    }
+    assert!(
+        deleted_at.elapsed() < Duration::from_secs(4),
+        "the new entries must arrive while the retry still waits (machine too slow?)"
+    );
+    let summary = running.finish(Duration::from_secs(40));
+
+    let mut all = before.clone();
+    all.extend(after.iter().cloned());
+    for id in &all {
+        assert_eq!(db.effects(id), 1, "{id}");
+    }
+    assert_eq!(db.count("SELECT count(*) FROM notifications"), 40);
+    assert_eq!(
+        db.effects("waiting"),
+        0,
+        "the deleted entry was not applied"
+    );
+    assert_eq!(
+        waiting_calls.load(Ordering::SeqCst),
+        1,
+        "the retry of the deleted entry did not run the handler"
+    );
+    assert_eq!(summary.applied, 40, "{summary}");
+    assert_eq!(summary.retries, 1, "{summary}");
+    assert_eq!(summary.dead_lettered, 0, "{summary}");
+    assert!(dead_letters(&mut conn, &stream).is_empty());
+    assert!(group_exists(&mut conn));
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+    assert_eq!(xlen(&mut conn, &stream), 20, "only the new entries");
+    del(&mut conn, &[&stream]);
+}
+
+/// Wide entries without an event_id are dead-lettered whole: 1,000 fields
+/// (written by the conditional Lua step) and 5,000 fields (over what Lua's
+/// `unpack` takes, written with MULTI/EXEC). Pins the fallback of the
+/// conditional dead-letter write (see tests/chaos.rs): a letter over Lua's
+/// limit would fail to write, and the writer would retry it forever.
+#[test]
+fn very_wide_invalid_entries_are_dead_lettered_whole() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let wide = |n: usize| -> Vec<(Vec<u8>, Vec<u8>)> {
+        (0..n)
+            .map(|i| (format!("k{i:05}").into_bytes(), vec![(i % 251) as u8; 3]))
+            .collect()
+    };
+    let (a, b) = (wide(1000), wide(5000));
+    let entry_a = xadd_raw(&mut conn, &stream, &a);
+    let entry_b = xadd_raw(&mut conn, &stream, &b);
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "after"), ("payload", "p")],
+    );
+
+    let worker = builder(&db.url, &stream, &group)
+        .until_idle(true)
+        .build(taskhub::SqlHandler::default())
+        .unwrap();
+    let summary = Running::start(worker).finish(Duration::from_secs(40));
+
+    assert_eq!(summary.dead_invalid, 2, "{summary}");
+    assert_eq!(summary.applied, 1, "{summary}");
+    assert_eq!(db.effects("after"), 1);
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 2);
+    for (entry, fields) in [(&entry_a, &a), (&entry_b, &b)] {
+        let l = letters
+            .iter()
+            .find(|l| &l.original_id == entry)
+            .unwrap_or_else(|| panic!("no dead letter for {entry}"));
+        assert_eq!(l.kind, DeadLetterKind::Invalid);
+        assert!(l.reason.contains("missing field event_id"), "{}", l.reason);
+        assert!(&l.fields == fields, "{} fields kept whole", fields.len());
+    }
+    let dlq = taskhub::dead_letter_stream(&stream);
+    del(&mut conn, &[&stream, &dlq]);
+}
