@@ -2,9 +2,9 @@
 //! and applied once each, in order.
 //!
 //! Each migration runs in its own transaction together with its row in
-//! `taskhub_migrations`, under a transaction-scoped advisory lock, so two
-//! instances starting at the same moment apply every migration exactly once
-//! (the second waits for the lock, then sees the version recorded).
+//! `taskhub_migrations`, all under a session advisory lock, so two instances
+//! starting at the same moment apply every migration exactly once (the second
+//! waits for the lock, then sees the versions recorded).
 
 use crate::error::{Error, ErrorKind};
 
@@ -34,8 +34,27 @@ pub fn migrate(database_url: &str) -> Result<usize, Error> {
 
 pub(crate) fn migrate_client(client: &mut postgres::Client) -> Result<usize, Error> {
     let fail = |what: &str, e: postgres::Error| {
-        Error::with_source(ErrorKind::Migration, format!("migration: {what}"), e)
+        let why = match e.as_db_error() {
+            Some(db) => format!("{} ({})", db.message(), db.code().code()),
+            None => e.to_string(),
+        };
+        Error::new(ErrorKind::Migration, format!("migration: {what}: {why}"))
     };
+    // One instance at a time, from the first statement on: concurrent
+    // CREATE TABLE IF NOT EXISTS can still collide in the catalog.
+    client
+        .execute("SELECT pg_advisory_lock($1)", &[&LOCK_KEY])
+        .map_err(|e| fail("cannot take the migration lock", e))?;
+    let applied = apply_all(client, &fail);
+    // The lock is also released when the session ends.
+    let _ = client.execute("SELECT pg_advisory_unlock($1)", &[&LOCK_KEY]);
+    applied
+}
+
+fn apply_all(
+    client: &mut postgres::Client,
+    fail: &dyn Fn(&str, postgres::Error) -> Error,
+) -> Result<usize, Error> {
     client
         .batch_execute(
             "CREATE TABLE IF NOT EXISTS taskhub_migrations (
@@ -44,21 +63,10 @@ pub(crate) fn migrate_client(client: &mut postgres::Client) -> Result<usize, Err
                  applied_at timestamptz NOT NULL DEFAULT now()
              )",
         )
-        .or_else(|e| {
-            // Two instances racing on CREATE TABLE IF NOT EXISTS can collide on
-            // the catalog's unique index; the table then exists, which is all
-            // we wanted.
-            if e.code().map(|c| c.code()) == Some("23505") {
-                Ok(())
-            } else {
-                Err(fail("cannot create taskhub_migrations", e))
-            }
-        })?;
+        .map_err(|e| fail("cannot create taskhub_migrations", e))?;
     let mut applied = 0;
     for &(version, name, sql) in MIGRATIONS {
         let mut tx = client.transaction().map_err(|e| fail("cannot begin", e))?;
-        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK_KEY])
-            .map_err(|e| fail("cannot take the migration lock", e))?;
         let done = tx
             .query_opt(
                 "SELECT 1 FROM taskhub_migrations WHERE version = $1",
