@@ -99,6 +99,25 @@ impl Handler for BenchHandler {
         self.sql.handle(event, tx)
     }
 
+    /// The scripted failures first (naming the failing event, as the
+    /// default batch form does), then the SQL handler's own batch form (a
+    /// set-based insert for the default statement).
+    fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        {
+            let mut failures = self.failures.lock().unwrap();
+            for (i, event) in events.iter().enumerate() {
+                if event.field("fail").is_some() {
+                    let n = failures.entry(event.event_id().to_owned()).or_default();
+                    if *n < self.fail_times {
+                        *n += 1;
+                        return Err(HandlerError::retryable("scripted failure").for_event(i));
+                    }
+                }
+            }
+        }
+        self.sql.handle_batch(events, tx)
+    }
+
     fn committed(&self, event: &Event) {
         let latency = now_millis().saturating_sub(entry_millis(event.entry_id()));
         self.latencies.lock().unwrap().push(latency);
