@@ -13,7 +13,7 @@
 //!    hands it back after a [`Backoff`] without blocking other events; a
 //!    permanent one, or one out of attempts, goes to the **dead-letter**
 //!    writer (`dead_letter.rs`), which moves it to `<stream>:dlq` and acks it
-//!    in one MULTI/EXEC.
+//!    in one atomic step.
 //! 4. The **reclaimer** (`reclaim.rs`) takes over entries left pending by
 //!    consumers that died.
 //!
