@@ -4,74 +4,10 @@
 
 mod support;
 
-use std::io::{Read, Write};
-use std::process::{Command, ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use support::*;
-
-/// What a finished command left behind.
-struct Out {
-    status: ExitStatus,
-    stdout: String,
-    stderr: String,
-    took: Duration,
-}
-
-/// Runs `cmd` to the end with `stdin` as input, at most `timeout` (killed and
-/// panics after that).
-fn output(mut cmd: Command, stdin: Option<&[u8]>, timeout: Duration) -> Out {
-    cmd.stdin(if stdin.is_some() {
-        Stdio::piped()
-    } else {
-        Stdio::null()
-    })
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
-    let started = Instant::now();
-    let mut child = cmd.spawn().expect("taskhub starts");
-    let grab = |mut s: Box<dyn Read + Send>| {
-        let buf = Arc::new(Mutex::new(Vec::new()));
-        let b = buf.clone();
-        let t = std::thread::spawn(move || {
-            let mut all = Vec::new();
-            let _ = s.read_to_end(&mut all);
-            *b.lock().unwrap() = all;
-        });
-        (buf, t)
-    };
-    let (out, out_t) = grab(Box::new(child.stdout.take().unwrap()));
-    let (err, err_t) = grab(Box::new(child.stderr.take().unwrap()));
-    if let Some(input) = stdin {
-        let mut pipe = child.stdin.take().unwrap();
-        pipe.write_all(input).unwrap();
-    }
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if started.elapsed() > timeout {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "{cmd:?} did not exit within {timeout:?}; stderr:\n{}",
-                String::from_utf8_lossy(&err.lock().unwrap())
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let took = started.elapsed();
-    out_t.join().unwrap();
-    err_t.join().unwrap();
-    let text = |b: &Arc<Mutex<Vec<u8>>>| String::from_utf8_lossy(&b.lock().unwrap()).into_owned();
-    Out {
-        status,
-        stdout: text(&out),
-        stderr: text(&err),
-        took,
-    }
-}
 
 const T: Duration = Duration::from_secs(30);
 

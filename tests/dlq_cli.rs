@@ -11,10 +11,7 @@
 mod support;
 
 use std::collections::{BTreeSet, HashMap};
-use std::io::Read;
-use std::process::{Command, ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
 use support::*;
@@ -27,78 +24,13 @@ const T: Duration = Duration::from_secs(30);
 const INT_SQL: &str =
     "INSERT INTO notifications (event_id, payload) VALUES ($1, $2::text::int::text)";
 
-/// What a finished command left behind.
-struct Out {
-    status: ExitStatus,
-    stdout: String,
-    stderr: String,
-    took: Duration,
-}
-
-impl Out {
-    fn code(&self) -> Option<i32> {
-        self.status.code()
-    }
-
-    /// The stdout as one JSON document.
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.stdout)
-            .unwrap_or_else(|e| panic!("stdout is not one JSON document ({e}):\n{}", self.stdout))
-    }
-}
-
-/// Runs `cmd` to the end, at most `timeout` (killed and panics after that).
-fn output(mut cmd: Command, timeout: Duration) -> Out {
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let started = Instant::now();
-    let mut child = cmd.spawn().expect("taskhub starts");
-    let grab = |mut s: Box<dyn Read + Send>| {
-        let buf = Arc::new(Mutex::new(Vec::new()));
-        let b = buf.clone();
-        let t = std::thread::spawn(move || {
-            let mut all = Vec::new();
-            let _ = s.read_to_end(&mut all);
-            *b.lock().unwrap() = all;
-        });
-        (buf, t)
-    };
-    let (out, out_t) = grab(Box::new(child.stdout.take().unwrap()));
-    let (err, err_t) = grab(Box::new(child.stderr.take().unwrap()));
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if started.elapsed() > timeout {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "{cmd:?} did not exit within {timeout:?}; stderr:\n{}",
-                String::from_utf8_lossy(&err.lock().unwrap())
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let took = started.elapsed();
-    out_t.join().unwrap();
-    err_t.join().unwrap();
-    let text = |b: &Arc<Mutex<Vec<u8>>>| String::from_utf8_lossy(&b.lock().unwrap()).into_owned();
-    Out {
-        status,
-        stdout: text(&out),
-        stderr: text(&err),
-        took,
-    }
-}
-
 /// `taskhub dlq --stream <stream> <args>` with the shared Redis and `db_url`.
 fn dlq(db_url: &str, stream: &str, args: &[&str]) -> Out {
     let mut cmd = taskhub(&redis_url(), db_url);
     cmd.env("RUST_LOG", "warn")
         .args(["dlq", "--stream", stream])
         .args(args);
-    output(cmd, T)
+    output(cmd, None, T)
 }
 
 /// Asserts exit 0 and returns the output.
@@ -124,7 +56,7 @@ fn run_worker(db_url: &str, stream: &str, sql: Option<&str>) -> HashMap<String, 
     if let Some(sql) = sql {
         cmd.args(["--sql", sql]);
     }
-    let out = output(cmd, T);
+    let out = output(cmd, None, T);
     assert_eq!(out.code(), Some(0), "run: {}", out.stderr);
     let line = out
         .stdout
@@ -363,7 +295,7 @@ fn help_of_dlq_and_each_subcommand_names_the_flags() {
     for (args, needles) in cases {
         let mut cmd = taskhub(&redis_url(), "postgres://postgres@127.0.0.1:1/none");
         cmd.args(args);
-        let out = output(cmd, T);
+        let out = output(cmd, None, T);
         assert_eq!(out.code(), Some(0), "{args:?}: {}", out.stderr);
         for needle in needles {
             assert!(
@@ -1432,7 +1364,7 @@ fn check_exits_0_when_empty_and_1_with_a_one_line_summary() {
     // Redis unreachable: an error, not "empty".
     let mut cmd = taskhub("redis://127.0.0.1:1", &db.url);
     cmd.args(["dlq", "--stream", &stream, "check"]);
-    let out = output(cmd, T);
+    let out = output(cmd, None, T);
     assert_eq!(out.code(), Some(1));
     assert!(
         out.stderr

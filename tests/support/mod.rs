@@ -8,10 +8,10 @@
 
 #![allow(dead_code)] // each test file uses a different part of this module
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -550,4 +550,80 @@ impl Drop for PrivatePostgres {
 /// Path of a file in the repository.
 pub fn repo_path(rel: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
+}
+
+/// What a finished command left behind.
+pub struct Out {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+    pub took: Duration,
+}
+
+/// Runs `cmd` to the end with `stdin` as input, at most `timeout` (killed and
+/// panics after that).
+/// Runs `cmd` to the end with `stdin` as its input, at most `timeout`
+/// (killed, and the test panics, after that).
+pub fn output(mut cmd: Command, stdin: Option<&[u8]>, timeout: Duration) -> Out {
+    cmd.stdin(if stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    })
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let started = Instant::now();
+    let mut child = cmd.spawn().expect("taskhub starts");
+    let grab = |mut s: Box<dyn Read + Send>| {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let b = buf.clone();
+        let t = std::thread::spawn(move || {
+            let mut all = Vec::new();
+            let _ = s.read_to_end(&mut all);
+            *b.lock().unwrap() = all;
+        });
+        (buf, t)
+    };
+    let (out, out_t) = grab(Box::new(child.stdout.take().unwrap()));
+    let (err, err_t) = grab(Box::new(child.stderr.take().unwrap()));
+    if let Some(input) = stdin {
+        let mut pipe = child.stdin.take().unwrap();
+        pipe.write_all(input).unwrap();
+    }
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > timeout {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{cmd:?} did not exit within {timeout:?}; stderr:\n{}",
+                String::from_utf8_lossy(&err.lock().unwrap())
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = started.elapsed();
+    out_t.join().unwrap();
+    err_t.join().unwrap();
+    let text = |b: &Arc<Mutex<Vec<u8>>>| String::from_utf8_lossy(&b.lock().unwrap()).into_owned();
+    Out {
+        status,
+        stdout: text(&out),
+        stderr: text(&err),
+        took,
+    }
+}
+
+impl Out {
+    pub fn code(&self) -> Option<i32> {
+        self.status.code()
+    }
+
+    /// The stdout as one JSON document.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("stdout is not one JSON document ({e}):\n{}", self.stdout))
+    }
 }
