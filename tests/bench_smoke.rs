@@ -1,0 +1,65 @@
+//! A small smoke of the benchmark (examples/bench.rs, which scripts/bench.sh
+//! runs at full size): it drains, verifies the effect count and prints its
+//! RESULT line, in both modes and with scripted failures.
+
+mod support;
+
+use std::process::Command;
+use std::time::Duration;
+
+use support::*;
+
+fn bench(db: &TestDb, args: &[&str]) -> String {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples/bench");
+    assert!(
+        path.exists(),
+        "{} is missing: cargo test builds examples",
+        path.display()
+    );
+    let mut cmd = Command::new(path);
+    cmd.env("REDIS_URL", redis_url())
+        .env("DATABASE_URL", &db.url)
+        .env("RUST_LOG", "warn")
+        .args(args);
+    let out = output(cmd, None, Duration::from_secs(120));
+    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+    out.stdout
+}
+
+#[test]
+fn the_benchmark_drains_and_verifies_in_both_modes() {
+    let db = TestDb::new();
+    for mode in ["batch", "per-event"] {
+        let stdout = bench(&db, &["--events", "1500", "--workers", "4", "--mode", mode]);
+        let result = stdout
+            .lines()
+            .find(|l| l.starts_with("RESULT "))
+            .expect("a RESULT line");
+        assert!(result.contains("applied=1500"), "{result}");
+        for key in ["rate=", "p50_ms=", "p99_ms=", "cpu_us=", "rss_kb="] {
+            assert!(result.contains(key), "{key} missing: {result}");
+        }
+    }
+    // Scripted failures: 10% fail twice, all end applied.
+    let stdout = bench(
+        &db,
+        &[
+            "--events",
+            "300",
+            "--fail-ratio",
+            "0.1",
+            "--fail-times",
+            "2",
+            "--backoff-base",
+            "20ms",
+        ],
+    );
+    assert!(stdout.contains("applied=300"), "{stdout}");
+    assert!(stdout.contains("healthy rate"), "{stdout}");
+}
