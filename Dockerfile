@@ -4,8 +4,9 @@
 #   docker run --rm -e REDIS_URL=... -e DATABASE_URL=... taskhub run
 #
 # Stage 1 compiles with the official Rust image (Cargo.lock is honoured,
-# --locked); stage 2 holds only the binary, CA certificates and a non-root
-# user. The migrations are embedded in the binary.
+# --locked); stage 2 holds only the binary, CA certificates, OpenSSL's
+# libssl (TLS to Redis and PostgreSQL) and a non-root user. The migrations
+# are embedded in the binary.
 
 FROM rust:1-bookworm AS builder
 WORKDIR /src
@@ -15,7 +16,7 @@ RUN cargo build --release --locked \
 
 FROM debian:bookworm-slim
 RUN apt-get update \
- && apt-get install -y --no-install-recommends ca-certificates \
+ && apt-get install -y --no-install-recommends ca-certificates libssl3 \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --user-group --no-create-home \
       --home-dir /nonexistent --shell /usr/sbin/nologin taskhub

@@ -52,6 +52,10 @@ command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 # tests/dlq_page.rs renders the dead-letter page in a real headless Chromium.
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 pg_bin_dir >/dev/null || missing+=(postgresql)
+# tests/tls.rs makes its certificates with the openssl command; the build
+# links OpenSSL (native-tls) through pkg-config.
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)
+pkg-config --exists openssl 2>/dev/null || missing+=(pkg-config libssl-dev)
 if ((${#missing[@]})); then
     echo "test.sh: installing ${missing[*]} (the tests start their own servers)" >&2
     sudo=()

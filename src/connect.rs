@@ -8,7 +8,13 @@
 
 use std::time::Duration;
 
+use postgres_native_tls::MakeTlsConnector;
+
 use crate::error::{Error, ErrorKind};
+
+/// Environment variable naming a PEM file with the CA certificate(s) that
+/// `rediss://` servers are verified against (instead of the system store).
+pub const REDIS_CA_FILE_ENV: &str = "TASKHUB_REDIS_CA_FILE";
 
 /// How long to wait for a TCP connection or a pooled connection.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -16,7 +22,7 @@ pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// considered lost.
 pub(crate) const REDIS_COMMAND_TIMEOUT: Duration = Duration::from_secs(10);
 
-pub(crate) type PgManager = r2d2_postgres::PostgresConnectionManager<postgres::NoTls>;
+pub(crate) type PgManager = r2d2_postgres::PostgresConnectionManager<MakeTlsConnector>;
 pub(crate) type PgPool = r2d2::Pool<PgManager>;
 pub(crate) type PgConn = r2d2::PooledConnection<PgManager>;
 pub(crate) type RedisPool = r2d2::Pool<RedisManager>;
@@ -54,14 +60,122 @@ pub fn redact(url: &str) -> String {
     result
 }
 
-fn pg_config(url: &str) -> Result<postgres::Config, Error> {
-    let mut config: postgres::Config = url.parse().map_err(|e| {
+/// The TLS settings taken out of a PostgreSQL URL before rust-postgres parses
+/// it: rust-postgres knows `sslmode=disable|prefer|require` only and no
+/// `sslrootcert`.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct PgTls {
+    /// `verify-ca` or `verify-full` (verify-full also checks the host name).
+    verify: Option<Verify>,
+    /// `sslrootcert`: a PEM file with the CA certificate(s) to trust.
+    root_cert: Option<String>,
+    /// `sslmode=require` given.
+    require: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verify {
+    Ca,
+    Full,
+}
+
+/// Splits `sslmode=verify-ca|verify-full` and `sslrootcert=...` off `url`
+/// (URL form `postgres://...?sslmode=verify-full&sslrootcert=/ca.pem` or
+/// key-value form `host=db sslmode=verify-full sslrootcert=/ca.pem`), and
+/// returns what rust-postgres can parse: `sslmode=require` in their place.
+fn split_pg_tls(url: &str) -> Result<(String, PgTls), String> {
+    let mut tls = PgTls::default();
+    let mut take = |key: &str, value: &str| -> Result<bool, String> {
+        match (key, value) {
+            ("sslmode", "verify-full") => tls.verify = Some(Verify::Full),
+            ("sslmode", "verify-ca") => tls.verify = Some(Verify::Ca),
+            ("sslmode", "require") => {
+                tls.require = true;
+                return Ok(false);
+            }
+            ("sslrootcert", "") => return Err("empty sslrootcert".into()),
+            ("sslrootcert", v) => tls.root_cert = Some(v.to_owned()),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    };
+    let rebuilt = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let (base, rest) = match url.split_once('?') {
+            Some((b, q)) => (b, q),
+            None => return Ok((url.to_owned(), tls)),
+        };
+        let mut kept = Vec::new();
+        for pair in rest.split('&').filter(|p| !p.is_empty()) {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            let v = percent_decode(v);
+            if !take(k, &v)? {
+                kept.push(pair.to_owned());
+            }
+        }
+        if tls.verify.is_some() {
+            kept.push("sslmode=require".into());
+        }
+        if kept.is_empty() {
+            base.to_owned()
+        } else {
+            format!("{base}?{}", kept.join("&"))
+        }
+    } else {
+        let mut kept = Vec::new();
+        for word in url.split_whitespace() {
+            let (k, v) = word.split_once('=').unwrap_or((word, ""));
+            let k = k.trim();
+            if !take(k, v.trim_matches('\'').trim())? {
+                kept.push(word.to_owned());
+            }
+        }
+        if tls.verify.is_some() {
+            kept.push("sslmode=require".into());
+        }
+        kept.join(" ")
+    };
+    Ok((rebuilt, tls))
+}
+
+/// `%XX` escapes decoded (for a path in a URL query).
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            if let Some(b) = s
+                .get(i + 1..i + 3)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+            {
+                out.push(b);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The connection settings and the TLS connector for `url`.
+///
+/// Like libpq: `prefer` (rust-postgres' default) and `require` encrypt
+/// without verifying the server's certificate (`require` with `sslrootcert`
+/// verifies the chain, as libpq does); `verify-ca` verifies the chain,
+/// `verify-full` the chain and the host name. Without `sslrootcert` the
+/// system's CA store is used.
+fn pg_config(url: &str) -> Result<(postgres::Config, MakeTlsConnector), Error> {
+    let bad = |e: Box<dyn std::error::Error + Send + Sync>| {
         Error::with_source(
             ErrorKind::Config,
             format!("bad PostgreSQL URL {:?}", redact(url)),
             e,
         )
-    })?;
+    };
+    let (rest, tls) = split_pg_tls(url).map_err(|e| bad(e.into()))?;
+    let mut config: postgres::Config = rest.parse().map_err(|e| bad(Box::new(e)))?;
     if config.get_connect_timeout().is_none() {
         config.connect_timeout(CONNECT_TIMEOUT);
     }
@@ -77,14 +191,51 @@ fn pg_config(url: &str) -> Result<postgres::Config, Error> {
     if config.get_application_name().is_none() {
         config.application_name("taskhub");
     }
-    Ok(config)
+    let mut builder = native_tls::TlsConnector::builder();
+    if let Some(path) = &tls.root_cert {
+        let pem = std::fs::read(path).map_err(|e| {
+            Error::with_source(
+                ErrorKind::Config,
+                format!("cannot read sslrootcert {path:?} of PostgreSQL URL"),
+                e,
+            )
+        })?;
+        let cert = native_tls::Certificate::from_pem(&pem).map_err(|e| {
+            Error::with_source(
+                ErrorKind::Config,
+                format!("sslrootcert {path:?} is not a PEM certificate"),
+                e,
+            )
+        })?;
+        builder.add_root_certificate(cert);
+    }
+    let verify = tls
+        .verify
+        .or((tls.require && tls.root_cert.is_some()).then_some(Verify::Ca));
+    match verify {
+        Some(Verify::Full) => {}
+        Some(Verify::Ca) => {
+            builder.danger_accept_invalid_hostnames(true);
+        }
+        None => {
+            builder.danger_accept_invalid_certs(true);
+            builder.danger_accept_invalid_hostnames(true);
+        }
+    }
+    let connector = builder.build().map_err(|e| {
+        Error::with_source(
+            ErrorKind::Config,
+            format!("cannot set up TLS for PostgreSQL at {}", redact(url)),
+            e,
+        )
+    })?;
+    Ok((config, MakeTlsConnector::new(connector)))
 }
 
 /// One PostgreSQL connection (migrations, CLI commands).
 pub(crate) fn postgres(url: &str) -> Result<postgres::Client, Error> {
-    pg_config(url)?
-        .connect(postgres::NoTls)
-        .map_err(|e| pg_unreachable(url, e))
+    let (config, tls) = pg_config(url)?;
+    config.connect(tls).map_err(|e| pg_unreachable(url, e))
 }
 
 pub(crate) fn pg_unreachable(
@@ -94,8 +245,36 @@ pub(crate) fn pg_unreachable(
     Error::with_source(
         ErrorKind::Postgres,
         format!("cannot connect to PostgreSQL at {}", redact(url)),
-        e,
+        WithCauses(e.into()),
     )
+}
+
+/// An error whose `Display` also shows its causes: rust-postgres prints
+/// only "error performing TLS handshake" and keeps the reason (such as
+/// "certificate verify failed") in `source()`.
+#[derive(Debug)]
+struct WithCauses(Box<dyn std::error::Error + Send + Sync>);
+
+impl std::fmt::Display for WithCauses {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut text = self.0.to_string();
+        let mut cause = self.0.source();
+        while let Some(c) = cause {
+            let more = c.to_string();
+            if !more.is_empty() && !text.contains(&more) {
+                text.push_str(": ");
+                text.push_str(&more);
+            }
+            cause = c.source();
+        }
+        f.write_str(&text)
+    }
+}
+
+impl std::error::Error for WithCauses {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
 }
 
 pub(crate) fn redis_unreachable(url: &str, e: redis::RedisError) -> Error {
@@ -112,7 +291,8 @@ pub(crate) fn postgres_pool(url: &str, size: u32) -> Result<PgPool, Error> {
     // One direct connection first: r2d2 would only report a timeout, this
     // names the cause (refused, authentication, unknown database...).
     drop(postgres(url)?);
-    let manager = PgManager::new(pg_config(url)?, postgres::NoTls);
+    let (config, tls) = pg_config(url)?;
+    let manager = PgManager::new(config, tls);
     pool_builder(size, "taskhub-pg-pool-{}")
         .build(manager)
         .map_err(|e| pg_unreachable(url, e))
@@ -135,15 +315,39 @@ fn pool_builder<M: r2d2::ManageConnection>(size: u32, thread_name: &str) -> r2d2
         ))
 }
 
-/// Opens a Redis client for `url` (no connection yet).
+/// Opens a Redis client for `url` (no connection yet). A `rediss://` URL
+/// uses TLS, verified against the system's CA store or, when the environment
+/// variable `TASKHUB_REDIS_CA_FILE` names a PEM file, against that CA
+/// (`rediss://host:port/#insecure` skips the verification).
 pub(crate) fn redis_client(url: &str) -> Result<redis::Client, Error> {
-    redis::Client::open(url).map_err(|e| {
+    let bad = |e: redis::RedisError| {
         Error::with_source(
             ErrorKind::Config,
             format!("bad Redis URL {:?}", redact(url)),
             e,
         )
-    })
+    };
+    let ca_file = std::env::var_os(REDIS_CA_FILE_ENV).filter(|v| !v.is_empty());
+    match ca_file {
+        Some(path) if url.starts_with("rediss://") => {
+            let pem = std::fs::read(&path).map_err(|e| {
+                Error::with_source(
+                    ErrorKind::Config,
+                    format!("cannot read {REDIS_CA_FILE_ENV} {path:?}"),
+                    e,
+                )
+            })?;
+            redis::Client::build_with_tls(
+                url,
+                redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(pem),
+                },
+            )
+            .map_err(bad)
+        }
+        _ => redis::Client::open(url).map_err(bad),
+    }
 }
 
 /// One Redis connection whose commands time out after `read_timeout`.
@@ -205,7 +409,38 @@ pub(crate) fn redis_pool(url: &str, size: u32) -> Result<RedisPool, Error> {
 
 #[cfg(test)]
 mod tests {
-    use super::redact;
+    use super::{redact, split_pg_tls, PgTls, Verify};
+
+    #[test]
+    fn tls_settings_are_split_off_postgres_urls() {
+        let (rest, tls) =
+            split_pg_tls("postgres://u@db/app?sslmode=verify-full&sslrootcert=%2Fetc%2Fca.pem")
+                .unwrap();
+        assert_eq!(rest, "postgres://u@db/app?sslmode=require");
+        assert_eq!(
+            tls,
+            PgTls {
+                verify: Some(Verify::Full),
+                root_cert: Some("/etc/ca.pem".into()),
+                require: false
+            }
+        );
+        let (rest, tls) =
+            split_pg_tls("postgres://db/app?application_name=x&sslmode=verify-ca").unwrap();
+        assert_eq!(rest, "postgres://db/app?application_name=x&sslmode=require");
+        assert_eq!(tls.verify, Some(Verify::Ca));
+        let (rest, tls) = split_pg_tls("postgres://db/app?sslmode=require").unwrap();
+        assert_eq!(rest, "postgres://db/app?sslmode=require");
+        assert!(tls.require && tls.verify.is_none());
+        let (rest, tls) =
+            split_pg_tls("host=db sslmode=verify-full sslrootcert=/ca.pem user=me").unwrap();
+        assert_eq!(rest, "host=db user=me sslmode=require");
+        assert_eq!(tls.root_cert.as_deref(), Some("/ca.pem"));
+        assert_eq!(
+            split_pg_tls("postgres://db/app").unwrap().0,
+            "postgres://db/app"
+        );
+    }
 
     #[test]
     fn passwords_are_redacted() {

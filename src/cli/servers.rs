@@ -4,7 +4,8 @@ use clap::Args;
 
 #[derive(Args, Debug)]
 pub struct Servers {
-    /// Redis URL.
+    /// Redis URL (`rediss://user:password@host:port` for TLS; the CA file
+    /// in TASKHUB_REDIS_CA_FILE, else the system store).
     #[arg(
         long,
         env = "REDIS_URL",
@@ -13,7 +14,8 @@ pub struct Servers {
         hide_env_values = true
     )]
     pub redis_url: String,
-    /// PostgreSQL URL.
+    /// PostgreSQL URL (TLS: `?sslmode=require`, or
+    /// `?sslmode=verify-full&sslrootcert=/path/ca.pem`).
     #[arg(
         long,
         env = "DATABASE_URL",

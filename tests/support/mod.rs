@@ -412,7 +412,7 @@ fn pg_bin() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/usr/bin"))
 }
 
-fn is_root() -> bool {
+pub fn is_root() -> bool {
     Command::new("id")
         .arg("-u")
         .output()
@@ -443,10 +443,18 @@ pub struct PrivatePostgres {
     pub port: u16,
     dir: TempDir,
     running: bool,
+    /// Extra `-c name=value` settings given to the server.
+    extra: Vec<String>,
 }
 
 impl PrivatePostgres {
     pub fn start() -> PrivatePostgres {
+        PrivatePostgres::start_with(&[], None)
+    }
+
+    /// With extra server settings (`name=value`, given as `-c name=value`;
+    /// no spaces) and, when given, these lines as the whole `pg_hba.conf`.
+    pub fn start_with(settings: &[&str], hba: Option<&str>) -> PrivatePostgres {
         let dir = TempDir::new("taskhub-pg");
         if is_root() {
             Command::new("chown")
@@ -474,10 +482,15 @@ impl PrivatePostgres {
             "initdb failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
+        if let Some(hba) = hba {
+            // Rewriting the file keeps its owner (postgres when we are root).
+            std::fs::write(data.join("pg_hba.conf"), hba).unwrap();
+        }
         let mut pg = PrivatePostgres {
             port: free_port(),
             dir,
             running: false,
+            extra: settings.iter().map(|s| format!(" -c {s}")).collect(),
         };
         pg.start_again();
         pg
@@ -492,11 +505,18 @@ impl PrivatePostgres {
         format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
     }
 
+    /// The directory of the server's Unix socket (a `host=` for libpq-style
+    /// connection strings).
+    pub fn socket_dir(&self) -> &Path {
+        &self.dir.0
+    }
+
     pub fn start_again(&mut self) {
         let opts = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=100",
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=100{}",
             self.port,
-            self.dir.0.display()
+            self.dir.0.display(),
+            self.extra.concat()
         );
         let log = self.dir.0.join("log");
         let out = pg_tool(
