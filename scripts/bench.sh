@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # scripts/bench.sh — measure taskhub next to the database's own ceiling.
 #
-# Usage:  bash scripts/bench.sh                 (EVENTS=100000 WORKERS=8 DURATION=15)
+# Usage:  bash scripts/bench.sh                 (EVENTS=100000 WORKERS=8 DURATION=15 SSLMODE=disable)
 #
 # 1. makes sure Redis and PostgreSQL run (scripts/services.sh) and builds the
 #    release benchmark (examples/bench.rs);
@@ -28,9 +28,13 @@ WORKERS=${WORKERS:-8}
 DURATION=${DURATION:-15}
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379}
 DATABASE_URL=${DATABASE_URL:-postgres://postgres:taskhub@127.0.0.1:5432/taskhub}
+DATABASE_URL=${DATABASE_URL%%\?*}
+# Loopback without TLS by default, like a local socket, for both pgbench and
+# taskhub (SSLMODE=prefer measures with TLS on both sides).
+SSLMODE=${SSLMODE:-disable}
 # A scratch database next to the configured one.
-BENCH_URL="${DATABASE_URL%/*}/taskhub_bench"
-ADMIN_URL="${DATABASE_URL%/*}/postgres"
+BENCH_URL="${DATABASE_URL%/*}/taskhub_bench?sslmode=$SSLMODE"
+ADMIN_URL="${DATABASE_URL%/*}/postgres?sslmode=$SSLMODE"
 export RUST_LOG=${RUST_LOG:-warn}
 
 bash scripts/services.sh >/dev/null

@@ -208,6 +208,8 @@ fn pg_config(url: &str) -> Result<(postgres::Config, MakeTlsConnector), Error> {
             )
         })?;
         builder.add_root_certificate(cert);
+        // Like libpq: with sslrootcert, that file is the whole trust store.
+        builder.disable_built_in_roots(true);
     }
     let verify = tls
         .verify
@@ -220,6 +222,9 @@ fn pg_config(url: &str) -> Result<(postgres::Config, MakeTlsConnector), Error> {
         None => {
             builder.danger_accept_invalid_certs(true);
             builder.danger_accept_invalid_hostnames(true);
+            // Nothing is verified: loading the system's CA store would only
+            // cost memory (several MB with OpenSSL).
+            builder.disable_built_in_roots(true);
         }
     }
     let connector = builder.build().map_err(|e| {
@@ -290,8 +295,12 @@ pub(crate) fn redis_unreachable(url: &str, e: redis::RedisError) -> Error {
 pub(crate) fn postgres_pool(url: &str, size: u32) -> Result<PgPool, Error> {
     // One direct connection first: r2d2 would only report a timeout, this
     // names the cause (refused, authentication, unknown database...).
-    drop(postgres(url)?);
     let (config, tls) = pg_config(url)?;
+    drop(
+        config
+            .connect(tls.clone())
+            .map_err(|e| pg_unreachable(url, e))?,
+    );
     let manager = PgManager::new(config, tls);
     pool_builder(size, "taskhub-pg-pool-{}")
         .build(manager)
