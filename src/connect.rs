@@ -22,9 +22,57 @@ pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// considered lost.
 pub(crate) const REDIS_COMMAND_TIMEOUT: Duration = Duration::from_secs(10);
 
-pub(crate) type PgManager = r2d2_postgres::PostgresConnectionManager<MakeTlsConnector>;
-pub(crate) type PgPool = r2d2::Pool<PgManager>;
-pub(crate) type PgConn = r2d2::PooledConnection<PgManager>;
+type PlainManager = r2d2_postgres::PostgresConnectionManager<postgres::NoTls>;
+type TlsManager = r2d2_postgres::PostgresConnectionManager<MakeTlsConnector>;
+
+/// The PostgreSQL pool: without TLS when the URL says `sslmode=disable`
+/// (no OpenSSL context at all: it costs about 6 MB), with it otherwise.
+pub(crate) enum PgPool {
+    Plain(r2d2::Pool<PlainManager>),
+    Tls(r2d2::Pool<TlsManager>),
+}
+
+/// A pooled PostgreSQL connection of either kind; it is a `postgres::Client`.
+pub(crate) enum PgConn {
+    Plain(r2d2::PooledConnection<PlainManager>),
+    Tls(r2d2::PooledConnection<TlsManager>),
+}
+
+impl PgPool {
+    pub fn get(&self) -> Result<PgConn, r2d2::Error> {
+        match self {
+            PgPool::Plain(p) => p.get().map(PgConn::Plain),
+            PgPool::Tls(p) => p.get().map(PgConn::Tls),
+        }
+    }
+
+    pub fn get_timeout(&self, timeout: Duration) -> Result<PgConn, r2d2::Error> {
+        match self {
+            PgPool::Plain(p) => p.get_timeout(timeout).map(PgConn::Plain),
+            PgPool::Tls(p) => p.get_timeout(timeout).map(PgConn::Tls),
+        }
+    }
+}
+
+impl std::ops::Deref for PgConn {
+    type Target = postgres::Client;
+
+    fn deref(&self) -> &postgres::Client {
+        match self {
+            PgConn::Plain(c) => c,
+            PgConn::Tls(c) => c,
+        }
+    }
+}
+
+impl std::ops::DerefMut for PgConn {
+    fn deref_mut(&mut self) -> &mut postgres::Client {
+        match self {
+            PgConn::Plain(c) => c,
+            PgConn::Tls(c) => c,
+        }
+    }
+}
 pub(crate) type RedisPool = r2d2::Pool<RedisManager>;
 
 /// Returns `url` with any password replaced by `***`, for logs and errors.
@@ -166,7 +214,7 @@ fn percent_decode(s: &str) -> String {
 /// verifies the chain, as libpq does); `verify-ca` verifies the chain,
 /// `verify-full` the chain and the host name. Without `sslrootcert` the
 /// system's CA store is used.
-fn pg_config(url: &str) -> Result<(postgres::Config, MakeTlsConnector), Error> {
+fn pg_config(url: &str) -> Result<(postgres::Config, Option<MakeTlsConnector>), Error> {
     let bad = |e: Box<dyn std::error::Error + Send + Sync>| {
         Error::with_source(
             ErrorKind::Config,
@@ -190,6 +238,9 @@ fn pg_config(url: &str) -> Result<(postgres::Config, MakeTlsConnector), Error> {
     }
     if config.get_application_name().is_none() {
         config.application_name("taskhub");
+    }
+    if config.get_ssl_mode() == postgres::config::SslMode::Disable {
+        return Ok((config, None));
     }
     let mut builder = native_tls::TlsConnector::builder();
     if let Some(path) = &tls.root_cert {
@@ -234,13 +285,23 @@ fn pg_config(url: &str) -> Result<(postgres::Config, MakeTlsConnector), Error> {
             e,
         )
     })?;
-    Ok((config, MakeTlsConnector::new(connector)))
+    Ok((config, Some(MakeTlsConnector::new(connector))))
 }
 
 /// One PostgreSQL connection (migrations, CLI commands).
 pub(crate) fn postgres(url: &str) -> Result<postgres::Client, Error> {
     let (config, tls) = pg_config(url)?;
-    config.connect(tls).map_err(|e| pg_unreachable(url, e))
+    connect_pg(&config, tls).map_err(|e| pg_unreachable(url, e))
+}
+
+fn connect_pg(
+    config: &postgres::Config,
+    tls: Option<MakeTlsConnector>,
+) -> Result<postgres::Client, postgres::Error> {
+    match tls {
+        Some(tls) => config.connect(tls),
+        None => config.connect(postgres::NoTls),
+    }
 }
 
 pub(crate) fn pg_unreachable(
@@ -296,15 +357,17 @@ pub(crate) fn postgres_pool(url: &str, size: u32) -> Result<PgPool, Error> {
     // One direct connection first: r2d2 would only report a timeout, this
     // names the cause (refused, authentication, unknown database...).
     let (config, tls) = pg_config(url)?;
-    drop(
-        config
-            .connect(tls.clone())
-            .map_err(|e| pg_unreachable(url, e))?,
-    );
-    let manager = PgManager::new(config, tls);
-    pool_builder(size, "taskhub-pg-pool-{}")
-        .build(manager)
-        .map_err(|e| pg_unreachable(url, e))
+    drop(connect_pg(&config, tls.clone()).map_err(|e| pg_unreachable(url, e))?);
+    const THREADS: &str = "taskhub-pg-pool-{}";
+    match tls {
+        Some(tls) => pool_builder(size, THREADS)
+            .build(TlsManager::new(config, tls))
+            .map(PgPool::Tls),
+        None => pool_builder(size, THREADS)
+            .build(PlainManager::new(config, postgres::NoTls))
+            .map(PgPool::Plain),
+    }
+    .map_err(|e| pg_unreachable(url, e))
 }
 
 /// The settings both pools share: no test on check-out (a broken connection
