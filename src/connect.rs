@@ -186,7 +186,7 @@ fn split_pg_tls(url: &str) -> Result<(String, PgTls), String> {
 }
 
 /// `%XX` escapes decoded (for a path in a URL query).
-fn percent_decode(s: &str) -> String {
+pub(crate) fn percent_decode(s: &str) -> String {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;

@@ -41,25 +41,8 @@ pub(crate) fn escape(text: &str) -> String {
 
 /// Decodes `application/x-www-form-urlencoded` text.
 fn decode(text: &str) -> String {
-    let hex = |b: u8| (b as char).to_digit(16).map(|d| d as u8);
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'+' => out.push(b' '),
-            b'%' if i + 2 < bytes.len() => match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
-                (Some(h), Some(l)) => {
-                    out.push(h * 16 + l);
-                    i += 2;
-                }
-                _ => out.push(b'%'),
-            },
-            b => out.push(b),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    // `+` first: an encoded `%2B` must stay a plus sign.
+    crate::connect::percent_decode(&text.replace('+', " "))
 }
 
 /// Encodes a query parameter value.
