@@ -38,7 +38,6 @@ const INSERT_PROCESSED: &str =
     "INSERT INTO processed_events (scope, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING";
 const INSERT_PROCESSED_BATCH: &str = "INSERT INTO processed_events (scope, event_id) \
      SELECT $1, unnest($2::text[]) ON CONFLICT DO NOTHING RETURNING event_id";
-const SELECT_PROCESSED: &str = "SELECT 1 FROM processed_events WHERE scope = $1 AND event_id = $2";
 
 /// Deliveries finished by a batch (to ack), and which need a marker.
 #[derive(Default)]
@@ -436,11 +435,14 @@ impl Processor {
         };
         if crash_loop {
             // Dead-letter it without running the handler again, unless an
-            // earlier delivery committed it before crashing.
-            let select = prepare(&mut **conn, cache, SELECT_PROCESSED)?;
-            let done = conn
-                .query_opt(&select, &[&scope, &event.event_id()])?
-                .is_some();
+            // earlier delivery committed it before crashing. The probe is the
+            // dedup insert itself, rolled back: unlike a SELECT, it waits for
+            // a slow owner's uncommitted insert of the same key and sees how
+            // that ends.
+            let insert = prepare(&mut **conn, cache, INSERT_PROCESSED)?;
+            let mut probe = conn.transaction()?;
+            let done = probe.execute(&insert, &[&scope, &event.event_id()])? == 0;
+            probe.rollback()?;
             return Ok(if done {
                 Applied::Duplicate
             } else {
