@@ -89,6 +89,7 @@ bench() { # label args...
 {
     bench per-event --mode per-event
     bench batch --mode batch
+    # shellcheck disable=SC2016 # $1 and $2 are SQL parameters, not shell variables
     bench batch-custom-sql --mode batch --sql 'INSERT INTO notifications (event_id, payload) VALUES ($1, $2::text)'
     bench hol-per-event --mode per-event --fail-ratio 0.1 --fail-times 2 --backoff-base 1s
     bench hol-batch --mode batch --fail-ratio 0.1 --fail-times 2 --backoff-base 1s

@@ -112,23 +112,8 @@ fi
 [[ -x $CHAOS_BIN ]] || die "no chaos driver at $CHAOS_BIN"
 
 # --- PostgreSQL tools -----------------------------------------------------------
-pg_bin_dir() {
-    local d
-    if [[ -n ${TASKHUB_PG_BIN:-} && -x $TASKHUB_PG_BIN/initdb ]]; then
-        printf '%s\n' "$TASKHUB_PG_BIN"
-        return 0
-    fi
-    d=$(printf '%s\n' /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
-    if [[ -x $d/initdb && -x $d/pg_ctl ]]; then
-        printf '%s\n' "$d"
-        return 0
-    fi
-    if command -v initdb >/dev/null 2>&1 && command -v pg_ctl >/dev/null 2>&1; then
-        dirname "$(readlink -f "$(command -v initdb)")"
-        return 0
-    fi
-    return 1
-}
+# shellcheck source=pg_bin_dir.sh
+source "$ROOT/scripts/pg_bin_dir.sh"
 PG_BIN=$(pg_bin_dir) || die "initdb/pg_ctl not found; set TASKHUB_PG_BIN (scripts/test.sh installs them)"
 command -v redis-server >/dev/null 2>&1 || die "redis-server not found (scripts/test.sh installs it)"
 command -v redis-cli >/dev/null 2>&1 || die "redis-cli not found"

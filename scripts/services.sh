@@ -105,25 +105,8 @@ wait_for() {
     done
 }
 
-# Directory holding initdb and pg_ctl, or nothing. Prefers TASKHUB_PG_BIN,
-# then the newest /usr/lib/postgresql/*/bin, then PATH.
-pg_bin_dir() {
-    local d
-    if [[ -n ${TASKHUB_PG_BIN:-} && -x ${TASKHUB_PG_BIN}/initdb ]]; then
-        printf '%s\n' "$TASKHUB_PG_BIN"
-        return 0
-    fi
-    d=$(printf '%s\n' /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
-    if [[ -x $d/initdb && -x $d/pg_ctl ]]; then
-        printf '%s\n' "$d"
-        return 0
-    fi
-    if command -v initdb >/dev/null 2>&1 && command -v pg_ctl >/dev/null 2>&1; then
-        dirname "$(readlink -f "$(command -v initdb)")"
-        return 0
-    fi
-    return 1
-}
+# shellcheck source=pg_bin_dir.sh
+source "$ROOT/scripts/pg_bin_dir.sh"
 
 # "<version> <name>" of the Debian cluster configured for port 5432, if any.
 debian_cluster() {

@@ -27,25 +27,8 @@ command -v cargo >/dev/null 2>&1 || {
     exit 1
 }
 
-# Directory holding initdb and pg_ctl, or nothing: TASKHUB_PG_BIN if set and
-# valid, else the newest /usr/lib/postgresql/*/bin, else wherever PATH has them.
-pg_bin_dir() {
-    local d
-    if [[ -n ${TASKHUB_PG_BIN:-} && -x $TASKHUB_PG_BIN/initdb ]]; then
-        printf '%s\n' "$TASKHUB_PG_BIN"
-        return 0
-    fi
-    d=$(printf '%s\n' /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
-    if [[ -x $d/initdb && -x $d/pg_ctl ]]; then
-        printf '%s\n' "$d"
-        return 0
-    fi
-    if command -v initdb >/dev/null 2>&1 && command -v pg_ctl >/dev/null 2>&1; then
-        dirname "$(readlink -f "$(command -v initdb)")"
-        return 0
-    fi
-    return 1
-}
+# shellcheck source=pg_bin_dir.sh
+source scripts/pg_bin_dir.sh
 
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)

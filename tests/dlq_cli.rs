@@ -19,11 +19,6 @@ use taskhub::{Attempt, DeadLetter, DeadLetterKind};
 
 const T: Duration = Duration::from_secs(30);
 
-/// Fails for payloads that are not integers (SQLSTATE 22P02: permanent), so
-/// these events are dead-lettered at once; the default statement is the fix.
-const INT_SQL: &str =
-    "INSERT INTO notifications (event_id, payload) VALUES ($1, $2::text::int::text)";
-
 /// `taskhub dlq --stream <stream> <args>` with the shared Redis and `db_url`.
 fn dlq(db_url: &str, stream: &str, args: &[&str]) -> Out {
     let mut cmd = taskhub(&redis_url(), db_url);

@@ -11,8 +11,6 @@ use std::time::Duration;
 
 use support::*;
 
-const INT_SQL: &str =
-    "INSERT INTO notifications (event_id, payload) VALUES ($1, $2::text::int::text)";
 const EVIL_ID: &str = "<b id=\"evil\">evil</b>";
 const EVIL_PAYLOAD: &str =
     "<script>document.title='PWNED'</script>\"><img src=x onerror=\"document.title='PWNED'\">";
@@ -95,17 +93,8 @@ fn setup(db: &TestDb, token: Option<&str>) -> (Proc, String, String, String) {
         ],
     );
     let port = free_port();
-    let mut cmd = taskhub(&redis_url(), &db.url);
-    cmd.args([
-        "run",
-        "--stream",
-        &stream,
-        "--group",
-        &stream,
-        "--block-ms",
-        "100",
-    ])
-    .args(["--sql", INT_SQL, "--http", &port.to_string()]);
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.args(["--sql", INT_SQL, "--http", &port.to_string()]);
     if let Some(t) = token {
         cmd.env("TASKHUB_ADMIN_TOKEN", t);
     }

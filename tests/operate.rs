@@ -8,11 +8,6 @@ use std::time::Duration;
 
 use support::*;
 
-/// A statement that fails permanently (22P02) for a payload that is not an
-/// integer: a way to make dead letters on demand.
-const INT_SQL: &str =
-    "INSERT INTO notifications (event_id, payload) VALUES ($1, $2::text::int::text)";
-
 fn get(url: &str) -> (u16, String) {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
@@ -106,17 +101,8 @@ fn metrics_health_and_readiness_match_what_the_run_did() {
         );
     }
     let port = free_port();
-    let mut cmd = taskhub(&redis_url(), &db.url);
-    cmd.args([
-        "run",
-        "--stream",
-        &stream,
-        "--group",
-        &stream,
-        "--block-ms",
-        "100",
-    ])
-    .args(["--sql", INT_SQL, "--http", &port.to_string()]);
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.args(["--sql", INT_SQL, "--http", &port.to_string()]);
     let mut p = Proc::spawn(cmd);
     let dlq = taskhub::dead_letter_stream(&stream);
     assert!(
@@ -175,17 +161,8 @@ fn readyz_says_which_server_is_down() {
     let db = TestDb::on(&pg.url("postgres"));
     let stream = unique("ready");
     let port = free_port();
-    let mut cmd = taskhub(&redis_url(), &db.url);
-    cmd.args([
-        "run",
-        "--stream",
-        &stream,
-        "--group",
-        &stream,
-        "--block-ms",
-        "100",
-    ])
-    .args(["--http", &format!("127.0.0.1:{port}")]);
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.args(["--http", &format!("127.0.0.1:{port}")]);
     let mut p = Proc::spawn(cmd);
     let url = format!("http://127.0.0.1:{port}/readyz");
     assert!(wait_until(Duration::from_secs(20), || {
@@ -226,18 +203,9 @@ fn webhook_fires_once_per_state_change() {
     let db = TestDb::new();
     let stream = unique("alert");
     let mut r = redis(&redis_url());
-    let mut cmd = taskhub(&redis_url(), &db.url);
-    cmd.args([
-        "run",
-        "--stream",
-        &stream,
-        "--group",
-        &stream,
-        "--block-ms",
-        "100",
-    ])
-    .args(["--sql", INT_SQL, "--alert-webhook", &hook])
-    .args(["--alert-interval", "100ms", "--alert-min-gap", "0s"]);
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.args(["--sql", INT_SQL, "--alert-webhook", &hook])
+        .args(["--alert-interval", "100ms", "--alert-min-gap", "0s"]);
     let mut p = Proc::spawn(cmd);
     let count = || posts.lock().unwrap().len();
 

@@ -647,3 +647,24 @@ impl Out {
             .unwrap_or_else(|e| panic!("stdout is not one JSON document ({e}):\n{}", self.stdout))
     }
 }
+
+/// A `--sql` statement that fails permanently (SQLSTATE 22P02) for a
+/// payload that is not an integer: dead letters on demand.
+pub const INT_SQL: &str =
+    "INSERT INTO notifications (event_id, payload) VALUES ($1, $2::text::int::text)";
+
+/// `taskhub run` on `stream` with a group (and so a marker scope) named
+/// after it, polling every 100 ms; add the flags a test needs.
+pub fn run_on(db_url: &str, stream: &str) -> Command {
+    let mut cmd = taskhub(&redis_url(), db_url);
+    cmd.args([
+        "run",
+        "--stream",
+        stream,
+        "--group",
+        stream,
+        "--block-ms",
+        "100",
+    ]);
+    cmd
+}
