@@ -184,22 +184,69 @@ fn readyz_says_which_server_is_down() {
     assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
 }
 
-#[test]
-fn webhook_fires_once_per_state_change() {
+/// Bodies received by a local webhook receiver.
+type Posts = Arc<Mutex<Vec<serde_json::Value>>>;
+
+/// A webhook receiver that answers HTTP 500 to its first `failures`
+/// requests, then 200; returns its URL and every body it received.
+fn receiver(failures: usize) -> (String, Posts) {
     let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
     let hook = format!("http://{}/alert", server.server_addr().to_ip().unwrap());
-    let posts: Arc<Mutex<Vec<serde_json::Value>>> = Arc::default();
+    let posts: Posts = Arc::default();
     let seen = posts.clone();
     std::thread::spawn(move || {
         for mut request in server.incoming_requests() {
             let mut body = String::new();
             request.as_reader().read_to_string(&mut body).unwrap();
-            seen.lock()
-                .unwrap()
-                .push(serde_json::from_str(&body).unwrap());
-            let _ = request.respond(tiny_http::Response::from_string("ok"));
+            let n = {
+                let mut seen = seen.lock().unwrap();
+                seen.push(serde_json::from_str(&body).unwrap());
+                seen.len()
+            };
+            let status = if n <= failures { 500 } else { 200 };
+            let _ = request.respond(tiny_http::Response::from_string("").with_status_code(status));
         }
     });
+    (hook, posts)
+}
+
+#[test]
+fn webhook_is_retried_and_rate_limited() {
+    let (hook, posts) = receiver(1);
+    let db = TestDb::new();
+    let stream = unique("alert-rl");
+    let mut r = redis(&redis_url());
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.args(["--sql", INT_SQL, "--alert-webhook", &hook])
+        .args(["--alert-interval", "100ms", "--alert-min-gap", "1h"]);
+    let mut p = Proc::spawn(cmd);
+    let count = || posts.lock().unwrap().len();
+    xadd(&mut r, &stream, &[("event_id", "bad-1"), ("payload", "x")]);
+    // The receiver fails the first call: the same alert is sent again.
+    assert!(
+        wait_until(Duration::from_secs(15), || count() == 2),
+        "{}",
+        p.stderr()
+    );
+    {
+        let posts = posts.lock().unwrap();
+        assert_eq!(posts[0], posts[1], "the retry carries the same alert");
+        assert_eq!(posts[1]["change"], "non_empty");
+    }
+    // It grows, but within --alert-min-gap: logged, not posted.
+    xadd(&mut r, &stream, &[("event_id", "bad-2"), ("payload", "y")]);
+    assert!(wait_until(Duration::from_secs(10), || p
+        .stderr()
+        .contains("dead letters (growing)")));
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(count(), 2);
+    p.signal("TERM");
+    assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+}
+
+#[test]
+fn webhook_fires_once_per_state_change() {
+    let (hook, posts) = receiver(0);
     let db = TestDb::new();
     let stream = unique("alert");
     let mut r = redis(&redis_url());
