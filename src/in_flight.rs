@@ -35,10 +35,15 @@ const MAX_PARKED: usize = 100_000;
 /// The key of an entry: stream and entry id.
 pub(crate) fn key(stream: &str, entry_id: &str) -> String {
     let mut k = String::with_capacity(stream.len() + entry_id.len() + 1);
-    k.push_str(stream);
-    k.push('\n');
-    k.push_str(entry_id);
+    write_key(&mut k, stream, entry_id);
     k
+}
+
+fn write_key(buf: &mut String, stream: &str, entry_id: &str) {
+    buf.clear();
+    buf.push_str(stream);
+    buf.push('\n');
+    buf.push_str(entry_id);
 }
 
 impl InFlight {
@@ -97,6 +102,17 @@ impl InFlight {
         self.changed.notify_all();
     }
 
+    /// Marks a batch of entries of one stream finished, under one lock.
+    pub fn finish_all<'a>(&self, stream: &str, entry_ids: impl IntoIterator<Item = &'a str>) {
+        let mut key = String::new();
+        let mut state = self.lock();
+        for id in entry_ids {
+            write_key(&mut key, stream, id);
+            state.entries.remove(key.as_str());
+        }
+        self.changed.notify_all();
+    }
+
     /// An entry starts waiting for a retry: it no longer takes room.
     pub fn park(&self) {
         let mut state = self.lock();
@@ -136,6 +152,8 @@ mod tests {
         f.admit(2, []);
         f.unpark();
         f.finish("a");
+        f.admit(0, [key("s", "1").as_str(), key("s", "2").as_str()]);
+        f.finish_all("s", ["1", "2"]);
         f.finish("b");
         assert_eq!(f.len(), 0);
         s.shutdown();

@@ -539,9 +539,9 @@ impl Processor {
         if done.is_none() {
             log::warn!("{stream}: shutdown during a Redis outage; {} committed entries stay pending and will be skipped as duplicates", finished.len());
         }
-        for d in finished {
-            self.shared.in_flight.finish(&d.key());
-        }
+        self.shared
+            .in_flight
+            .finish_all(stream, finished.iter().map(|d| d.entry_id.as_str()));
     }
 
     /// Runs `f` with a pooled Redis connection, retrying through outages.
