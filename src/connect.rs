@@ -11,6 +11,7 @@ use std::time::Duration;
 use postgres_native_tls::MakeTlsConnector;
 
 use crate::error::{Error, ErrorKind};
+use crate::redis_conn::{RedisClient, RedisConn};
 
 /// Environment variable naming a PEM file with the CA certificate(s) that
 /// `rediss://` servers are verified against (instead of the system store).
@@ -387,7 +388,7 @@ fn pool_builder<M: r2d2::ManageConnection>(size: u32, thread_name: &str) -> r2d2
         ))
 }
 
-/// Opens a Redis client for `url` (no connection yet). A `rediss://` URL
+/// Opens a Redis client for one server's `url` (no connection yet). A `rediss://` URL
 /// uses TLS, verified against the system's CA store or, when the environment
 /// variable `TASKHUB_REDIS_CA_FILE` names a PEM file, against that CA
 /// (`rediss://host:port/#insecure` skips the verification).
@@ -422,54 +423,38 @@ pub(crate) fn redis_client(url: &str) -> Result<redis::Client, Error> {
     }
 }
 
-/// One Redis connection whose commands time out after `read_timeout`.
-pub(crate) fn redis_connection(
-    client: &redis::Client,
-    read_timeout: Duration,
-) -> redis::RedisResult<redis::Connection> {
-    let conn = client.get_connection_with_timeout(CONNECT_TIMEOUT)?;
-    conn.set_read_timeout(Some(read_timeout))?;
-    conn.set_write_timeout(Some(REDIS_COMMAND_TIMEOUT))?;
-    Ok(conn)
-}
-
-/// r2d2 manager for Redis connections that carry read and write timeouts
-/// (redis-rs' own r2d2 support opens connections without any).
-#[derive(Debug, Clone)]
+/// r2d2 manager for Redis connections (to one server or a cluster) that
+/// carry read and write timeouts (redis-rs' own r2d2 support opens
+/// connections without any).
+#[derive(Clone)]
 pub(crate) struct RedisManager {
-    client: redis::Client,
+    client: RedisClient,
 }
 
 impl r2d2::ManageConnection for RedisManager {
-    type Connection = redis::Connection;
+    type Connection = RedisConn;
     type Error = redis::RedisError;
 
-    fn connect(&self) -> Result<redis::Connection, redis::RedisError> {
-        redis_connection(&self.client, REDIS_COMMAND_TIMEOUT)
+    fn connect(&self) -> Result<RedisConn, redis::RedisError> {
+        self.client.connect(REDIS_COMMAND_TIMEOUT)
     }
 
-    fn is_valid(&self, conn: &mut redis::Connection) -> Result<(), redis::RedisError> {
+    fn is_valid(&self, conn: &mut RedisConn) -> Result<(), redis::RedisError> {
         redis::cmd("PING").query::<()>(conn)
     }
 
-    fn has_broken(&self, conn: &mut redis::Connection) -> bool {
-        !redis::ConnectionLike::is_open(conn)
+    fn has_broken(&self, conn: &mut RedisConn) -> bool {
+        conn.is_broken()
     }
 }
 
 /// The Redis pool shared by the workers, the retry, dead-letter and reclaim
-/// threads. Fails at once when the server cannot be reached.
-pub(crate) fn redis_pool(url: &str, size: u32) -> Result<RedisPool, Error> {
-    let client = redis_client(url)?;
-    // Check reachability with a real command so the error names the cause.
-    let mut conn =
-        redis_connection(&client, REDIS_COMMAND_TIMEOUT).map_err(|e| redis_unreachable(url, e))?;
-    redis::cmd("PING")
-        .query::<()>(&mut conn)
-        .map_err(|e| redis_unreachable(url, e))?;
-    drop(conn);
+/// threads. `client` was checked when it was opened.
+pub(crate) fn redis_pool(client: &RedisClient, url: &str, size: u32) -> Result<RedisPool, Error> {
     pool_builder(size, "taskhub-redis-pool-{}")
-        .build(RedisManager { client })
+        .build(RedisManager {
+            client: client.clone(),
+        })
         .map_err(|e| {
             Error::with_source(
                 ErrorKind::Redis,

@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use crate::connect;
 use crate::error::{Error, ErrorKind};
+use crate::redis_conn;
 
 /// One consumer of a group, as `XINFO CONSUMERS` reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,15 +23,9 @@ fn redis_error(what: String, e: redis::RedisError) -> Error {
     Error::with_source(ErrorKind::Redis, what, e)
 }
 
-fn connection(redis_url: &str) -> Result<redis::Connection, Error> {
-    let client = connect::redis_client(redis_url)?;
-    connect::redis_connection(&client, connect::REDIS_COMMAND_TIMEOUT)
-        .map_err(|e| connect::redis_unreachable(redis_url, e))
-}
-
 /// The consumers of `group` on `stream`.
 pub fn consumers(redis_url: &str, stream: &str, group: &str) -> Result<Vec<ConsumerInfo>, Error> {
-    let mut conn = connection(redis_url)?;
+    let mut conn = redis_conn::connect(redis_url)?;
     let rows: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
         .arg("CONSUMERS")
         .arg(stream)
@@ -76,7 +70,7 @@ pub fn remove_consumer(
     group: &str,
     consumer: &str,
 ) -> Result<(), Error> {
-    let mut conn = connection(redis_url)?;
+    let mut conn = redis_conn::connect(redis_url)?;
     redis::cmd("EVAL")
         .arg(REMOVE_IF_IDLE)
         .arg(1)

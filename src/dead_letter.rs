@@ -18,6 +18,7 @@ use crossbeam_channel::Receiver;
 
 use crate::delivery::Attempt;
 use crate::event::Fields;
+use crate::redis_conn::RedisConn;
 use crate::run::Shared;
 use crate::stats::{Server, Stats};
 
@@ -258,39 +259,48 @@ const WRITE_IF_PENDING: &str = "\
 /// unconditionally, so it can still be dead-lettered twice in that race.
 const MAX_SCRIPT_VALUES: usize = 7_900;
 
-/// Adds one dead letter and the ack of its original entry, atomically, to
-/// `pipe`. Queues exactly one reply: `1` (or the EXEC array) when written,
-/// `0` when the entry was no longer pending (see [`WRITE_IF_PENDING`]).
-pub(crate) fn add_to_pipeline(pipe: &mut redis::Pipeline, letter: &DeadLetter) {
-    let fields = letter.to_fields();
-    let dlq = dead_letter_stream(&letter.stream);
-    if fields.len() * 2 <= MAX_SCRIPT_VALUES {
-        let mut eval = redis::cmd("EVAL");
-        eval.arg(WRITE_IF_PENDING)
-            .arg(2)
-            .arg(&letter.stream)
-            .arg(dlq)
-            .arg(&letter.group)
-            .arg(&letter.original_id);
-        for (k, v) in fields {
-            eval.arg(k).arg(v);
-        }
-        pipe.add_command(eval);
-        return;
+/// The call of [`WRITE_IF_PENDING`] that writes `letter` and acks its
+/// entry; `None` for a letter too large for a script (see
+/// [`MAX_SCRIPT_VALUES`]).
+fn write_if_pending(letter: &DeadLetter, fields: &[(Vec<u8>, Vec<u8>)]) -> Option<redis::Cmd> {
+    if fields.len() * 2 > MAX_SCRIPT_VALUES {
+        return None;
     }
-    pipe.cmd("MULTI").ignore();
+    let mut eval = redis::cmd("EVAL");
+    eval.arg(WRITE_IF_PENDING)
+        .arg(2)
+        .arg(&letter.stream)
+        .arg(dead_letter_stream(&letter.stream))
+        .arg(&letter.group)
+        .arg(&letter.original_id);
+    for (k, v) in fields {
+        eval.arg(k).arg(v);
+    }
+    Some(eval)
+}
+
+/// Writes a letter too large for a script, and acks its entry, in one
+/// MULTI/EXEC (on a cluster, it goes to the node of the stream's hash slot).
+fn write_large(
+    conn: &mut RedisConn,
+    letter: &DeadLetter,
+    fields: &[(Vec<u8>, Vec<u8>)],
+) -> redis::RedisResult<()> {
     let mut xadd = redis::cmd("XADD");
-    xadd.arg(dlq).arg("*");
+    xadd.arg(dead_letter_stream(&letter.stream)).arg("*");
     for (k, v) in fields {
         xadd.arg(k).arg(v);
     }
-    pipe.add_command(xadd).ignore();
-    pipe.cmd("XACK")
+    redis::pipe()
+        .atomic()
+        .add_command(xadd)
+        .ignore()
+        .cmd("XACK")
         .arg(&letter.stream)
         .arg(&letter.group)
         .arg(&letter.original_id)
-        .ignore();
-    pipe.cmd("EXEC");
+        .ignore()
+        .query(conn)
 }
 
 /// The dead-letter writer thread: writes what the workers hand it, in
@@ -368,18 +378,35 @@ pub(crate) fn writer_thread(shared: &Shared, jobs: &Receiver<Job>) {
     }
 }
 
-/// Writes `batch`; returns, per letter, whether it was written.
+/// Writes `batch`; returns, per letter, whether it was written. The letters
+/// go in one pipeline (one round trip per node on a cluster), the rare
+/// letters too large for a script one at a time after it.
 fn write(shared: &Shared, batch: &[Job]) -> redis::RedisResult<Vec<bool>> {
     let mut conn = shared.redis_conn()?;
-    let mut pipe = redis::pipe();
-    for job in batch {
-        add_to_pipeline(&mut pipe, &job.letter);
+    let mut pipe = conn.pipe();
+    let mut scripted = Vec::with_capacity(batch.len());
+    let mut large = Vec::new();
+    for (i, job) in batch.iter().enumerate() {
+        let fields = job.letter.to_fields();
+        match write_if_pending(&job.letter, &fields) {
+            Some(eval) => {
+                pipe.add_command(eval);
+                scripted.push(i);
+            }
+            None => large.push((i, fields)),
+        }
     }
-    let replies: Vec<redis::Value> = pipe.query(&mut *conn)?;
-    Ok(replies
-        .into_iter()
-        .map(|reply| !matches!(reply, redis::Value::Int(0)))
-        .collect())
+    let mut written = vec![true; batch.len()];
+    if !scripted.is_empty() {
+        let replies: Vec<redis::Value> = pipe.query(&mut conn)?;
+        for (i, reply) in scripted.into_iter().zip(replies) {
+            written[i] = !matches!(reply, redis::Value::Int(0));
+        }
+    }
+    for (i, fields) in large {
+        write_large(&mut conn, &batch[i].letter, &fields)?;
+    }
+    Ok(written)
 }
 
 #[cfg(test)]

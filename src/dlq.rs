@@ -28,6 +28,7 @@
 //!   a file may then hold an entry twice: readers key on
 //!   `(stream, dead_letter_id)`).
 
+use crate::redis_conn::RedisConn;
 use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -58,14 +59,8 @@ pub const REPLAY_FIELDS: [&str; 3] = ["replayed_from", "replayed_at", "replay_co
 // ---------------------------------------------------------------------------
 
 /// A Redis connection with the library's timeouts, for these functions.
-pub fn connect_redis(redis_url: &str) -> Result<redis::Connection, Error> {
-    let client = connect::redis_client(redis_url)?;
-    let mut conn = connect::redis_connection(&client, connect::REDIS_COMMAND_TIMEOUT)
-        .map_err(|e| connect::redis_unreachable(redis_url, e))?;
-    redis::cmd("PING")
-        .query::<()>(&mut conn)
-        .map_err(|e| connect::redis_unreachable(redis_url, e))?;
-    Ok(conn)
+pub fn connect_redis(redis_url: &str) -> Result<RedisConn, Error> {
+    crate::redis_conn::connect(redis_url)
 }
 
 /// A PostgreSQL client with the library's connect timeout.
@@ -257,7 +252,7 @@ fn check_ids(ids: &[String]) -> Result<(), Error> {
 /// Walks the dead-letter stream newest first, from `before` (exclusive) or
 /// the end, a page per round trip, until `visit` returns false.
 fn scan(
-    conn: &mut redis::Connection,
+    conn: &mut RedisConn,
     dlq: &str,
     before: Option<&str>,
     mut visit: impl FnMut(String, Fields) -> bool,
@@ -307,11 +302,7 @@ fn decode(id: String, fields: &Fields, dlq: &str) -> Option<DeadLetter> {
 
 /// The dead letters of `stream` (in `<stream>:dlq`) that `filter` matches,
 /// newest first. Entries that cannot be decoded are skipped with a warning.
-pub fn list(
-    conn: &mut redis::Connection,
-    stream: &str,
-    filter: &Filter,
-) -> Result<Vec<DeadLetter>, Error> {
+pub fn list(conn: &mut RedisConn, stream: &str, filter: &Filter) -> Result<Vec<DeadLetter>, Error> {
     let mut out = Vec::new();
     each_match(conn, stream, filter, |letter| out.push(letter))?;
     Ok(out)
@@ -320,7 +311,7 @@ pub fn list(
 /// Calls `f` with each dead letter `filter` matches, newest first, up to its
 /// limit.
 fn each_match(
-    conn: &mut redis::Connection,
+    conn: &mut RedisConn,
     stream: &str,
     filter: &Filter,
     mut f: impl FnMut(DeadLetter),
@@ -343,22 +334,14 @@ fn each_match(
 
 /// Ids of the entries `filter` matches, newest first (only the ids are kept,
 /// so a large selection costs little memory).
-fn matching_ids(
-    conn: &mut redis::Connection,
-    stream: &str,
-    filter: &Filter,
-) -> Result<Vec<String>, Error> {
+fn matching_ids(conn: &mut RedisConn, stream: &str, filter: &Filter) -> Result<Vec<String>, Error> {
     let mut ids = Vec::new();
     each_match(conn, stream, filter, |letter| ids.extend(letter.id))?;
     Ok(ids)
 }
 
 /// Reads entries by id in one round trip: `None` for ids not in the stream.
-fn fetch(
-    conn: &mut redis::Connection,
-    dlq: &str,
-    ids: &[String],
-) -> Result<Vec<Option<Fields>>, Error> {
+fn fetch(conn: &mut RedisConn, dlq: &str, ids: &[String]) -> Result<Vec<Option<Fields>>, Error> {
     if ids.is_empty() {
         return Ok(Vec::new());
     }
@@ -383,11 +366,7 @@ fn fetch(
 }
 
 /// One dead letter by its id in `<stream>:dlq`; `None` when it is not there.
-pub fn show(
-    conn: &mut redis::Connection,
-    stream: &str,
-    id: &str,
-) -> Result<Option<DeadLetter>, Error> {
+pub fn show(conn: &mut RedisConn, stream: &str, id: &str) -> Result<Option<DeadLetter>, Error> {
     let dlq = dead_letter_stream(stream);
     let ids = [id.to_owned()];
     check_ids(&ids)?;
@@ -440,7 +419,7 @@ pub struct Stats {
 
 /// Counts the dead letters of `stream` that `filter` matches (its limit and
 /// cursor are honoured too).
-pub fn stats(conn: &mut redis::Connection, stream: &str, filter: &Filter) -> Result<Stats, Error> {
+pub fn stats(conn: &mut RedisConn, stream: &str, filter: &Filter) -> Result<Stats, Error> {
     let dlq = dead_letter_stream(stream);
     let mut stats = Stats::default();
     let mut kinds: HashMap<Kind, u64> = HashMap::new();
@@ -494,7 +473,7 @@ pub fn stats(conn: &mut redis::Connection, stream: &str, filter: &Filter) -> Res
 
 /// A monitoring probe: `None` when `<stream>:dlq` holds nothing, else a
 /// one-line summary (count, kinds, oldest age, latest reason).
-pub fn check(conn: &mut redis::Connection, stream: &str) -> Result<Option<String>, Error> {
+pub fn check(conn: &mut RedisConn, stream: &str) -> Result<Option<String>, Error> {
     let dlq = dead_letter_stream(stream);
     let len: u64 = redis::cmd("XLEN")
         .arg(&dlq)
@@ -815,7 +794,7 @@ pub fn replay_fields(letter: &DeadLetter, now: SystemTime) -> Fields {
 
 /// Which of `letters` are already processed, in their scopes.
 fn already_processed(
-    conn: &mut redis::Connection,
+    conn: &mut RedisConn,
     pg: Option<&mut postgres::Client>,
     letters: &[DeadLetter],
     scope: Option<&str>,
@@ -851,7 +830,7 @@ fn already_processed(
                 .collect())
         }
         None => {
-            let mut pipe = redis::pipe();
+            let mut pipe = conn.pipe();
             for l in letters {
                 pipe.cmd("EXISTS").arg(marker_key(
                     &scope_of(l),
@@ -874,7 +853,7 @@ fn already_processed(
 /// with (done, total) after each chunk. A filter selection is replayed oldest
 /// first; ids in the order given.
 pub fn replay(
-    conn: &mut redis::Connection,
+    conn: &mut RedisConn,
     mut pg: Option<&mut postgres::Client>,
     stream: &str,
     selection: &Selection,
@@ -1009,7 +988,7 @@ fn progress_error(e: Error, report: &ReplayReport, total: usize) -> Error {
 /// The ids a selection names: given ids as they are (checked), a filter's
 /// matches oldest first.
 fn selected_ids(
-    conn: &mut redis::Connection,
+    conn: &mut RedisConn,
     stream: &str,
     selection: &Selection,
 ) -> Result<Vec<String>, Error> {
@@ -1045,7 +1024,7 @@ pub struct PurgeReport {
 /// Deletes the selected dead letters of `stream` (a dry run only counts
 /// them).
 pub fn purge(
-    conn: &mut redis::Connection,
+    conn: &mut RedisConn,
     stream: &str,
     selection: &Selection,
     dry_run: bool,
@@ -1139,7 +1118,7 @@ impl Record {
 /// verify the copy, and only then delete from the stream. Entries whose copy
 /// cannot be verified stay in the stream and are listed in the report.
 pub fn archive(
-    conn: &mut redis::Connection,
+    conn: &mut RedisConn,
     stream: &str,
     filter: &Filter,
     mut target: ArchiveTarget<'_>,

@@ -289,7 +289,11 @@ pub(crate) fn redis_is_outage(err: &redis::RedisError) -> bool {
                 | redis::ErrorKind::Server(redis::ServerErrorKind::ClusterDown)
                 | redis::ErrorKind::Server(redis::ServerErrorKind::MasterDown)
                 | redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly)
+                | redis::ErrorKind::ClusterConnectionNotFound
         )
+        // A cluster's slot moved (failover, resharding): sent again on a
+        // connection with a fresh slot map.
+        || crate::redis_conn::is_redirection(err)
 }
 
 impl From<postgres::Error> for HandlerError {

@@ -17,6 +17,7 @@
 //! its redelivery finds the `processed_events` row. Nothing is acked that was
 //! not committed. Failures go to the retry thread or the dead-letter writer.
 
+use crate::redis_conn::RedisConn;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
@@ -126,7 +127,7 @@ impl Processor {
         }
         // Step 2: the fast path.
         let Some(marked) = self.with_redis(|conn, scope| {
-            let mut pipe = redis::pipe();
+            let mut pipe = conn.pipe();
             for d in &valid {
                 pipe.cmd("EXISTS")
                     .arg(marker_key(scope, event(d).event_id()));
@@ -505,7 +506,7 @@ impl Processor {
         let group = self.shared.config.group.clone();
         let split = fault::is_armed(Point::AfterMarker);
         let done = self.with_redis(|conn, scope| {
-            let mut pipe = redis::pipe();
+            let mut pipe = conn.pipe();
             for &i in to_mark {
                 pipe.cmd("SET")
                     .arg(marker_key(scope, event(&finished[i]).event_id()))
@@ -517,7 +518,7 @@ impl Processor {
             if split {
                 // Crash test: Redis applied the markers, then we died.
                 pipe.query::<()>(conn)?;
-                pipe = redis::pipe();
+                pipe = conn.pipe();
                 for &i in to_mark {
                     fault::hit(Point::AfterMarker, event(&finished[i]).event_id());
                 }
@@ -549,7 +550,7 @@ impl Processor {
     /// that are not an outage.
     fn with_redis<T>(
         &self,
-        mut f: impl FnMut(&mut redis::Connection, &str) -> redis::RedisResult<T>,
+        mut f: impl FnMut(&mut RedisConn, &str) -> redis::RedisResult<T>,
     ) -> Option<T> {
         let mut failures = 0u32;
         loop {

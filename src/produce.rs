@@ -1,21 +1,19 @@
 //! Adding events to a stream: what `taskhub produce` does, and a helper for
 //! programs and tests that publish events.
 
-use crate::connect;
 use crate::error::{Error, ErrorKind};
+use crate::redis_conn::{self, RedisConn};
 
 /// Publishes events to one stream.
 pub struct Producer {
-    conn: redis::Connection,
+    conn: RedisConn,
     stream: String,
 }
 
 impl Producer {
     /// Connects to Redis at `redis_url` to publish to `stream`.
     pub fn connect(redis_url: &str, stream: &str) -> Result<Producer, Error> {
-        let client = connect::redis_client(redis_url)?;
-        let conn = connect::redis_connection(&client, connect::REDIS_COMMAND_TIMEOUT)
-            .map_err(|e| connect::redis_unreachable(redis_url, e))?;
+        let conn = redis_conn::connect(redis_url)?;
         Ok(Producer {
             conn,
             stream: stream.to_owned(),
@@ -38,7 +36,7 @@ impl Producer {
         V: redis::ToRedisArgs,
         F: AsRef<[(K, V)]>,
     {
-        let mut pipe = redis::pipe();
+        let mut pipe = self.conn.pipe();
         for fields in entries {
             let mut cmd = redis::cmd("XADD");
             cmd.arg(&self.stream).arg("*");

@@ -15,9 +15,9 @@ use std::time::Duration;
 
 use crossbeam_channel::Sender;
 
-use crate::connect;
 use crate::delivery::{Delivery, Job};
 use crate::event::{Event, RawEntry};
+use crate::redis_conn::RedisConn;
 use crate::run::Shared;
 use crate::stats::{Server, Stats};
 use crate::streams;
@@ -35,13 +35,13 @@ pub(crate) fn reader_thread(shared: &Shared, index: usize, jobs: &Sender<Job>) {
     let stream: Arc<str> = shared.config.streams[index].as_str().into();
     let config = &shared.config;
     let read_timeout = config.block + Duration::from_secs(5);
-    let mut conn: Option<redis::Connection> = None;
+    let mut conn: Option<RedisConn> = None;
     let mut position = Position::Pending("0".into());
     let mut failures = 0u32;
     while !shared.shutdown.is_shutdown() {
         let c = match conn.as_mut() {
             Some(c) => c,
-            None => match connect::redis_connection(&shared.redis_client, read_timeout) {
+            None => match shared.redis_client.connect(read_timeout) {
                 Ok(c) => conn.insert(c),
                 Err(e) => {
                     shared.health.down(Server::Redis, &e);

@@ -133,14 +133,14 @@ pub(crate) fn retry_thread(shared: &Shared, incoming: &Receiver<Retry>, jobs: &S
 /// `None` for an entry deleted meanwhile.
 fn fetch(shared: &Shared, due: &[Retry]) -> redis::RedisResult<Vec<Option<crate::event::Fields>>> {
     let mut conn = shared.redis_conn()?;
-    let mut pipe = redis::pipe();
+    let mut pipe = conn.pipe();
     for retry in due {
         pipe.cmd("XRANGE")
             .arg(&*retry.stream)
             .arg(&retry.entry_id)
             .arg(&retry.entry_id);
     }
-    let replies: Vec<redis::Value> = pipe.query(&mut *conn)?;
+    let replies: Vec<redis::Value> = pipe.query(&mut conn)?;
     Ok(replies
         .into_iter()
         .map(|reply| {

@@ -23,6 +23,7 @@ use crate::error::{Error, ErrorKind};
 use crate::event::Limits;
 use crate::handler::Handler;
 use crate::in_flight::InFlight;
+use crate::redis_conn::RedisClient;
 use crate::shutdown::Shutdown;
 use crate::stats::{Health, Stats, Summary};
 use crate::{alert, dead_letter, http_server, pool, reader, reclaim, retry, streams};
@@ -39,7 +40,7 @@ pub struct Worker {
 pub(crate) struct Shared {
     pub config: Config,
     pub handler: Arc<dyn Handler>,
-    pub redis_client: redis::Client,
+    pub redis_client: RedisClient,
     pub redis: RedisPool,
     pub pg: PgPool,
     pub stats: Stats,
@@ -119,7 +120,12 @@ impl Worker {
     /// acked that was not committed either way).
     pub fn run(self) -> Result<Summary, Error> {
         let config = self.config;
-        let redis = connect::redis_pool(&config.redis_url, config.workers as u32 + 4)?;
+        let redis_client = RedisClient::open(&config.redis_url)?;
+        if redis_client.is_cluster() {
+            crate::redis_conn::check_slots(&config.streams)?;
+        }
+        let redis =
+            connect::redis_pool(&redis_client, &config.redis_url, config.workers as u32 + 4)?;
         let pg = connect::postgres_pool(&config.database_url, config.workers as u32 + 1)?;
         check_schema(&pg, &config, self.handler.as_ref())?;
         {
@@ -139,7 +145,7 @@ impl Worker {
             }
         }
         let shared = Arc::new(Shared {
-            redis_client: connect::redis_client(&config.redis_url)?,
+            redis_client,
             redis,
             pg,
             stats: Stats::default(),

@@ -3,7 +3,9 @@
 
 use std::collections::HashMap;
 
-use redis::{Connection, RedisResult};
+use redis::RedisResult;
+
+use crate::redis_conn::RedisConn;
 
 use crate::event::{parse_entries, parse_read_reply, RawEntry};
 
@@ -13,7 +15,7 @@ fn protocol_error(what: String) -> redis::RedisError {
 
 /// Creates `group` on `stream` (and the stream) unless it exists.
 pub(crate) fn ensure_group(
-    conn: &mut Connection,
+    conn: &mut RedisConn,
     stream: &str,
     group: &str,
     start_id: &str,
@@ -43,7 +45,7 @@ pub(crate) fn is_nogroup(e: &redis::RedisError) -> bool {
 /// XREADGROUP of one stream: `from` is `>` for new entries (blocking up to
 /// `block_ms`) or an id for this consumer's pending entries after it.
 pub(crate) fn read_group(
-    conn: &mut Connection,
+    conn: &mut RedisConn,
     stream: &str,
     group: &str,
     consumer: &str,
@@ -72,7 +74,7 @@ pub(crate) fn read_group(
 /// Delivery counts of pending entries between `first` and `last`, owned by
 /// `consumer`.
 pub(crate) fn delivery_counts(
-    conn: &mut Connection,
+    conn: &mut RedisConn,
     stream: &str,
     group: &str,
     consumer: &str,
@@ -95,7 +97,7 @@ pub(crate) fn delivery_counts(
 }
 
 /// Number of entries pending in the group (all consumers).
-pub(crate) fn pending_count(conn: &mut Connection, stream: &str, group: &str) -> RedisResult<u64> {
+pub(crate) fn pending_count(conn: &mut RedisConn, stream: &str, group: &str) -> RedisResult<u64> {
     let reply: redis::Value = redis::cmd("XPENDING").arg(stream).arg(group).query(conn)?;
     match reply {
         redis::Value::Array(items) => match items.into_iter().next() {
@@ -116,7 +118,7 @@ pub(crate) struct Claimed {
 /// XAUTOCLAIM: takes over up to `count` entries idle for at least
 /// `min_idle_ms`, scanning from `start`.
 pub(crate) fn autoclaim(
-    conn: &mut Connection,
+    conn: &mut RedisConn,
     stream: &str,
     group: &str,
     consumer: &str,
@@ -165,7 +167,7 @@ pub(crate) fn autoclaim(
 
 /// XACK of `ids`.
 pub(crate) fn ack(
-    conn: &mut Connection,
+    conn: &mut RedisConn,
     stream: &str,
     group: &str,
     ids: &[&str],

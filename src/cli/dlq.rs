@@ -5,6 +5,7 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use taskhub::RedisConn;
 
 use clap::{Args, Subcommand};
 use serde_json::{json, Value};
@@ -223,6 +224,7 @@ fn positive(s: &str) -> Result<f64, String> {
 /// Runs `taskhub dlq ...`. `Err` is a failure message (exit 1).
 pub fn run(redis_url: &str, database_url: &str, args: DlqArgs) -> Result<ExitCode, String> {
     let mut conn = dlq::connect_redis(redis_url).map_err(|e| e.to_string())?;
+    conn.check_stream(&args.stream).map_err(|e| e.to_string())?;
     let ctx = Ctx {
         dlq: dead_letter_stream(&args.stream),
         stream: args.stream,
@@ -334,7 +336,7 @@ impl Progress {
 }
 
 impl Ctx {
-    fn stats(&self, conn: &mut redis::Connection) -> Result<ExitCode, String> {
+    fn stats(&self, conn: &mut RedisConn) -> Result<ExitCode, String> {
         let s = dlq::stats(conn, &self.stream, &Filter::default()).map_err(err)?;
         let age = |t: Option<u64>| t.map(|t| dlq::age(t, self.now));
         let age_secs = |t: Option<u64>| t.map(|t| dlq_millis(self.now).saturating_sub(t) / 1000);
@@ -396,7 +398,7 @@ impl Ctx {
         ok()
     }
 
-    fn list(&self, conn: &mut redis::Connection, a: &ListArgs) -> Result<ExitCode, String> {
+    fn list(&self, conn: &mut RedisConn, a: &ListArgs) -> Result<ExitCode, String> {
         // One more than shown, to know whether there are more.
         let limit = (a.limit > 0).then_some(a.limit + 1);
         let mut letters = dlq::list(conn, &self.stream, &a.filter.build(limit)?).map_err(err)?;
@@ -441,7 +443,7 @@ impl Ctx {
         ok()
     }
 
-    fn show(&self, conn: &mut redis::Connection, id: &str) -> Result<ExitCode, String> {
+    fn show(&self, conn: &mut RedisConn, id: &str) -> Result<ExitCode, String> {
         let Some(l) = dlq::show(conn, &self.stream, id).map_err(err)? else {
             return Err(format!("no dead letter {id} in {}", self.dlq));
         };
@@ -554,7 +556,7 @@ impl Ctx {
 
     fn replay(
         &self,
-        conn: &mut redis::Connection,
+        conn: &mut RedisConn,
         database_url: &str,
         a: ReplayArgs,
     ) -> Result<ExitCode, String> {
@@ -689,7 +691,7 @@ impl Ctx {
         Ok(code)
     }
 
-    fn purge(&self, conn: &mut redis::Connection, a: PurgeArgs) -> Result<ExitCode, String> {
+    fn purge(&self, conn: &mut RedisConn, a: PurgeArgs) -> Result<ExitCode, String> {
         let explicit = !a.ids.is_empty();
         let selection = selection(a.ids, &a.filter, a.limit, a.all)?;
         let report = dlq::purge(conn, &self.stream, &selection, !a.yes).map_err(err)?;
@@ -726,7 +728,7 @@ impl Ctx {
 
     fn archive(
         &self,
-        conn: &mut redis::Connection,
+        conn: &mut RedisConn,
         database_url: &str,
         a: &ArchiveArgs,
     ) -> Result<ExitCode, String> {
@@ -792,7 +794,7 @@ impl Ctx {
         })
     }
 
-    fn check(&self, conn: &mut redis::Connection) -> Result<ExitCode, String> {
+    fn check(&self, conn: &mut RedisConn) -> Result<ExitCode, String> {
         let s = dlq::stats(conn, &self.stream, &Filter::default()).map_err(err)?;
         let total = s.count + s.undecodable;
         if self.json {

@@ -5,7 +5,9 @@ use clap::Args;
 #[derive(Args, Debug)]
 pub struct Servers {
     /// Redis URL (`rediss://user:password@host:port` for TLS; the CA file
-    /// in TASKHUB_REDIS_CA_FILE, else the system store).
+    /// in TASKHUB_REDIS_CA_FILE, else the system store). For a Redis
+    /// Cluster, any node's URL (a cluster node is detected), or several
+    /// separated by commas.
     #[arg(
         long,
         env = "REDIS_URL",

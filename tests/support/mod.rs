@@ -8,6 +8,8 @@
 
 #![allow(dead_code)] // each test file uses a different part of this module
 
+pub mod cluster;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -148,7 +150,7 @@ pub fn redis(url: &str) -> redis::Connection {
 }
 
 /// XADD of string fields; returns the entry id.
-pub fn xadd(conn: &mut redis::Connection, stream: &str, fields: &[(&str, &str)]) -> String {
+pub fn xadd(conn: &mut dyn redis::ConnectionLike, stream: &str, fields: &[(&str, &str)]) -> String {
     let mut cmd = redis::cmd("XADD");
     cmd.arg(stream).arg("*");
     for (k, v) in fields {
@@ -158,7 +160,7 @@ pub fn xadd(conn: &mut redis::Connection, stream: &str, fields: &[(&str, &str)])
 }
 
 /// Entries pending in `group` (all consumers); 0 when the group is missing.
-pub fn pending(conn: &mut redis::Connection, stream: &str, group: &str) -> u64 {
+pub fn pending(conn: &mut dyn redis::ConnectionLike, stream: &str, group: &str) -> u64 {
     let reply: redis::RedisResult<Vec<redis::Value>> =
         redis::cmd("XPENDING").arg(stream).arg(group).query(conn);
     match reply.as_deref() {
@@ -167,12 +169,15 @@ pub fn pending(conn: &mut redis::Connection, stream: &str, group: &str) -> u64 {
     }
 }
 
-pub fn xlen(conn: &mut redis::Connection, stream: &str) -> u64 {
+pub fn xlen(conn: &mut dyn redis::ConnectionLike, stream: &str) -> u64 {
     redis::cmd("XLEN").arg(stream).query(conn).unwrap()
 }
 
 /// The dead letters of `stream`, decoded.
-pub fn dead_letters(conn: &mut redis::Connection, stream: &str) -> Vec<taskhub::DeadLetter> {
+pub fn dead_letters(
+    conn: &mut dyn redis::ConnectionLike,
+    stream: &str,
+) -> Vec<taskhub::DeadLetter> {
     let rows: Vec<(String, taskhub::Fields)> = redis::cmd("XRANGE")
         .arg(taskhub::dead_letter_stream(stream))
         .arg("-")

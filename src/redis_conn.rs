@@ -1,0 +1,419 @@
+//! One Redis server or a Redis Cluster, behind one connection type.
+//!
+//! Everything else in the crate talks to a [`RedisConn`]. On a single server
+//! it is a plain connection; on a cluster, redis-rs routes every command to
+//! the node that owns its key's hash slot and follows `MOVED`/`ASK`
+//! redirections after a resharding or a failover.
+//!
+//! What a cluster changes for us:
+//! - A stream and its dead-letter stream (`<stream>:dlq`) must share a hash
+//!   slot, because the dead letter and the ack are written by one Lua script:
+//!   streams are named with a hash tag, like `{orders}` or `{orders}:events`.
+//!   [`check_slots`] refuses other names with a message that says so.
+//! - The duplicate markers (`processed:<scope>:<event_id>`) spread over all
+//!   slots: a pipeline of them is a [`Pipe`], which on a cluster sends one
+//!   pipeline per node (in parallel on the wire, one round trip each).
+
+use std::time::Duration;
+
+use redis::cluster::{ClusterClient, ClusterConnection, ClusterPipeline};
+use redis::{Cmd, ConnectionLike, FromRedisValue, RedisResult, ToRedisArgs, Value};
+
+use crate::connect::{redact, CONNECT_TIMEOUT, REDIS_CA_FILE_ENV, REDIS_COMMAND_TIMEOUT};
+use crate::error::{Error, ErrorKind};
+
+/// A connection to one Redis server or to a Redis Cluster.
+pub enum RedisConn {
+    /// One server (`redis://` or `rediss://`).
+    Single(redis::Connection),
+    /// A cluster: connections to the nodes, opened as they are needed.
+    Cluster {
+        /// redis-rs' cluster connection, with its map of the slots.
+        conn: Box<ClusterConnection>,
+        /// Set when a pipeline failed (see [`Pipe::query`]): the pool drops
+        /// this connection and the next one starts afresh.
+        stale: bool,
+    },
+}
+
+impl RedisConn {
+    /// An empty pipeline of the right kind for this connection.
+    pub fn pipe(&self) -> Pipe {
+        match self {
+            RedisConn::Single(_) => Pipe::Single(redis::pipe()),
+            RedisConn::Cluster { .. } => Pipe::Cluster(redis::cluster::cluster_pipe()),
+        }
+    }
+
+    /// Whether this is a cluster connection.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, RedisConn::Cluster { .. })
+    }
+
+    /// On a cluster, checks that `stream` and its dead-letter stream share a
+    /// hash slot (see the module's documentation); nothing to check on one
+    /// server.
+    pub fn check_stream(&self, stream: &str) -> Result<(), Error> {
+        if self.is_cluster() {
+            check_slots(std::slice::from_ref(&stream.to_owned()))?;
+        }
+        Ok(())
+    }
+
+    /// Whether the pool should drop this connection: closed, or (cluster)
+    /// with an out-of-date slot map.
+    pub(crate) fn is_broken(&self) -> bool {
+        match self {
+            RedisConn::Single(c) => !c.is_open(),
+            RedisConn::Cluster { conn, stale } => *stale || !conn.is_open(),
+        }
+    }
+
+    fn set_read_timeout(&self, timeout: Duration) -> RedisResult<()> {
+        match self {
+            RedisConn::Single(c) => c.set_read_timeout(Some(timeout)),
+            RedisConn::Cluster { conn: c, .. } => c.set_read_timeout(Some(timeout)),
+        }
+    }
+}
+
+impl std::fmt::Debug for RedisConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RedisConn::Single(_) => "RedisConn::Single",
+            RedisConn::Cluster { .. } => "RedisConn::Cluster",
+        })
+    }
+}
+
+impl ConnectionLike for RedisConn {
+    fn req_packed_command(&mut self, cmd: &[u8]) -> RedisResult<Value> {
+        match self {
+            RedisConn::Single(c) => c.req_packed_command(cmd),
+            RedisConn::Cluster { conn, stale } => lost_if_cut(conn.req_packed_command(cmd), stale),
+        }
+    }
+
+    fn req_packed_commands(
+        &mut self,
+        cmd: &[u8],
+        offset: usize,
+        count: usize,
+    ) -> RedisResult<Vec<Value>> {
+        match self {
+            RedisConn::Single(c) => c.req_packed_commands(cmd, offset, count),
+            // A MULTI/EXEC block goes to the node of its first key.
+            RedisConn::Cluster { conn, stale } => {
+                lost_if_cut(conn.req_packed_commands(cmd, offset, count), stale)
+            }
+        }
+    }
+
+    fn req_command(&mut self, cmd: &Cmd) -> RedisResult<Value> {
+        match self {
+            RedisConn::Single(c) => c.req_command(cmd),
+            RedisConn::Cluster { conn, stale } => lost_if_cut(conn.req_command(cmd), stale),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            RedisConn::Single(c) => c.get_db(),
+            RedisConn::Cluster { conn: c, .. } => c.get_db(),
+        }
+    }
+
+    fn check_connection(&mut self) -> bool {
+        match self {
+            RedisConn::Single(c) => c.check_connection(),
+            RedisConn::Cluster { conn: c, .. } => c.check_connection(),
+        }
+    }
+
+    fn is_open(&self) -> bool {
+        match self {
+            RedisConn::Single(c) => c.is_open(),
+            RedisConn::Cluster { conn: c, .. } => c.is_open(),
+        }
+    }
+}
+
+/// A pipeline for a [`RedisConn`] (made by [`RedisConn::pipe`]): one round
+/// trip on a single server; on a cluster, the commands grouped by node, one
+/// round trip per node. Not a transaction: atomic steps are Lua scripts.
+/// After a failover a cluster pipeline fails with a redirection and the
+/// caller sends it again, so its commands must be safe to send twice (ours
+/// are reads, `SET`s, `XACK`s and scripts that check before they write).
+pub enum Pipe {
+    /// For one server: one round trip.
+    Single(redis::Pipeline),
+    /// For a cluster: one round trip per node.
+    Cluster(ClusterPipeline),
+}
+
+macro_rules! both {
+    ($self:ident, $p:ident => $e:expr) => {{
+        match $self {
+            Pipe::Single($p) => {
+                $e;
+            }
+            Pipe::Cluster($p) => {
+                $e;
+            }
+        }
+        $self
+    }};
+}
+
+impl Pipe {
+    /// Starts a new command.
+    pub fn cmd(&mut self, name: &str) -> &mut Pipe {
+        both!(self, p => p.cmd(name))
+    }
+
+    /// Adds an argument to the last command.
+    pub fn arg<T: ToRedisArgs>(&mut self, arg: T) -> &mut Pipe {
+        both!(self, p => p.arg(&arg))
+    }
+
+    /// Adds a built command.
+    pub fn add_command(&mut self, cmd: Cmd) -> &mut Pipe {
+        both!(self, p => p.add_command(cmd))
+    }
+
+    /// Leaves the last command's reply out of the result.
+    pub fn ignore(&mut self) -> &mut Pipe {
+        both!(self, p => p.ignore())
+    }
+
+    /// Whether no command was added.
+    pub fn is_empty(&self) -> bool {
+        match self {
+            Pipe::Single(p) => p.is_empty(),
+            Pipe::Cluster(p) => p.cmd_iter().next().is_none(),
+        }
+    }
+
+    /// Sends the commands and returns their replies.
+    pub fn query<T: FromRedisValue>(&self, conn: &mut RedisConn) -> RedisResult<T> {
+        match (self, conn) {
+            (Pipe::Single(p), c) => p.query(c),
+            (Pipe::Cluster(p), RedisConn::Cluster { conn, stale }) => {
+                // After any failure this connection is dropped: redis-rs
+                // follows a redirection for a single command, but a
+                // pipeline only reports it (the next connection starts from
+                // a fresh slot map); and a pipeline cut short on one node
+                // can leave replies unread on another, which the next
+                // command would take for its own (seen in tests/cluster.rs:
+                // markers read as present after a node restart).
+                let result = p.query(conn);
+                if result.is_err() {
+                    *stale = true;
+                }
+                result
+            }
+            (Pipe::Cluster(_), RedisConn::Single(_)) => Err(redis::RedisError::from((
+                redis::ErrorKind::Client,
+                "a cluster pipeline sent on a single-server connection",
+            ))),
+        }
+    }
+
+    /// Like [`query`](Pipe::query), but with one result per command, so an
+    /// error reply fails only its own command. A cluster pipeline cannot
+    /// return partial results, so there the commands go one at a time.
+    pub fn query_each<T: FromRedisValue>(
+        &mut self,
+        conn: &mut RedisConn,
+    ) -> RedisResult<Vec<RedisResult<T>>> {
+        match self {
+            Pipe::Single(p) => {
+                p.ignore_errors();
+                p.query(conn)
+            }
+            Pipe::Cluster(p) => {
+                let mut out = Vec::new();
+                for cmd in p.cmd_iter() {
+                    match cmd.query::<T>(conn) {
+                        Err(e) if crate::error::redis_is_outage(&e) => return Err(e),
+                        result => out.push(result),
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
+/// Marks a cluster connection `stale` when `result` is a broken exchange
+/// (I/O error, timeout) rather than an error reply: replies may be left
+/// unread on one of its node connections.
+fn lost_if_cut<T>(result: RedisResult<T>, stale: &mut bool) -> RedisResult<T> {
+    if let Err(e) = &result {
+        if !matches!(e.kind(), redis::ErrorKind::Server(_)) {
+            *stale = true;
+        }
+    }
+    result
+}
+
+/// Whether `e` (or one command of a failed pipeline) is a `MOVED` or `ASK`.
+pub(crate) fn is_redirection(e: &redis::RedisError) -> bool {
+    use redis::ServerErrorKind::{Ask, Moved};
+    e.clone().into_server_errors().is_some_and(|errors| {
+        errors
+            .iter()
+            .any(|(_, err)| matches!(err.kind(), Some(Moved | Ask)))
+    })
+}
+
+/// Where connections come from: one server or a cluster, found out when
+/// opened.
+#[derive(Clone)]
+pub(crate) enum RedisClient {
+    Single(redis::Client),
+    Cluster(ClusterClient),
+}
+
+impl RedisClient {
+    /// Opens `url`: one URL, or several separated by commas (the seed nodes
+    /// of a cluster). With one URL, asks the server (`INFO cluster`) whether
+    /// it is a cluster node, so the same `--redis-url` works when a single
+    /// server grows into a cluster. Fails when the server cannot be reached.
+    pub fn open(url: &str) -> Result<RedisClient, Error> {
+        let urls: Vec<&str> = url
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .collect();
+        let first = match urls.as_slice() {
+            [] => {
+                return Err(Error::new(ErrorKind::Config, "the Redis URL is empty"));
+            }
+            [one] => *one,
+            many => return cluster_client(url, many),
+        };
+        let client = crate::connect::redis_client(first)?;
+        let mut conn = client
+            .get_connection_with_timeout(CONNECT_TIMEOUT)
+            .and_then(|c| {
+                c.set_read_timeout(Some(REDIS_COMMAND_TIMEOUT))?;
+                Ok(c)
+            })
+            .map_err(|e| crate::connect::redis_unreachable(url, e))?;
+        match redis::cmd("INFO").arg("cluster").query::<String>(&mut conn) {
+            Ok(info) if info.contains("cluster_enabled:1") => cluster_client(url, &urls),
+            Ok(_) => Ok(RedisClient::Single(client)),
+            // INFO may be refused to an ACL user: check the server answers.
+            Err(e) if e.code() == Some("NOPERM") => {
+                redis::cmd("PING")
+                    .query::<()>(&mut conn)
+                    .map_err(|e| crate::connect::redis_unreachable(url, e))?;
+                Ok(RedisClient::Single(client))
+            }
+            Err(e) => Err(crate::connect::redis_unreachable(url, e)),
+        }
+    }
+
+    /// A new connection whose commands time out after `read_timeout`.
+    pub fn connect(&self, read_timeout: Duration) -> RedisResult<RedisConn> {
+        let conn = match self {
+            RedisClient::Single(client) => {
+                let conn = client.get_connection_with_timeout(CONNECT_TIMEOUT)?;
+                conn.set_write_timeout(Some(REDIS_COMMAND_TIMEOUT))?;
+                RedisConn::Single(conn)
+            }
+            RedisClient::Cluster(client) => RedisConn::Cluster {
+                conn: Box::new(client.get_connection()?),
+                stale: false,
+            },
+        };
+        conn.set_read_timeout(read_timeout)?;
+        Ok(conn)
+    }
+
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, RedisClient::Cluster(_))
+    }
+}
+
+/// One connection to `url` (one server or a cluster), for the CLI and the
+/// library's helpers; fails with the cause when Redis cannot be reached.
+pub(crate) fn connect(url: &str) -> Result<RedisConn, Error> {
+    RedisClient::open(url)?
+        .connect(REDIS_COMMAND_TIMEOUT)
+        .map_err(|e| crate::connect::redis_unreachable(url, e))
+}
+
+fn cluster_client(url: &str, nodes: &[&str]) -> Result<RedisClient, Error> {
+    let bad = |e: redis::RedisError| {
+        Error::with_source(
+            ErrorKind::Config,
+            format!("bad Redis Cluster URL {:?}", redact(url)),
+            e,
+        )
+    };
+    let builder = ClusterClient::builder(nodes.to_vec())
+        .connection_timeout(CONNECT_TIMEOUT)
+        .response_timeout(REDIS_COMMAND_TIMEOUT)
+        // Enough to follow a redirection or two; our own loops wait out
+        // longer outages and keep an eye on the shutdown meanwhile.
+        .retries(3)
+        .min_retry_wait(50)
+        .max_retry_wait(1_000);
+    if std::env::var_os(REDIS_CA_FILE_ENV).is_some_and(|v| !v.is_empty()) {
+        // redis-rs takes a custom CA for a cluster only with rustls.
+        return Err(Error::new(
+            ErrorKind::Config,
+            format!(
+                "{REDIS_CA_FILE_ENV} is not supported with a Redis Cluster; \
+                 point SSL_CERT_FILE at the CA file instead (OpenSSL reads it)"
+            ),
+        ));
+    }
+    let client = builder.build().map_err(bad)?;
+    // Connect once, so that a wrong address fails now with its cause.
+    let mut conn = client
+        .get_connection()
+        .map_err(|e| crate::connect::redis_unreachable(url, e))?;
+    redis::cmd("PING")
+        .query::<()>(&mut conn)
+        .map_err(|e| crate::connect::redis_unreachable(url, e))?;
+    log::info!("redis: cluster mode (seed nodes {})", redact(url));
+    Ok(RedisClient::Cluster(client))
+}
+
+/// Checks that each stream shares its hash slot with its dead-letter stream,
+/// as a cluster needs (see the module's documentation). Harmless on a
+/// single server, where every key is on the one node.
+pub(crate) fn check_slots(streams: &[String]) -> Result<(), Error> {
+    use redis::cluster_routing::Slot;
+    for stream in streams {
+        let dlq = crate::dead_letter::dead_letter_stream(stream);
+        if Slot::for_key(stream) != Slot::for_key(&dlq) {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "stream {stream:?} and its dead-letter stream {dlq:?} are in different \
+                     hash slots of the Redis Cluster; name the stream with a hash tag, \
+                     such as \"{{{stream}}}\", so both land on one node"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_slots;
+
+    #[test]
+    fn streams_need_a_hash_tag_on_a_cluster() {
+        assert!(check_slots(&["{orders}".into(), "{app}:events".into()]).is_ok());
+        let err = check_slots(&["orders".into()]).unwrap_err().to_string();
+        assert!(err.contains("\"{orders}\""), "{err}");
+        // An empty tag is no tag: the whole name is hashed.
+        assert!(check_slots(&["{}orders".into()]).is_err());
+    }
+}
