@@ -8,8 +8,9 @@
 #
 # What it does:
 # 1. makes sure the programs the tests start themselves are installed: they
-#    run private `redis-server` and `initdb`/`pg_ctl` instances, so it installs
-#    the Debian packages redis-server and postgresql if those are missing;
+#    run private `redis-server` and `initdb`/`pg_ctl` instances (and a private
+#    Redis Cluster joined with `redis-cli --cluster create`), so it installs
+#    the Debian packages redis-server, redis-tools and postgresql if missing;
 # 2. exports TASKHUB_PG_BIN, the directory holding initdb and pg_ctl (Debian
 #    keeps them in /usr/lib/postgresql/<version>/bin, outside PATH);
 # 3. makes sure Redis and PostgreSQL answer at the defaults (scripts/services.sh);
@@ -32,6 +33,8 @@ source scripts/pg_bin_dir.sh
 
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+# tests/cluster.rs joins its private cluster nodes with `redis-cli --cluster create`.
+command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
 # tests/dlq_page.rs renders the dead-letter page in a real headless Chromium.
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 pg_bin_dir >/dev/null || missing+=(postgresql)

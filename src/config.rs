@@ -196,7 +196,9 @@ macro_rules! setter {
 
 impl Builder {
     setter!(
-        /// Redis URL (`redis://[:password@]host:port[/db]`).
+        /// Redis URL (`redis://[user:password@]host:port[/db]`, `rediss://`
+        /// for TLS). For a Redis Cluster, any node's URL (detected with
+        /// `INFO cluster`) or several separated by commas.
         /// Defaults to `redis://127.0.0.1:6379`.
         redis_url: &str
     );

@@ -17,6 +17,11 @@
 //! 4. The **reclaimer** (`reclaim.rs`) takes over entries left pending by
 //!    consumers that died.
 //!
+//! Every thread talks to Redis through a [`RedisConn`] (`redis_conn.rs`):
+//! one server, or a Redis Cluster, found out from the URL. On a cluster,
+//! name streams with a hash tag (`{tasks}:events`) so each stream and its
+//! dead-letter stream share a slot.
+//!
 //! # Embedding
 //!
 //! ```no_run
