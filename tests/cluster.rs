@@ -143,6 +143,17 @@ fn worker_survives_a_node_restart_and_a_failover_losing_nothing() {
         .all(|l| l.field("payload") == Some(&b"not a number"[..])));
     assert_eq!(pending(&mut conn, &stream, "g"), 0);
     assert_eq!(xlen(&mut conn, &stream), all.len() as u64);
+    // The markers spread over the masters (the stream is on one of them).
+    let masters_with_keys = cluster
+        .nodes
+        .iter()
+        .filter(|n| {
+            let role = support::cluster::raw(&n.addr(), &["ROLE"]);
+            let is_master = matches!(&role, Ok(redis::Value::Array(v)) if matches!(v.first(), Some(redis::Value::BulkString(r)) if r == b"master"));
+            is_master && matches!(support::cluster::raw(&n.addr(), &["DBSIZE"]), Ok(redis::Value::Int(n)) if n > 1)
+        })
+        .count();
+    assert_eq!(masters_with_keys, 3);
 
     // The CLI works on the cluster too, given every node's URL this time.
     let cli = |args: &[&str]| {
