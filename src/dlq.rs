@@ -799,6 +799,9 @@ fn already_processed(
     letters: &[DeadLetter],
     scope: Option<&str>,
 ) -> Result<Vec<bool>, Error> {
+    if letters.is_empty() {
+        return Ok(Vec::new());
+    }
     let scope_of = |l: &DeadLetter| scope.unwrap_or(&l.group).to_owned();
     match pg {
         Some(pg) => {

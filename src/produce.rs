@@ -1,11 +1,15 @@
 //! Adding events to a stream: what `taskhub produce` does, and a helper for
 //! programs and tests that publish events.
 
+use crate::connect::REDIS_COMMAND_TIMEOUT;
 use crate::error::{Error, ErrorKind};
-use crate::redis_conn::{self, RedisConn};
+use crate::redis_conn::{RedisClient, RedisConn};
 
-/// Publishes events to one stream.
+/// Publishes events to one stream. A send that fails returns the error (the
+/// caller decides whether to try again); the next send reconnects if the
+/// connection was lost.
 pub struct Producer {
+    client: RedisClient,
     conn: RedisConn,
     stream: String,
 }
@@ -13,8 +17,12 @@ pub struct Producer {
 impl Producer {
     /// Connects to Redis at `redis_url` to publish to `stream`.
     pub fn connect(redis_url: &str, stream: &str) -> Result<Producer, Error> {
-        let conn = redis_conn::connect(redis_url)?;
+        let client = RedisClient::open(redis_url)?;
+        let conn = client
+            .connect(REDIS_COMMAND_TIMEOUT)
+            .map_err(|e| crate::connect::redis_unreachable(redis_url, e))?;
         Ok(Producer {
+            client,
             conn,
             stream: stream.to_owned(),
         })
@@ -36,6 +44,15 @@ impl Producer {
         V: redis::ToRedisArgs,
         F: AsRef<[(K, V)]>,
     {
+        if self.conn.is_broken() {
+            self.conn = self.client.connect(REDIS_COMMAND_TIMEOUT).map_err(|e| {
+                Error::with_source(
+                    ErrorKind::Redis,
+                    format!("{}: reconnect failed", self.stream),
+                    e,
+                )
+            })?;
+        }
         let mut pipe = self.conn.pipe();
         for fields in entries {
             let mut cmd = redis::cmd("XADD");

@@ -40,8 +40,16 @@ impl RedisConn {
     /// An empty pipeline of the right kind for this connection.
     pub fn pipe(&self) -> Pipe {
         match self {
-            RedisConn::Single(_) => Pipe::Single(redis::pipe()),
-            RedisConn::Cluster { .. } => Pipe::Cluster(redis::cluster::cluster_pipe()),
+            RedisConn::Single(_) => Pipe {
+                inner: Inner::Single(redis::pipe()),
+                len: 0,
+                ignored: Vec::new(),
+            },
+            RedisConn::Cluster { .. } => Pipe {
+                inner: Inner::Cluster(redis::cluster::cluster_pipe()),
+                len: 0,
+                ignored: Vec::new(),
+            },
         }
     }
 
@@ -141,23 +149,32 @@ impl ConnectionLike for RedisConn {
 /// A pipeline for a [`RedisConn`] (made by [`RedisConn::pipe`]): one round
 /// trip on a single server; on a cluster, the commands grouped by node, one
 /// round trip per node. Not a transaction: atomic steps are Lua scripts.
-/// After a failover a cluster pipeline fails with a redirection and the
-/// caller sends it again, so its commands must be safe to send twice (ours
+///
+/// On a cluster, a pipeline that meets `MOVED` or `ASK` (a failover, a
+/// resharding) is sent again one command at a time, which redis-rs routes
+/// afresh: so every command in a pipeline must be safe to send twice (ours
 /// are reads, `SET`s, `XACK`s and scripts that check before they write).
-pub enum Pipe {
-    /// For one server: one round trip.
+pub struct Pipe {
+    inner: Inner,
+    /// Commands added so far.
+    len: usize,
+    /// Positions of the commands whose replies are left out (cluster only:
+    /// needed to send the commands one at a time).
+    ignored: Vec<usize>,
+}
+
+enum Inner {
     Single(redis::Pipeline),
-    /// For a cluster: one round trip per node.
     Cluster(ClusterPipeline),
 }
 
 macro_rules! both {
     ($self:ident, $p:ident => $e:expr) => {{
-        match $self {
-            Pipe::Single($p) => {
+        match &mut $self.inner {
+            Inner::Single($p) => {
                 $e;
             }
-            Pipe::Cluster($p) => {
+            Inner::Cluster($p) => {
                 $e;
             }
         }
@@ -168,6 +185,7 @@ macro_rules! both {
 impl Pipe {
     /// Starts a new command.
     pub fn cmd(&mut self, name: &str) -> &mut Pipe {
+        self.len += 1;
         both!(self, p => p.cmd(name))
     }
 
@@ -178,69 +196,55 @@ impl Pipe {
 
     /// Adds a built command.
     pub fn add_command(&mut self, cmd: Cmd) -> &mut Pipe {
+        self.len += 1;
         both!(self, p => p.add_command(cmd))
     }
 
     /// Leaves the last command's reply out of the result.
     pub fn ignore(&mut self) -> &mut Pipe {
+        if matches!(self.inner, Inner::Cluster(_)) && self.len > 0 {
+            self.ignored.push(self.len - 1);
+        }
         both!(self, p => p.ignore())
     }
 
     /// Whether no command was added.
     pub fn is_empty(&self) -> bool {
-        match self {
-            Pipe::Single(p) => p.is_empty(),
-            Pipe::Cluster(p) => p.cmd_iter().next().is_none(),
-        }
+        self.len == 0
     }
 
     /// Sends the commands and returns their replies.
     pub fn query<T: FromRedisValue>(&self, conn: &mut RedisConn) -> RedisResult<T> {
-        match (self, conn) {
-            (Pipe::Single(p), c) => p.query(c),
-            (Pipe::Cluster(p), RedisConn::Cluster { conn, stale }) => {
-                // After any failure this connection is dropped: redis-rs
-                // follows a redirection for a single command, but a
-                // pipeline only reports it (the next connection starts from
-                // a fresh slot map); and a pipeline cut short on one node
-                // can leave replies unread on another, which the next
-                // command would take for its own (seen in tests/cluster.rs:
-                // markers read as present after a node restart).
-                let result = p.query(conn);
-                if result.is_err() {
-                    *stale = true;
+        match (&self.inner, conn) {
+            (Inner::Single(p), c) => p.query(c),
+            (Inner::Cluster(p), RedisConn::Cluster { conn, stale }) => match p.query(conn) {
+                // redis-rs follows a redirection for a single command (and
+                // updates its slot map), but a pipeline only reports it.
+                Err(e) if is_only_redirections(&e) => {
+                    let mut replies = Vec::with_capacity(self.len);
+                    for (i, cmd) in p.cmd_iter().enumerate() {
+                        let reply: Value = lost_if_cut(cmd.query(conn.as_mut()), stale)?;
+                        if !self.ignored.contains(&i) {
+                            replies.push(reply);
+                        }
+                    }
+                    Ok(redis::from_redis_value(Value::Array(replies))?)
                 }
-                result
-            }
-            (Pipe::Cluster(_), RedisConn::Single(_)) => Err(redis::RedisError::from((
+                // After any other failure this connection is dropped: a
+                // pipeline cut short on one node can leave replies unread
+                // on another, which the next command would take for its own
+                // (seen in tests/cluster.rs: markers read as present after a
+                // node restart, so events skipped as duplicates).
+                Err(e) => {
+                    *stale = true;
+                    Err(e)
+                }
+                ok => ok,
+            },
+            (Inner::Cluster(_), RedisConn::Single(_)) => Err(redis::RedisError::from((
                 redis::ErrorKind::Client,
                 "a cluster pipeline sent on a single-server connection",
             ))),
-        }
-    }
-
-    /// Like [`query`](Pipe::query), but with one result per command, so an
-    /// error reply fails only its own command. A cluster pipeline cannot
-    /// return partial results, so there the commands go one at a time.
-    pub fn query_each<T: FromRedisValue>(
-        &mut self,
-        conn: &mut RedisConn,
-    ) -> RedisResult<Vec<RedisResult<T>>> {
-        match self {
-            Pipe::Single(p) => {
-                p.ignore_errors();
-                p.query(conn)
-            }
-            Pipe::Cluster(p) => {
-                let mut out = Vec::new();
-                for cmd in p.cmd_iter() {
-                    match cmd.query::<T>(conn) {
-                        Err(e) if crate::error::redis_is_outage(&e) => return Err(e),
-                        result => out.push(result),
-                    }
-                }
-                Ok(out)
-            }
         }
     }
 }
@@ -264,6 +268,17 @@ pub(crate) fn is_redirection(e: &redis::RedisError) -> bool {
         errors
             .iter()
             .any(|(_, err)| matches!(err.kind(), Some(Moved | Ask)))
+    })
+}
+
+/// Whether every failed command of `e` is a `MOVED` or `ASK`.
+fn is_only_redirections(e: &redis::RedisError) -> bool {
+    use redis::ServerErrorKind::{Ask, Moved};
+    e.clone().into_server_errors().is_some_and(|errors| {
+        !errors.is_empty()
+            && errors
+                .iter()
+                .all(|(_, err)| matches!(err.kind(), Some(Moved | Ask)))
     })
 }
 
@@ -301,18 +316,37 @@ impl RedisClient {
                 Ok(c)
             })
             .map_err(|e| crate::connect::redis_unreachable(url, e))?;
-        match redis::cmd("INFO").arg("cluster").query::<String>(&mut conn) {
-            Ok(info) if info.contains("cluster_enabled:1") => cluster_client(url, &urls),
-            Ok(_) => Ok(RedisClient::Single(client)),
-            // INFO may be refused to an ACL user: check the server answers.
+        let cluster = match redis::cmd("INFO").arg("cluster").query::<String>(&mut conn) {
+            Ok(info) => info.contains("cluster_enabled:1"),
+            // INFO (@dangerous) may be refused to an ACL user; CLUSTER INFO
+            // is often allowed, and fails on a server without cluster mode.
             Err(e) if e.code() == Some("NOPERM") => {
-                redis::cmd("PING")
-                    .query::<()>(&mut conn)
-                    .map_err(|e| crate::connect::redis_unreachable(url, e))?;
-                Ok(RedisClient::Single(client))
+                match redis::cmd("CLUSTER").arg("INFO").query::<String>(&mut conn) {
+                    Ok(info) => info.contains("cluster_state"),
+                    Err(e) if crate::error::redis_is_outage(&e) => {
+                        return Err(crate::connect::redis_unreachable(url, e))
+                    }
+                    Err(_) => false,
+                }
             }
-            Err(e) => Err(crate::connect::redis_unreachable(url, e)),
+            Err(e) => return Err(crate::connect::redis_unreachable(url, e)),
+        };
+        if !cluster {
+            return Ok(RedisClient::Single(client));
         }
+        // Every node known now is a seed too: a new connection (after a
+        // failure, say) must not depend on the one node named in the URL.
+        let mut seeds = vec![first.to_owned()];
+        if let Ok(nodes) = redis::cmd("CLUSTER")
+            .arg("NODES")
+            .query::<String>(&mut conn)
+        {
+            seeds.extend(node_addresses(&nodes).map(|addr| with_address(first, &addr)));
+        }
+        let mut seen = std::collections::HashSet::new();
+        seeds.retain(|seed| seen.insert(seed.clone()));
+        let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
+        cluster_client(url, &seeds)
     }
 
     /// A new connection whose commands time out after `read_timeout`.
@@ -323,10 +357,14 @@ impl RedisClient {
                 conn.set_write_timeout(Some(REDIS_COMMAND_TIMEOUT))?;
                 RedisConn::Single(conn)
             }
-            RedisClient::Cluster(client) => RedisConn::Cluster {
-                conn: Box::new(client.get_connection()?),
-                stale: false,
-            },
+            RedisClient::Cluster(client) => {
+                let conn = client.get_connection()?;
+                conn.set_write_timeout(Some(REDIS_COMMAND_TIMEOUT))?;
+                RedisConn::Cluster {
+                    conn: Box::new(conn),
+                    stale: false,
+                }
+            }
         };
         conn.set_read_timeout(read_timeout)?;
         Ok(conn)
@@ -335,6 +373,40 @@ impl RedisClient {
     pub fn is_cluster(&self) -> bool {
         matches!(self, RedisClient::Cluster(_))
     }
+}
+
+/// The `host:port` of every healthy node in a `CLUSTER NODES` reply.
+fn node_addresses(nodes: &str) -> impl Iterator<Item = String> + '_ {
+    nodes.lines().filter_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (addr, flags) = (fields.get(1)?, fields.get(2)?);
+        if flags.contains("fail") || flags.contains("noaddr") || flags.contains("handshake") {
+            return None;
+        }
+        // ip:port@cport[,hostname]
+        let addr = addr.split(['@', ',']).next()?;
+        (!addr.starts_with(':')).then(|| addr.to_owned())
+    })
+}
+
+/// `url` with its `host:port` replaced by `addr` (scheme, user, password and
+/// database kept).
+fn with_address(url: &str, addr: &str) -> String {
+    let Some(start) = url.find("://").map(|i| i + 3) else {
+        return url.to_owned();
+    };
+    let end = url[start..]
+        .find(['/', '?', '#'])
+        .map_or(url.len(), |i| start + i);
+    let host_start = url[start..end].rfind('@').map_or(start, |i| start + i + 1);
+    let addr = match addr.rsplit_once(':') {
+        // An IPv6 address goes in brackets.
+        Some((host, port)) if host.contains(':') && !host.starts_with('[') => {
+            format!("[{host}]:{port}")
+        }
+        _ => addr.to_owned(),
+    };
+    format!("{}{addr}{}", &url[..host_start], &url[end..])
 }
 
 /// One connection to `url` (one server or a cluster), for the CLI and the
@@ -406,7 +478,27 @@ pub(crate) fn check_slots(streams: &[String]) -> Result<(), Error> {
 
 #[cfg(test)]
 mod tests {
-    use super::check_slots;
+    use super::{check_slots, node_addresses, with_address};
+
+    #[test]
+    fn seeds_keep_everything_but_the_address() {
+        assert_eq!(
+            with_address("rediss://u:p@redis-a:7000/0", "10.0.0.2:7001"),
+            "rediss://u:p@10.0.0.2:7001/0"
+        );
+        assert_eq!(
+            with_address("redis://127.0.0.1:7000", "::1:7002"),
+            "redis://[::1]:7002"
+        );
+        let nodes = "\
+a1 127.0.0.1:7000@17000 myself,master - 0 0 1 connected 0-5460
+b2 127.0.0.1:7001@17001,host-b master - 0 0 2 connected 5461-10922
+c3 127.0.0.1:7002@17002 master,fail - 0 0 3 disconnected
+d4 :0@0 slave,noaddr - 0 0 0 disconnected
+";
+        let found: Vec<String> = node_addresses(nodes).collect();
+        assert_eq!(found, ["127.0.0.1:7000", "127.0.0.1:7001"]);
+    }
 
     #[test]
     fn streams_need_a_hash_tag_on_a_cluster() {

@@ -46,6 +46,19 @@ fn events(prefix: &str, n: usize) -> Vec<(String, String)> {
         .collect()
 }
 
+/// Entries pending in the group; panics if Redis does not answer.
+fn pending(conn: &mut redis::cluster::ClusterConnection, stream: &str, group: &str) -> u64 {
+    let reply: Vec<redis::Value> = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg(group)
+        .query(conn)
+        .unwrap();
+    match reply.first() {
+        Some(redis::Value::Int(n)) => *n as u64,
+        other => panic!("XPENDING: {other:?}"),
+    }
+}
+
 fn effects(db: &TestDb) -> HashMap<String, i64> {
     db.client()
         .query(
@@ -65,10 +78,13 @@ fn worker_survives_a_node_restart_and_a_failover_losing_nothing() {
     let stream = format!("{{{}}}:events", unique("cl"));
     let mut conn = cluster_conn(&cluster);
 
-    let first = events("a", 1500);
+    let first = events("a", 3000);
     produce(&cluster, &stream, &first);
+    // The worker's only seed is the node that is going to be killed: its new
+    // connections must find the cluster through the other nodes it learnt.
+    let master = cluster.master_of(&stream);
     let mut worker = Proc::spawn({
-        let mut cmd = taskhub(&cluster.url(), &db.url);
+        let mut cmd = taskhub(&cluster.url_of(master), &db.url);
         cmd.args([
             "run",
             "--stream",
@@ -88,7 +104,6 @@ fn worker_survives_a_node_restart_and_a_failover_losing_nothing() {
         "processing did not start:\n{}",
         worker.stderr()
     );
-    let master = cluster.master_of(&stream);
     cluster.restart(master, Duration::from_secs(1));
 
     // Then a failover of the stream's slot to a replica, mid-run.
@@ -121,6 +136,11 @@ fn worker_survives_a_node_restart_and_a_failover_losing_nothing() {
     );
     assert!(status.success(), "{status:?}\n{log}");
     assert!(log.contains("cluster mode"), "{log}");
+    // The restart hit the run: Redis went away and came back.
+    assert!(
+        log.contains("Redis: unavailable") && log.contains("Redis: reachable again"),
+        "{log}"
+    );
 
     // Nothing lost, nothing twice.
     let effects = effects(&db);

@@ -30,7 +30,9 @@ impl Node {
             .args(["--cluster-port", &self.bus_port.to_string()])
             .args(["--cluster-enabled", "yes"])
             .args(["--cluster-config-file", "nodes.conf"])
-            .args(["--cluster-node-timeout", "2000"])
+            // Longer than the restarts the tests make: a restarted master
+            // is not replaced by its replica behind the test's back.
+            .args(["--cluster-node-timeout", "5000"])
             .args(["--dir", self.dir.0.to_str().unwrap()])
             // A node restarted after SIGKILL comes back with its data.
             .args(["--appendonly", "yes", "--appendfsync", "always"])
@@ -120,7 +122,12 @@ impl Cluster {
 
     /// One seed URL: taskhub finds the other nodes itself.
     pub fn url(&self) -> String {
-        format!("redis://{}", self.nodes[0].addr())
+        self.url_of(0)
+    }
+
+    /// The URL of node `i`.
+    pub fn url_of(&self, i: usize) -> String {
+        format!("redis://{}", self.nodes[i].addr())
     }
 
     /// Every node's URL, comma-separated.
