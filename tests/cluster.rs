@@ -5,7 +5,6 @@
 
 mod support;
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use support::cluster::Cluster;
@@ -46,6 +45,21 @@ fn events(prefix: &str, n: usize) -> Vec<(String, String)> {
         .collect()
 }
 
+/// `taskhub run` on `stream`, group `g`, against the cluster at `url`.
+fn run(url: &str, db: &TestDb, stream: &str) -> std::process::Command {
+    let mut cmd = taskhub(url, &db.url);
+    cmd.args([
+        "run",
+        "--stream",
+        stream,
+        "--group",
+        "g",
+        "--block-ms",
+        "100",
+    ]);
+    cmd
+}
+
 /// Entries pending in the group; panics if Redis does not answer.
 fn pending(conn: &mut redis::cluster::ClusterConnection, stream: &str, group: &str) -> u64 {
     let reply: Vec<redis::Value> = redis::cmd("XPENDING")
@@ -57,18 +71,6 @@ fn pending(conn: &mut redis::cluster::ClusterConnection, stream: &str, group: &s
         Some(redis::Value::Int(n)) => *n as u64,
         other => panic!("XPENDING: {other:?}"),
     }
-}
-
-fn effects(db: &TestDb) -> HashMap<String, i64> {
-    db.client()
-        .query(
-            "SELECT event_id, count(*) FROM notifications GROUP BY event_id",
-            &[],
-        )
-        .unwrap()
-        .into_iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect()
 }
 
 #[test]
@@ -84,23 +86,14 @@ fn worker_survives_a_node_restart_and_a_failover_losing_nothing() {
     // connections must find the cluster through the other nodes it learnt.
     let master = cluster.master_of(&stream);
     let mut worker = Proc::spawn({
-        let mut cmd = taskhub(&cluster.url_of(master), &db.url);
-        cmd.args([
-            "run",
-            "--stream",
-            &stream,
-            "--group",
-            "g",
-            "--block-ms",
-            "100",
-        ])
-        .args(["--workers", "4", "--consumer", "c1", "--sql", INT_SQL]);
+        let mut cmd = run(&cluster.url_of(master), &db, &stream);
+        cmd.args(["--workers", "4", "--consumer", "c1", "--sql", INT_SQL]);
         cmd
     });
 
     // A crash of the master that holds the stream, mid-run.
     assert!(
-        wait_until(Duration::from_secs(60), || effects(&db).len() >= 300),
+        wait_until(Duration::from_secs(60), || db.effect_counts().len() >= 300),
         "processing did not start:\n{}",
         worker.stderr()
     );
@@ -118,7 +111,7 @@ fn worker_survives_a_node_restart_and_a_failover_losing_nothing() {
     let all: Vec<(String, String)> = first.into_iter().chain(second).chain(third).collect();
     let (bad, good): (Vec<_>, Vec<_>) = all.iter().partition(|(_, p)| p == "not a number");
     let finished = wait_until(Duration::from_secs(120), || {
-        effects(&db).len() == good.len()
+        db.effect_counts().len() == good.len()
             && dead_letters(&mut conn, &stream).len() >= bad.len()
             && pending(&mut conn, &stream, "g") == 0
     });
@@ -128,7 +121,7 @@ fn worker_survives_a_node_restart_and_a_failover_losing_nothing() {
     assert!(
         finished,
         "not everything was processed: {} of {} effects, {} of {} dead letters, {} pending\n{log}",
-        effects(&db).len(),
+        db.effect_counts().len(),
         good.len(),
         dead_letters(&mut conn, &stream).len(),
         bad.len(),
@@ -143,7 +136,7 @@ fn worker_survives_a_node_restart_and_a_failover_losing_nothing() {
     );
 
     // Nothing lost, nothing twice.
-    let effects = effects(&db);
+    let effects = db.effect_counts();
     for (id, _) in &good {
         assert_eq!(effects.get(id), Some(&1), "{id}: effect count\n{log}");
     }
@@ -197,20 +190,11 @@ fn worker_survives_a_node_restart_and_a_failover_losing_nothing() {
     let out = cli(&["dlq", "replay", "--stream", &stream, "--all"]);
     assert!(out.status.success(), "{}", out.stderr);
     assert!(dead_letters(&mut conn, &stream).is_empty());
-    let mut cmd = taskhub(&cluster.url(), &db.url);
-    cmd.args([
-        "run",
-        "--stream",
-        &stream,
-        "--group",
-        "g",
-        "--block-ms",
-        "100",
-    ])
-    .arg("--until-idle");
+    let mut cmd = run(&cluster.url(), &db, &stream);
+    cmd.arg("--until-idle");
     let out = output(cmd, None, Duration::from_secs(120));
     assert!(out.status.success(), "{}", out.stderr);
-    let effects = self::effects(&db);
+    let effects = db.effect_counts();
     assert_eq!(effects.len(), all.len());
     assert!(effects.values().all(|&n| n == 1), "{effects:?}");
     assert_eq!(pending(&mut conn, &stream, "g"), 0);

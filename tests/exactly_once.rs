@@ -175,19 +175,6 @@ fn pending_entries(
     rows.into_iter().map(|(id, c, _, _)| (id, c)).collect()
 }
 
-/// Effect rows per event_id in `notifications`.
-fn effects_by_event(db: &TestDb) -> HashMap<String, i64> {
-    db.client()
-        .query(
-            "SELECT event_id, count(*) FROM notifications GROUP BY event_id",
-            &[],
-        )
-        .unwrap()
-        .into_iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect()
-}
-
 /// Adds events `<prefix>-<n>` for each n, in order; returns (entry id, event
 /// id) per entry.
 fn produce(
@@ -705,7 +692,7 @@ fn two_worker_processes_share_a_stream_exactly_once() {
     assert_eq!(s1.code(), Some(0), "w1 stderr:\n{}", w1.stderr());
     assert_eq!(s2.code(), Some(0), "w2 stderr:\n{}", w2.stderr());
 
-    let effects = effects_by_event(&db);
+    let effects = db.effect_counts();
     assert_eq!(effects.len(), 2000, "every event has an effect");
     let doubled: Vec<_> = effects.iter().filter(|(_, n)| **n != 1).collect();
     assert!(
@@ -765,7 +752,7 @@ fn sigterm_mid_run_then_until_idle_finishes_exactly_once() {
     let applied_first = summary_of(&first.stdout())["applied"];
 
     // The state after the graceful stop.
-    let effects = effects_by_event(&db);
+    let effects = db.effect_counts();
     let rows = db.count("SELECT count(*) FROM notifications");
     assert_eq!(rows as u64, applied_first, "summary matches the table");
     assert!(
@@ -808,7 +795,7 @@ fn sigterm_mid_run_then_until_idle_finishes_exactly_once() {
     let applied_second = summary_of(&second.stdout())["applied"];
     assert_eq!(applied_first + applied_second, N as u64);
 
-    let effects = effects_by_event(&db);
+    let effects = db.effect_counts();
     assert_eq!(effects.len(), N);
     for (_, event) in &produced {
         assert_eq!(effects.get(event), Some(&1), "{event}");

@@ -193,23 +193,10 @@ fn ids(prefix: &str, n: usize) -> Vec<String> {
     (0..n).map(|i| format!("{prefix}-{i:05}")).collect()
 }
 
-/// Effect rows per event_id, for all of `notifications`.
-fn effect_counts(db: &TestDb) -> HashMap<String, i64> {
-    db.client()
-        .query(
-            "SELECT event_id, count(*) FROM notifications GROUP BY event_id",
-            &[],
-        )
-        .unwrap()
-        .into_iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect()
-}
-
 /// Asserts every id in `expected` has exactly one effect row and that no
 /// other event has any.
 fn assert_exactly_once(db: &TestDb, expected: &[String]) {
-    let counts = effect_counts(db);
+    let counts = db.effect_counts();
     let wrong: Vec<(&String, i64)> = expected
         .iter()
         .map(|id| (id, counts.get(id).copied().unwrap_or(0)))
@@ -989,7 +976,7 @@ fn destroyed_group_is_recreated_and_new_events_are_processed() {
     let running = start(worker);
     assert!(
         wait_until(Duration::from_secs(20), || {
-            effect_counts(&db).len() == before.len() && pending(&mut conn, &stream, &group) == 0
+            db.effect_counts().len() == before.len() && pending(&mut conn, &stream, &group) == 0
         }),
         "the first events were not processed"
     );
@@ -1006,13 +993,13 @@ fn destroyed_group_is_recreated_and_new_events_are_processed() {
     let mut all = before.clone();
     all.extend(after.iter().cloned());
     let processed = wait_until(Duration::from_secs(20), || {
-        effect_counts(&db).len() == all.len() && pending(&mut conn, &stream, &group) == 0
+        db.effect_counts().len() == all.len() && pending(&mut conn, &stream, &group) == 0
     });
     let summary = running.stop(Duration::from_secs(30));
     assert!(
         processed,
         "events added after XGROUP DESTROY were not processed: {:?}",
-        effect_counts(&db)
+        db.effect_counts()
     );
 
     assert_exactly_once(&db, &all);

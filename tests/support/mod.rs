@@ -109,6 +109,19 @@ impl TestDb {
         self.client().query_one(sql, &[]).unwrap().get(0)
     }
 
+    /// Effect rows per event_id, for all of `notifications`.
+    pub fn effect_counts(&self) -> std::collections::HashMap<String, i64> {
+        self.client()
+            .query(
+                "SELECT event_id, count(*) FROM notifications GROUP BY event_id",
+                &[],
+            )
+            .unwrap()
+            .into_iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect()
+    }
+
     /// Effect rows for `event_id` in `notifications`.
     pub fn effects(&self, event_id: &str) -> i64 {
         self.client()
