@@ -451,7 +451,7 @@ fn cluster_client(url: &str, nodes: &[&str]) -> Result<RedisClient, Error> {
     redis::cmd("PING")
         .query::<()>(&mut conn)
         .map_err(|e| crate::connect::redis_unreachable(url, e))?;
-    log::info!("redis: cluster mode (seed nodes {})", redact(url));
+    log::debug!("redis: cluster mode, {} seed nodes", nodes.len());
     Ok(RedisClient::Cluster(client))
 }
 

@@ -123,6 +123,7 @@ impl Worker {
         let redis_client = RedisClient::open(&config.redis_url)?;
         if redis_client.is_cluster() {
             crate::redis_conn::check_slots(&config.streams)?;
+            log::info!("redis: a Redis Cluster (hash slots checked for every stream)");
         }
         let redis =
             connect::redis_pool(&redis_client, &config.redis_url, config.workers as u32 + 4)?;

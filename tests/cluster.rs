@@ -128,7 +128,7 @@ fn worker_survives_a_node_restart_and_a_failover_losing_nothing() {
         pending(&mut conn, &stream, "g")
     );
     assert!(status.success(), "{status:?}\n{log}");
-    assert!(log.contains("cluster mode"), "{log}");
+    assert!(log.contains("a Redis Cluster"), "{log}");
     // The restart hit the run: Redis went away and came back.
     assert!(
         log.contains("Redis: unavailable") && log.contains("Redis: reachable again"),
