@@ -221,6 +221,10 @@ impl Pipe {
                 // redis-rs follows a redirection for a single command (and
                 // updates its slot map), but a pipeline only reports it.
                 Err(e) if is_only_redirections(&e) => {
+                    log::debug!(
+                        "redis: pipeline redirected ({e}); sending its {} commands one at a time",
+                        self.len
+                    );
                     let mut replies = Vec::with_capacity(self.len);
                     for (i, cmd) in p.cmd_iter().enumerate() {
                         let reply: Value = lost_if_cut(cmd.query(conn.as_mut()), stale)?;

@@ -201,6 +201,64 @@ fn worker_survives_a_node_restart_and_a_failover_losing_nothing() {
 }
 
 #[test]
+fn worker_follows_its_stream_through_a_resharding() {
+    let cluster = Cluster::start(3, 0);
+    let db = TestDb::new();
+    let stream = format!("{{{}}}:events", unique("rs"));
+    let mut conn = cluster_conn(&cluster);
+    let first = events("a", 3000);
+    produce(&cluster, &stream, &first);
+    let mut worker = Proc::spawn({
+        let mut cmd = run(&cluster.url(), &db, &stream);
+        cmd.args(["--workers", "4", "--sql", INT_SQL])
+            .env("RUST_LOG", "info,taskhub::redis_conn=debug");
+        cmd
+    });
+    assert!(
+        wait_until(Duration::from_secs(60), || db.effect_counts().len() >= 300),
+        "processing did not start:\n{}",
+        worker.stderr()
+    );
+    // Move all of the stream's master's slots (the stream, its dead letters
+    // and a third of the markers) to another master, mid-run.
+    let from = cluster.master_of(&stream);
+    let to = (from + 1) % 3;
+    cluster.reshard(from, to);
+    assert_eq!(cluster.master_of(&stream), to);
+    let second = events("b", 1000);
+    produce(&cluster, &stream, &second);
+
+    let all: Vec<(String, String)> = first.into_iter().chain(second).collect();
+    let (bad, good): (Vec<_>, Vec<_>) = all.iter().partition(|(_, p)| p == "not a number");
+    let finished = wait_until(Duration::from_secs(120), || {
+        db.effect_counts().len() == good.len()
+            && dead_letters(&mut conn, &stream).len() >= bad.len()
+            && pending(&mut conn, &stream, "g") == 0
+    });
+    worker.signal("TERM");
+    let status = worker.wait(Duration::from_secs(30));
+    let log = worker.stderr();
+    assert!(finished, "not everything was processed:\n{log}");
+    assert!(status.success(), "{status:?}\n{log}");
+    // The move hit the run: pipelines met MOVED or ASK and were resent.
+    assert!(log.contains("pipeline redirected"), "{log}");
+    let effects = db.effect_counts();
+    assert!(
+        good.iter().all(|(id, _)| effects.get(id) == Some(&1)),
+        "{log}"
+    );
+    assert_eq!(effects.len(), good.len());
+    let mut dead: Vec<String> = dead_letters(&mut conn, &stream)
+        .iter()
+        .filter_map(|l| l.event_id.clone())
+        .collect();
+    dead.sort();
+    let mut expected: Vec<String> = bad.iter().map(|(id, _)| id.clone()).collect();
+    expected.sort();
+    assert_eq!(dead, expected);
+}
+
+#[test]
 fn a_stream_without_a_hash_tag_is_refused_with_the_fix() {
     let cluster = Cluster::start(3, 0);
     let db = TestDb::new();

@@ -205,6 +205,26 @@ impl Cluster {
         self.wait_healthy();
     }
 
+    /// Moves every slot of master `from` to master `to` with
+    /// `redis-cli --cluster reshard` (keys migrate one by one: clients meet
+    /// `ASK` during the move and `MOVED` after it).
+    pub fn reshard(&self, from: usize, to: usize) {
+        let id = |i: usize| text(&self.nodes[i].addr(), &["CLUSTER", "MYID"]);
+        let mut cmd = Command::new("redis-cli");
+        cmd.args(["--cluster", "reshard", &self.nodes[from].addr()])
+            .args(["--cluster-from", &id(from), "--cluster-to", &id(to)])
+            .args(["--cluster-slots", "16384", "--cluster-yes"])
+            .args(["--cluster-pipeline", "10"]);
+        let out = output(cmd, None, Duration::from_secs(120));
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster reshard failed:\n{}{}",
+            out.stdout,
+            out.stderr
+        );
+        self.wait_healthy();
+    }
+
     /// A manual failover: a replica of master `i` takes over its slots
     /// (`CLUSTER FAILOVER` on the replica). Returns the new master's index.
     pub fn failover(&self, i: usize) -> usize {
