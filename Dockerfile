@@ -11,8 +11,10 @@
 FROM rust:1-bookworm AS builder
 WORKDIR /src
 COPY . .
+# Stripped: the release profile keeps line tables for profiling (70 MB);
+# the image needs none of it (about 10 MB).
 RUN cargo build --release --locked \
- && cp target/release/taskhub /usr/local/bin/taskhub
+ && strip -o /usr/local/bin/taskhub target/release/taskhub
 
 FROM debian:bookworm-slim
 RUN apt-get update \
