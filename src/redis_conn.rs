@@ -151,9 +151,13 @@ impl ConnectionLike for RedisConn {
 /// round trip per node. Not a transaction: atomic steps are Lua scripts.
 ///
 /// On a cluster, a pipeline that meets `MOVED` or `ASK` (a failover, a
-/// resharding) is sent again one command at a time, which redis-rs routes
-/// afresh: so every command in a pipeline must be safe to send twice (ours
-/// are reads, `SET`s, `XACK`s and scripts that check before they write).
+/// resharding) is sent again, whole, one command at a time, which redis-rs
+/// routes afresh: the commands that had succeeded run a second time. So
+/// every command in a pipeline must be safe to send twice. Ours are reads,
+/// `SET`s, `XACK`s, scripts that check before they write (a dead letter
+/// written by the first send answers "not pending" to the second), and the
+/// producer's `XADD`s (an entry can be added twice; its event_id makes the
+/// second a duplicate for the workers).
 pub struct Pipe {
     inner: Inner,
     /// Commands added so far.
@@ -215,6 +219,10 @@ impl Pipe {
 
     /// Sends the commands and returns their replies.
     pub fn query<T: FromRedisValue>(&self, conn: &mut RedisConn) -> RedisResult<T> {
+        if self.len == 0 {
+            // As on one server; redis-rs' cluster pipeline refuses it.
+            return Ok(redis::from_redis_value(Value::Array(Vec::new()))?);
+        }
         match (&self.inner, conn) {
             (Inner::Single(p), c) => p.query(c),
             (Inner::Cluster(p), RedisConn::Cluster { conn, stale }) => match p.query(conn) {
@@ -234,16 +242,12 @@ impl Pipe {
                     }
                     Ok(redis::from_redis_value(Value::Array(replies))?)
                 }
-                // After any other failure this connection is dropped: a
-                // pipeline cut short on one node can leave replies unread
+                // A pipeline cut short on one node can leave replies unread
                 // on another, which the next command would take for its own
                 // (seen in tests/cluster.rs: markers read as present after a
-                // node restart, so events skipped as duplicates).
-                Err(e) => {
-                    *stale = true;
-                    Err(e)
-                }
-                ok => ok,
+                // node restart, so events skipped as duplicates): after such
+                // a failure the connection is dropped.
+                result => lost_if_cut(result, stale),
             },
             (Inner::Cluster(_), RedisConn::Single(_)) => Err(redis::RedisError::from((
                 redis::ErrorKind::Client,
@@ -258,11 +262,17 @@ impl Pipe {
 /// unread on one of its node connections.
 fn lost_if_cut<T>(result: RedisResult<T>, stale: &mut bool) -> RedisResult<T> {
     if let Err(e) = &result {
-        if !matches!(e.kind(), redis::ErrorKind::Server(_)) {
+        if !is_reply(e) {
             *stale = true;
         }
     }
     result
+}
+
+/// Whether `e` is an error reply from the server (of a command or of some
+/// commands of a pipeline; every reply was read), not a broken exchange.
+fn is_reply(e: &redis::RedisError) -> bool {
+    e.clone().into_server_errors().is_some()
 }
 
 /// Whether `e` (or one command of a failed pipeline) is a `MOVED` or `ASK`.
@@ -330,6 +340,15 @@ impl RedisClient {
                     Err(e) if crate::error::redis_is_outage(&e) => {
                         return Err(crate::connect::redis_unreachable(url, e))
                     }
+                    Err(e) if e.code() == Some("NOPERM") => {
+                        log::warn!(
+                            "redis: INFO and CLUSTER INFO refused to this user, so taskhub \
+                             assumes one server; for a Redis Cluster give several node URLs \
+                             separated by commas"
+                        );
+                        false
+                    }
+                    // "This instance has cluster support disabled".
                     Err(_) => false,
                 }
             }

@@ -7,7 +7,8 @@ mod support;
 
 use std::time::Duration;
 
-use support::cluster::Cluster;
+use support::certs::make_certs;
+use support::cluster::{Cluster, Secure};
 use support::*;
 
 /// A direct cluster connection of the test's own (redis-rs), to look at
@@ -73,6 +74,59 @@ fn pending(conn: &mut redis::cluster::ClusterConnection, stream: &str, group: &s
     }
 }
 
+/// The events split by outcome: (dead-lettered, applied) ids.
+type Split<'a> = (Vec<&'a (String, String)>, Vec<&'a (String, String)>);
+
+fn split(all: &[(String, String)]) -> Split<'_> {
+    all.iter().partition(|(_, p)| p == "not a number")
+}
+
+/// Waits until every event of `all` is applied or dead-lettered with nothing
+/// pending, stops the worker with SIGTERM (exit 0) and returns its log.
+fn drain_and_stop(
+    mut worker: Proc,
+    db: &TestDb,
+    conn: &mut redis::cluster::ClusterConnection,
+    stream: &str,
+    all: &[(String, String)],
+) -> String {
+    let (bad, good) = split(all);
+    let finished = wait_until(Duration::from_secs(120), || {
+        db.effect_counts().len() == good.len()
+            && dead_letters(conn, stream).len() >= bad.len()
+            && pending(conn, stream, "g") == 0
+    });
+    worker.signal("TERM");
+    let status = worker.wait(Duration::from_secs(30));
+    let log = worker.stderr();
+    assert!(
+        finished,
+        "not everything was processed: {} of {} effects, {} of {} dead letters, {} pending\n{log}",
+        db.effect_counts().len(),
+        good.len(),
+        dead_letters(conn, stream).len(),
+        bad.len(),
+        pending(conn, stream, "g")
+    );
+    assert!(status.success(), "{status:?}\n{log}");
+    log
+}
+
+/// Each good event applied exactly once, nothing else applied, and exactly
+/// the bad ones among `dead` (the event ids of the dead letters).
+fn assert_exactly_once(db: &TestDb, all: &[(String, String)], mut dead: Vec<String>) {
+    let (bad, good) = split(all);
+    let effects = db.effect_counts();
+    for (id, _) in &good {
+        assert_eq!(effects.get(id), Some(&1), "{id}: effect count");
+    }
+    assert_eq!(effects.len(), good.len());
+    dead.sort();
+    let mut expected: Vec<String> = bad.iter().map(|(id, _)| id.clone()).collect();
+    expected.sort();
+    assert_eq!(dead, expected);
+}
+
 #[test]
 fn worker_survives_a_node_restart_and_a_failover_losing_nothing() {
     let mut cluster = Cluster::start(3, 1);
@@ -85,7 +139,7 @@ fn worker_survives_a_node_restart_and_a_failover_losing_nothing() {
     // The worker's only seed is the node that is going to be killed: its new
     // connections must find the cluster through the other nodes it learnt.
     let master = cluster.master_of(&stream);
-    let mut worker = Proc::spawn({
+    let worker = Proc::spawn({
         let mut cmd = run(&cluster.url_of(master), &db, &stream);
         cmd.args(["--workers", "4", "--consumer", "c1", "--sql", INT_SQL]);
         cmd
@@ -109,25 +163,7 @@ fn worker_survives_a_node_restart_and_a_failover_losing_nothing() {
     produce(&cluster, &stream, &third);
 
     let all: Vec<(String, String)> = first.into_iter().chain(second).chain(third).collect();
-    let (bad, good): (Vec<_>, Vec<_>) = all.iter().partition(|(_, p)| p == "not a number");
-    let finished = wait_until(Duration::from_secs(120), || {
-        db.effect_counts().len() == good.len()
-            && dead_letters(&mut conn, &stream).len() >= bad.len()
-            && pending(&mut conn, &stream, "g") == 0
-    });
-    worker.signal("TERM");
-    let status = worker.wait(Duration::from_secs(30));
-    let log = worker.stderr();
-    assert!(
-        finished,
-        "not everything was processed: {} of {} effects, {} of {} dead letters, {} pending\n{log}",
-        db.effect_counts().len(),
-        good.len(),
-        dead_letters(&mut conn, &stream).len(),
-        bad.len(),
-        pending(&mut conn, &stream, "g")
-    );
-    assert!(status.success(), "{status:?}\n{log}");
+    let log = drain_and_stop(worker, &db, &mut conn, &stream, &all);
     assert!(log.contains("a Redis Cluster"), "{log}");
     // The restart hit the run: Redis went away and came back.
     assert!(
@@ -135,22 +171,18 @@ fn worker_survives_a_node_restart_and_a_failover_losing_nothing() {
         "{log}"
     );
 
-    // Nothing lost, nothing twice.
-    let effects = db.effect_counts();
-    for (id, _) in &good {
-        assert_eq!(effects.get(id), Some(&1), "{id}: effect count\n{log}");
-    }
+    // Nothing lost, nothing twice; failures dead-lettered once, with payload.
+    let letters = dead_letters(&mut conn, &stream);
+    assert_exactly_once(
+        &db,
+        &all,
+        letters.iter().filter_map(|l| l.event_id.clone()).collect(),
+    );
+    let good = split(&all).1.len();
     assert_eq!(
         db.count("SELECT count(*) FROM processed_events"),
-        good.len() as i64
+        good as i64
     );
-    // Every failure dead-lettered exactly once, with its payload.
-    let letters = dead_letters(&mut conn, &stream);
-    let mut dead: Vec<String> = letters.iter().filter_map(|l| l.event_id.clone()).collect();
-    dead.sort();
-    let mut expected: Vec<String> = bad.iter().map(|(id, _)| id.clone()).collect();
-    expected.sort();
-    assert_eq!(dead, expected);
     assert!(letters
         .iter()
         .all(|l| l.field("payload") == Some(&b"not a number"[..])));
@@ -161,9 +193,9 @@ fn worker_survives_a_node_restart_and_a_failover_losing_nothing() {
         .nodes
         .iter()
         .filter(|n| {
-            let role = support::cluster::raw(&n.addr(), &["ROLE"]);
+            let role = n.raw(&["ROLE"]);
             let is_master = matches!(&role, Ok(redis::Value::Array(v)) if matches!(v.first(), Some(redis::Value::BulkString(r)) if r == b"master"));
-            is_master && matches!(support::cluster::raw(&n.addr(), &["DBSIZE"]), Ok(redis::Value::Int(n)) if n > 1)
+            is_master && matches!(n.raw(&["DBSIZE"]), Ok(redis::Value::Int(n)) if n > 1)
         })
         .count();
     assert_eq!(masters_with_keys, 3);
@@ -180,7 +212,7 @@ fn worker_survives_a_node_restart_and_a_failover_losing_nothing() {
     let out = cli(&["dlq", "stats", "--stream", &stream]);
     assert!(out.status.success(), "{}", out.stderr);
     assert!(
-        out.stdout.contains(&bad.len().to_string()),
+        out.stdout.contains(&split(&all).0.len().to_string()),
         "{}",
         out.stdout
     );
@@ -208,7 +240,7 @@ fn worker_follows_its_stream_through_a_resharding() {
     let mut conn = cluster_conn(&cluster);
     let first = events("a", 3000);
     produce(&cluster, &stream, &first);
-    let mut worker = Proc::spawn({
+    let worker = Proc::spawn({
         let mut cmd = run(&cluster.url(), &db, &stream);
         cmd.args(["--workers", "4", "--sql", INT_SQL])
             .env("RUST_LOG", "info,taskhub::redis_conn=debug");
@@ -229,33 +261,110 @@ fn worker_follows_its_stream_through_a_resharding() {
     produce(&cluster, &stream, &second);
 
     let all: Vec<(String, String)> = first.into_iter().chain(second).collect();
-    let (bad, good): (Vec<_>, Vec<_>) = all.iter().partition(|(_, p)| p == "not a number");
-    let finished = wait_until(Duration::from_secs(120), || {
-        db.effect_counts().len() == good.len()
-            && dead_letters(&mut conn, &stream).len() >= bad.len()
-            && pending(&mut conn, &stream, "g") == 0
-    });
-    worker.signal("TERM");
-    let status = worker.wait(Duration::from_secs(30));
-    let log = worker.stderr();
-    assert!(finished, "not everything was processed:\n{log}");
-    assert!(status.success(), "{status:?}\n{log}");
+    let log = drain_and_stop(worker, &db, &mut conn, &stream, &all);
     // The move hit the run: pipelines met MOVED or ASK and were resent.
     assert!(log.contains("pipeline redirected"), "{log}");
-    let effects = db.effect_counts();
-    assert!(
-        good.iter().all(|(id, _)| effects.get(id) == Some(&1)),
-        "{log}"
+    let letters = dead_letters(&mut conn, &stream);
+    assert_exactly_once(
+        &db,
+        &all,
+        letters.iter().filter_map(|l| l.event_id.clone()).collect(),
     );
-    assert_eq!(effects.len(), good.len());
-    let mut dead: Vec<String> = dead_letters(&mut conn, &stream)
+}
+
+#[test]
+fn events_apply_once_on_a_cluster_over_tls_with_an_acl_user() {
+    let dir = TempDir::new("taskhub-cluster-tls");
+    let certs = make_certs(&dir.0, "cluster");
+    let ca = certs.ca.clone();
+    let password = "cluster-pass-51b2";
+    let cluster = Cluster::start_with(
+        3,
+        0,
+        Some(Secure {
+            certs,
+            user: "taskhub".into(),
+            password: password.into(),
+        }),
+    );
+    let db = TestDb::new();
+    let stream = format!("{{{}}}:events", unique("tls"));
+    // A custom CA reaches a cluster through OpenSSL's SSL_CERT_FILE (redis-rs
+    // takes TASKHUB_REDIS_CA_FILE's way only for one server).
+    let cli = |url: &str, args: &[&str], stdin: Option<&[u8]>| {
+        let mut cmd = taskhub(url, &db.url);
+        cmd.env("SSL_CERT_FILE", &ca).args(args);
+        output(cmd, stdin, Duration::from_secs(120))
+    };
+    let url = cluster.url();
+    assert!(url.starts_with("rediss://taskhub:"), "{url}");
+
+    let all = events("t", 400);
+    let lines: String = all
         .iter()
-        .filter_map(|l| l.event_id.clone())
+        .map(|(id, payload)| format!("{{\"event_id\":\"{id}\",\"payload\":\"{payload}\"}}\n"))
         .collect();
-    dead.sort();
-    let mut expected: Vec<String> = bad.iter().map(|(id, _)| id.clone()).collect();
-    expected.sort();
-    assert_eq!(dead, expected);
+    let out = cli(
+        &url,
+        &["produce", "--stream", &stream],
+        Some(lines.as_bytes()),
+    );
+    assert!(out.status.success(), "{}", out.stderr);
+    let run = ["run", "--stream", &stream, "--group", "g", "--until-idle"];
+    let out = cli(&url, &[&run[..], &["--sql", INT_SQL]].concat(), None);
+    assert!(out.status.success(), "{}", out.stderr);
+    assert!(out.stderr.contains("a Redis Cluster"), "{}", out.stderr);
+    assert!(!out.stderr.contains(password), "{}", out.stderr);
+
+    let out = cli(
+        &url,
+        &["dlq", "list", "--stream", &stream, "--json", "--limit", "0"],
+        None,
+    );
+    assert!(out.status.success(), "{}", out.stderr);
+    let dead: Vec<String> = out
+        .stdout
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["event_id"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    assert_exactly_once(&db, &all, dead);
+    let out = cli(
+        &url,
+        &["consumers", "--stream", &stream, "--group", "g"],
+        None,
+    );
+    assert!(out.status.success(), "{}", out.stderr);
+    assert!(
+        out.stdout
+            .lines()
+            .skip(1)
+            .all(|l| l.split_whitespace().nth(1) == Some("0")),
+        "{}",
+        out.stdout
+    );
+
+    // A wrong password: one line, the password not in it.
+    let wrong = url.replace(password, "not-the-password");
+    let out = cli(&wrong, &run, None);
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("cannot connect to Redis") && !out.stderr.contains("not-the-password"),
+        "{}",
+        out.stderr
+    );
+    // TASKHUB_REDIS_CA_FILE is refused for a cluster, with the alternative.
+    let mut cmd = taskhub(&url, &db.url);
+    cmd.env("TASKHUB_REDIS_CA_FILE", &ca)
+        .env("SSL_CERT_FILE", &ca)
+        .args(run);
+    let out = output(cmd, None, Duration::from_secs(60));
+    assert!(!out.status.success());
+    assert!(out.stderr.contains("SSL_CERT_FILE"), "{}", out.stderr);
 }
 
 #[test]

@@ -7,89 +7,15 @@
 mod support;
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use support::certs::{make_certs, Certs};
 use support::*;
 
 const ACL_USER: &str = "taskhub";
 const ACL_PASSWORD: &str = "tls-test-pass-7f3a";
-
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .stdin(Stdio::null())
-        .output()
-        .expect("the openssl command is installed");
-    assert!(
-        out.status.success(),
-        "openssl {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// A CA (`<name>.pem`) and, signed by it, a server certificate for
-/// 127.0.0.1 and localhost (`<name>-server.pem`, `<name>-server.key`).
-struct Certs {
-    ca: PathBuf,
-    cert: PathBuf,
-    key: PathBuf,
-}
-
-fn make_certs(dir: &Path, name: &str) -> Certs {
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];
-    let (ca_key, ca) = (format!("{name}.key"), format!("{name}.pem"));
-    let mut args = vec!["req", "-x509", "-nodes", "-days", "2"];
-    args.extend(ec);
-    args.extend(["-keyout", &ca_key, "-out", &ca]);
-    let subject = format!("/CN=taskhub test CA {name}");
-    args.extend(["-subj", &subject]);
-    openssl(dir, &args);
-
-    let (key, csr, cert) = (
-        format!("{name}-server.key"),
-        format!("{name}-server.csr"),
-        format!("{name}-server.pem"),
-    );
-    let mut args = vec!["req", "-nodes"];
-    args.extend(ec);
-    args.extend(["-keyout", &key, "-out", &csr, "-subj", "/CN=localhost"]);
-    openssl(dir, &args);
-    let ext = format!("{name}.ext");
-    std::fs::write(
-        dir.join(&ext),
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n\
-         keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n",
-    )
-    .unwrap();
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            &csr,
-            "-CA",
-            &ca,
-            "-CAkey",
-            &ca_key,
-            "-CAcreateserial",
-            "-out",
-            &cert,
-            "-days",
-            "2",
-            "-extfile",
-            &ext,
-        ],
-    );
-    Certs {
-        ca: dir.join(ca),
-        cert: dir.join(cert),
-        key: dir.join(key),
-    }
-}
 
 /// A private Redis that accepts TLS only, with ACL user `taskhub` and the
 /// default user switched off.

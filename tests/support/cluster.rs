@@ -3,30 +3,57 @@
 //! `redis-cli --cluster create`, as an operator would.
 
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
 
+use super::certs::Certs;
 use super::{free_port, output, wait_until, TempDir};
+
+/// TLS only (client, bus and replication links) and an ACL user; the
+/// `default` user is off.
+pub struct Secure {
+    pub certs: Certs,
+    pub user: String,
+    pub password: String,
+}
 
 pub struct Node {
     pub port: u16,
     bus_port: u16,
     dir: TempDir,
     child: Option<Child>,
+    secure: Option<Arc<Secure>>,
 }
 
 impl Node {
-    fn new() -> Node {
+    fn new(secure: Option<Arc<Secure>>) -> Node {
         Node {
             port: free_port(),
             bus_port: free_port(),
             dir: TempDir::new("taskhub-cluster-node"),
             child: None,
+            secure,
         }
     }
 
     fn start(&mut self) {
-        let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+        let mut cmd = Command::new("redis-server");
+        match &self.secure {
+            None => cmd.args(["--port", &self.port.to_string()]),
+            Some(s) => cmd
+                .args(["--port", "0", "--tls-port", &self.port.to_string()])
+                .args(["--tls-cluster", "yes", "--tls-replication", "yes"])
+                .args(["--tls-cert-file", s.certs.cert.to_str().unwrap()])
+                .args(["--tls-key-file", s.certs.key.to_str().unwrap()])
+                .args(["--tls-ca-cert-file", s.certs.ca.to_str().unwrap()])
+                .args(["--tls-auth-clients", "no"])
+                .args(["--user", "default", "off"])
+                .args(["--user", &s.user, "on", &format!(">{}", s.password)])
+                .args(["~*", "&*", "+@all"])
+                .args(["--masteruser", &s.user, "--masterauth", &s.password]),
+        };
+        let child = cmd
+            .args(["--bind", "127.0.0.1"])
             .args(["--cluster-port", &self.bus_port.to_string()])
             .args(["--cluster-enabled", "yes"])
             .args(["--cluster-config-file", "nodes.conf"])
@@ -42,10 +69,10 @@ impl Node {
             .spawn()
             .expect("redis-server is installed (scripts/test.sh installs it)");
         self.child = Some(child);
-        let addr = self.addr();
         assert!(
-            wait_until(Duration::from_secs(10), || raw(&addr, &["PING"]).is_ok()),
-            "cluster node {addr} did not start"
+            wait_until(Duration::from_secs(10), || self.raw(&["PING"]).is_ok()),
+            "cluster node {} did not start",
+            self.addr()
         );
     }
 
@@ -60,32 +87,49 @@ impl Node {
     pub fn addr(&self) -> String {
         format!("127.0.0.1:{}", self.port)
     }
+
+    /// The URL a client uses (with the ACL user's password when secure).
+    pub fn url(&self) -> String {
+        match &self.secure {
+            None => format!("redis://{}", self.addr()),
+            Some(s) => format!("rediss://{}:{}@{}", s.user, s.password, self.addr()),
+        }
+    }
+
+    /// One command to this node, without cluster routing.
+    pub fn raw(&self, args: &[&str]) -> redis::RedisResult<redis::Value> {
+        let client = match &self.secure {
+            None => redis::Client::open(self.url())?,
+            Some(s) => redis::Client::build_with_tls(
+                self.url(),
+                redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(std::fs::read(&s.certs.ca).unwrap()),
+                },
+            )?,
+        };
+        let mut conn = client.get_connection_with_timeout(Duration::from_secs(2))?;
+        conn.set_read_timeout(Some(Duration::from_secs(5)))?;
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        cmd.query(&mut conn)
+    }
+
+    fn text(&self, args: &[&str]) -> String {
+        match self.raw(args) {
+            Ok(redis::Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
+            Ok(redis::Value::VerbatimString { text, .. }) => text,
+            Ok(other) => format!("{other:?}"),
+            Err(e) => format!("error: {e}"),
+        }
+    }
 }
 
 impl Drop for Node {
     fn drop(&mut self) {
         self.kill();
-    }
-}
-
-/// One command to one node, without cluster routing.
-pub fn raw(addr: &str, args: &[&str]) -> redis::RedisResult<redis::Value> {
-    let client = redis::Client::open(format!("redis://{addr}"))?;
-    let mut conn = client.get_connection_with_timeout(Duration::from_secs(2))?;
-    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let mut cmd = redis::cmd(args[0]);
-    for a in &args[1..] {
-        cmd.arg(*a);
-    }
-    cmd.query(&mut conn)
-}
-
-fn text(addr: &str, args: &[&str]) -> String {
-    match raw(addr, args) {
-        Ok(redis::Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
-        Ok(redis::Value::VerbatimString { text, .. }) => text,
-        Ok(other) => format!("{other:?}"),
-        Err(e) => format!("error: {e}"),
     }
 }
 
@@ -96,7 +140,15 @@ pub struct Cluster {
 
 impl Cluster {
     pub fn start(masters: usize, replicas: usize) -> Cluster {
-        let mut nodes: Vec<Node> = (0..masters * (1 + replicas)).map(|_| Node::new()).collect();
+        Cluster::start_with(masters, replicas, None)
+    }
+
+    /// Like [`Cluster::start`], with TLS and an ACL user when `secure`.
+    pub fn start_with(masters: usize, replicas: usize, secure: Option<Secure>) -> Cluster {
+        let secure = secure.map(Arc::new);
+        let mut nodes: Vec<Node> = (0..masters * (1 + replicas))
+            .map(|_| Node::new(secure.clone()))
+            .collect();
         for n in &mut nodes {
             n.start();
         }
@@ -108,6 +160,11 @@ impl Cluster {
         create
             .args(["--cluster-replicas", &replicas.to_string()])
             .arg("--cluster-yes");
+        if let Some(s) = &secure {
+            create
+                .args(["--tls", "--cacert", s.certs.ca.to_str().unwrap()])
+                .args(["--user", &s.user, "--pass", &s.password]);
+        }
         let out = output(create, None, Duration::from_secs(60));
         assert!(
             out.status.success(),
@@ -127,14 +184,14 @@ impl Cluster {
 
     /// The URL of node `i`.
     pub fn url_of(&self, i: usize) -> String {
-        format!("redis://{}", self.nodes[i].addr())
+        self.nodes[i].url()
     }
 
     /// Every node's URL, comma-separated.
     pub fn urls(&self) -> String {
         self.nodes
             .iter()
-            .map(|n| format!("redis://{}", n.addr()))
+            .map(Node::url)
             .collect::<Vec<_>>()
             .join(",")
     }
@@ -144,9 +201,8 @@ impl Cluster {
     pub fn wait_healthy(&self) {
         let ok = wait_until(Duration::from_secs(60), || {
             self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
-                let addr = n.addr();
-                text(&addr, &["CLUSTER", "INFO"]).contains("cluster_state:ok") && {
-                    let repl = text(&addr, &["INFO", "replication"]);
+                n.text(&["CLUSTER", "INFO"]).contains("cluster_state:ok") && {
+                    let repl = n.text(&["INFO", "replication"]);
                     repl.contains("role:master") || repl.contains("master_link_status:up")
                 }
             })
@@ -163,14 +219,14 @@ impl Cluster {
         self.nodes
             .iter()
             .find(|n| n.child.is_some())
-            .map(|n| text(&n.addr(), &["CLUSTER", "NODES"]))
+            .map(|n| n.text(&["CLUSTER", "NODES"]))
             .unwrap_or_default()
     }
 
     /// The index of the node that is master of `key`'s hash slot now.
     pub fn master_of(&self, key: &str) -> usize {
         let any = self.nodes.iter().find(|n| n.child.is_some()).unwrap();
-        let slot = match raw(&any.addr(), &["CLUSTER", "KEYSLOT", key]) {
+        let slot = match any.raw(&["CLUSTER", "KEYSLOT", key]) {
             Ok(redis::Value::Int(s)) => s,
             other => panic!("CLUSTER KEYSLOT: {other:?}"),
         };
@@ -209,7 +265,7 @@ impl Cluster {
     /// `redis-cli --cluster reshard` (keys migrate one by one: clients meet
     /// `ASK` during the move and `MOVED` after it).
     pub fn reshard(&self, from: usize, to: usize) {
-        let id = |i: usize| text(&self.nodes[i].addr(), &["CLUSTER", "MYID"]);
+        let id = |i: usize| self.nodes[i].text(&["CLUSTER", "MYID"]);
         let mut cmd = Command::new("redis-cli");
         cmd.args(["--cluster", "reshard", &self.nodes[from].addr()])
             .args(["--cluster-from", &id(from), "--cluster-to", &id(to)])
@@ -228,33 +284,31 @@ impl Cluster {
     /// A manual failover: a replica of master `i` takes over its slots
     /// (`CLUSTER FAILOVER` on the replica). Returns the new master's index.
     pub fn failover(&self, i: usize) -> usize {
-        let master_id = text(&self.nodes[i].addr(), &["CLUSTER", "MYID"]);
+        let master_id = self.nodes[i].text(&["CLUSTER", "MYID"]);
         let replica = self
             .nodes
             .iter()
             .position(|n| {
-                text(&n.addr(), &["CLUSTER", "NODES"])
+                n.text(&["CLUSTER", "NODES"])
                     .lines()
                     .any(|l| l.contains("myself") && l.contains(&format!("slave {master_id}")))
             })
             .expect("master has a replica");
-        let reply = raw(&self.nodes[replica].addr(), &["CLUSTER", "FAILOVER"]);
+        let promoted = &self.nodes[replica];
+        let reply = promoted.raw(&["CLUSTER", "FAILOVER"]);
         assert!(reply.is_ok(), "CLUSTER FAILOVER: {reply:?}");
-        let addr = self.nodes[replica].addr();
         assert!(
-            wait_until(Duration::from_secs(30), || text(
-                &addr,
-                &["INFO", "replication"]
-            )
-            .contains("role:master")),
+            wait_until(Duration::from_secs(30), || promoted
+                .text(&["INFO", "replication"])
+                .contains("role:master")),
             "the failover did not happen:\n{}",
             self.describe()
         );
         // Until every node's view has the new master.
-        let replica_id = text(&addr, &["CLUSTER", "MYID"]);
+        let replica_id = promoted.text(&["CLUSTER", "MYID"]);
         assert!(
             wait_until(Duration::from_secs(30), || self.nodes.iter().all(|n| {
-                text(&n.addr(), &["CLUSTER", "NODES"])
+                n.text(&["CLUSTER", "NODES"])
                     .lines()
                     .any(|l| l.starts_with(&replica_id) && l.contains("master"))
             })),
