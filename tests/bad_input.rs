@@ -27,22 +27,7 @@ use taskhub::{handler_fn, Builder, DeadLetterKind, Event, HandlerError, Summary,
 const INSERT: &str = "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)";
 
 fn builder(db_url: &str, stream: &str, group: &str) -> Builder {
-    Worker::builder()
-        .mode(mode())
-        .redis_url(&redis_url())
-        .database_url(db_url)
-        .stream(stream)
-        .group(group)
-        .consumer("c1")
-        .workers(2)
-        .count(16)
-        .block(Duration::from_millis(200))
-        .backoff_base(Duration::from_millis(10))
-        .backoff_cap(Duration::from_millis(100))
-        .max_retry_after(Duration::from_secs(5))
-        .reclaim_interval(Duration::from_millis(500))
-        .reclaim_min_idle(Duration::from_secs(10))
-        .shutdown_timeout(Duration::from_secs(15))
+    fast_builder(&redis_url(), db_url, stream, group)
 }
 
 /// Runs `worker` on a thread; `finish` waits (bounded) for `run()` to return.

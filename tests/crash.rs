@@ -102,58 +102,25 @@ fn parse_summary(stdout: &str) -> BTreeMap<String, u64> {
         .collect()
 }
 
-/// Pending entries of the group: (entry id, consumer, delivery count).
-fn pending_entries(
-    conn: &mut redis::Connection,
-    stream: &str,
-    group: &str,
-) -> Vec<(String, String, u64)> {
-    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-        .arg(stream)
-        .arg(group)
-        .arg("-")
-        .arg("+")
-        .arg(1000)
-        .query(conn)
-        .unwrap();
-    rows.into_iter()
-        .map(|(id, consumer, _idle, count)| (id, consumer, count))
-        .collect()
-}
-
 /// event_id → rows, for a query returning (event_id, count).
-fn counts_by_event(db: &TestDb, sql: &str, scope: Option<&str>) -> HashMap<String, i64> {
-    let mut client = db.client();
-    let rows = match scope {
-        Some(s) => client.query(sql, &[&s]).unwrap(),
-        None => client.query(sql, &[]).unwrap(),
-    };
-    rows.into_iter()
-        .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
-        .collect()
-}
-
-fn effects_by_event(db: &TestDb) -> HashMap<String, i64> {
-    counts_by_event(
-        db,
-        "SELECT event_id, count(*) FROM notifications GROUP BY event_id",
-        None,
-    )
-}
-
+/// `processed_events` rows per event_id under `scope`.
 fn processed_by_event(db: &TestDb, scope: &str) -> HashMap<String, i64> {
-    counts_by_event(
-        db,
-        "SELECT event_id, count(*) FROM processed_events WHERE scope = $1 GROUP BY event_id",
-        Some(scope),
-    )
+    db.client()
+        .query(
+            "SELECT event_id, count(*) FROM processed_events WHERE scope = $1 GROUP BY event_id",
+            &[&scope],
+        )
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
 }
 
 /// Asserts that exactly the events `expected` have one effect row and one
 /// `processed_events` row each, and no other event has any.
 fn assert_exactly_once(db: &TestDb, scope: &str, expected: &[&Produced]) {
     let want: HashMap<String, i64> = expected.iter().map(|p| (p.event_id.clone(), 1)).collect();
-    assert_eq!(effects_by_event(db), want, "effect rows per event_id");
+    assert_eq!(db.effect_counts(), want, "effect rows per event_id");
     assert_eq!(
         processed_by_event(db, scope),
         want,

@@ -17,7 +17,7 @@ use std::time::Duration;
 use support::*;
 use taskhub::{
     handler_fn, Builder, DeadLetterKind, Event, Handler, HandlerError, Producer, Shutdown,
-    SqlHandler, Summary, Tx, Worker,
+    SqlHandler, Summary, Tx,
 };
 
 /// The longest an in-process `until_idle` run may take.
@@ -25,18 +25,10 @@ const IDLE_TIMEOUT: Duration = Duration::from_secs(40);
 
 /// A worker of `group` on `stream`, with the fast timings the brief asks for.
 fn builder(db_url: &str, stream: &str, group: &str) -> Builder {
-    Worker::builder()
-        .redis_url(&redis_url())
-        .database_url(db_url)
-        .stream(stream)
-        .group(group)
-        .consumer("c1")
+    fast_builder(&redis_url(), db_url, stream, group)
         .workers(4)
-        .block(Duration::from_millis(200))
-        .backoff_base(Duration::from_millis(10))
-        .backoff_cap(Duration::from_millis(100))
+        .count(64)
         .max_retry_after(Duration::from_secs(1))
-        .reclaim_interval(Duration::from_millis(500))
         .reclaim_min_idle(Duration::from_secs(2))
         .shutdown_timeout(Duration::from_secs(10))
 }
@@ -156,23 +148,6 @@ fn group_info(conn: &mut redis::Connection, stream: &str, group: &str) -> HashMa
 fn entry_id(id: &str) -> (u64, u64) {
     let (ms, seq) = id.split_once('-').expect("entry id has a dash");
     (ms.parse().unwrap(), seq.parse().unwrap())
-}
-
-/// The pending entries of `group`: (entry id, consumer).
-fn pending_entries(
-    conn: &mut redis::Connection,
-    stream: &str,
-    group: &str,
-) -> Vec<(String, String)> {
-    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-        .arg(stream)
-        .arg(group)
-        .arg("-")
-        .arg("+")
-        .arg(100_000)
-        .query(conn)
-        .unwrap();
-    rows.into_iter().map(|(id, c, _, _)| (id, c)).collect()
 }
 
 /// Adds events `<prefix>-<n>` for each n, in order; returns (entry id, event
@@ -760,8 +735,8 @@ fn sigterm_mid_run_then_until_idle_finishes_exactly_once() {
         "the run was stopped in the middle: {applied_first} applied"
     );
     let pending_list = pending_entries(&mut conn, &stream, &group);
-    assert!(pending_list.iter().all(|(_, c)| c == "c1"));
-    let pending_ids: HashSet<&str> = pending_list.iter().map(|(id, _)| id.as_str()).collect();
+    assert!(pending_list.iter().all(|(_, c, _)| c == "c1"));
+    let pending_ids: HashSet<&str> = pending_list.iter().map(|(id, _, _)| id.as_str()).collect();
     let delivered_up_to = entry_id(&group_info(&mut conn, &stream, &group)["last-delivered-id"]);
     let (mut acked, mut unread) = (0, 0);
     for (entry, event) in &produced {

@@ -87,23 +87,9 @@ fn assert_handled(calls: &Calls, ids: &[String], failing: usize) {
 
 /// A builder with fast settings for tests, on `redis_url` and `db`.
 fn builder(redis_url: &str, db_url: &str, stream: &str, group: &str) -> Builder {
-    Worker::builder()
-        .mode(mode())
-        .redis_url(redis_url)
-        .database_url(db_url)
-        .stream(stream)
-        .group(group)
-        .consumer("c1")
-        .workers(2)
-        .count(16)
-        .block(Duration::from_millis(200))
+    fast_builder(redis_url, db_url, stream, group)
         .until_idle(true)
-        .backoff_base(Duration::from_millis(10))
-        .backoff_cap(Duration::from_millis(100))
-        .max_retry_after(Duration::from_secs(5))
         .reclaim_interval(Duration::from_secs(1))
-        .reclaim_min_idle(Duration::from_secs(10))
-        .shutdown_timeout(Duration::from_secs(15))
 }
 
 /// A worker running on its own thread.

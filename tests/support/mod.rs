@@ -43,6 +43,28 @@ pub fn mode() -> taskhub::Mode {
         .unwrap_or(taskhub::Mode::Batch)
 }
 
+/// A worker of `group` on `stream` with fast timings for tests: consumer
+/// `c1`, 2 workers, 16-entry batches, 10–100 ms backoff, reclaim every
+/// 500 ms of entries idle for 10 s; TASKHUB_MODE picks the mode.
+pub fn fast_builder(redis_url: &str, db_url: &str, stream: &str, group: &str) -> taskhub::Builder {
+    taskhub::Worker::builder()
+        .mode(mode())
+        .redis_url(redis_url)
+        .database_url(db_url)
+        .stream(stream)
+        .group(group)
+        .consumer("c1")
+        .workers(2)
+        .count(16)
+        .block(Duration::from_millis(200))
+        .backoff_base(Duration::from_millis(10))
+        .backoff_cap(Duration::from_millis(100))
+        .max_retry_after(Duration::from_secs(5))
+        .reclaim_interval(Duration::from_millis(500))
+        .reclaim_min_idle(Duration::from_secs(10))
+        .shutdown_timeout(Duration::from_secs(15))
+}
+
 /// A name no other test (or earlier run) uses.
 pub fn unique(prefix: &str) -> String {
     static N: AtomicU64 = AtomicU64::new(0);
@@ -181,6 +203,25 @@ pub fn pending(conn: &mut dyn redis::ConnectionLike, stream: &str, group: &str) 
         Ok([redis::Value::Int(n), ..]) => *n as u64,
         _ => 0,
     }
+}
+
+/// Pending entries of the group: (entry id, consumer, delivery count).
+pub fn pending_entries(
+    conn: &mut dyn redis::ConnectionLike,
+    stream: &str,
+    group: &str,
+) -> Vec<(String, String, u64)> {
+    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg(group)
+        .arg("-")
+        .arg("+")
+        .arg(100_000)
+        .query(conn)
+        .unwrap();
+    rows.into_iter()
+        .map(|(id, consumer, _idle, count)| (id, consumer, count))
+        .collect()
 }
 
 pub fn xlen(conn: &mut dyn redis::ConnectionLike, stream: &str) -> u64 {
