@@ -463,6 +463,7 @@ mod tests {
             (b().reclaim_min_idle(Duration::from_secs(1)), "min-idle"),
             (b().stream("s"), "twice"),
             (b().start_id("7"), "start id"),
+            (b().admin_token("short"), "12 characters"),
         ] {
             let e = builder.validate().unwrap_err();
             assert!(

@@ -108,7 +108,8 @@ pub fn dead_letter_stream(stream: &str) -> String {
 /// Prefix of original fields inside a dead letter.
 const FIELD_PREFIX: &[u8] = b"f:";
 
-pub(crate) fn millis(t: SystemTime) -> u64 {
+/// `t` in milliseconds since the epoch (0 before it).
+pub fn millis(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }

@@ -39,7 +39,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde_json::{json, Map, Value};
 
 use crate::connect;
-use crate::dead_letter::{dead_letter_stream, millis, DeadLetter, Kind};
+pub use crate::dead_letter::millis;
+use crate::dead_letter::{dead_letter_stream, DeadLetter, Kind};
 use crate::error::{Error, ErrorKind};
 use crate::event::{parse_entries, Fields};
 use crate::fault::{self, Point};
@@ -556,9 +557,15 @@ pub fn fingerprint(reason: &str) -> String {
     out
 }
 
+/// Whole seconds from `at_ms` (ms since the epoch) to `now`; 0 for a time
+/// in the future.
+pub fn age_secs(at_ms: u64, now: SystemTime) -> u64 {
+    millis(now).saturating_sub(at_ms) / 1000
+}
+
 /// A short age: `45s`, `12m`, `3h12m`, `2d4h`.
 pub fn age(at_ms: u64, now: SystemTime) -> String {
-    let secs = millis(now).saturating_sub(at_ms) / 1000;
+    let secs = age_secs(at_ms, now);
     match secs {
         s if s < 60 => format!("{s}s"),
         s if s < 3600 => format!("{}m", s / 60),
@@ -614,8 +621,24 @@ pub fn fields_json(fields: &[(Vec<u8>, Vec<u8>)]) -> Option<Map<String, Value>> 
     Some(map)
 }
 
+/// A time in ms since the epoch as RFC 3339 (with milliseconds when
+/// `with_millis`), or `"<n> ms"` for a time humantime cannot format (year
+/// 10000 and later): a corrupted field must not crash a command or a page.
+pub fn format_time(ms: u64, with_millis: bool) -> String {
+    const MAX_MS: u64 = 253_402_300_799_999; // 9999-12-31T23:59:59.999Z
+    if ms > MAX_MS {
+        return format!("{ms} ms");
+    }
+    let t = UNIX_EPOCH + Duration::from_millis(ms);
+    if with_millis {
+        humantime::format_rfc3339_millis(t).to_string()
+    } else {
+        humantime::format_rfc3339_seconds(t).to_string()
+    }
+}
+
 fn rfc3339(ms: u64) -> String {
-    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+    format_time(ms, true)
 }
 
 /// A dead letter as one JSON object, for tools (`taskhub dlq list --json`)
@@ -1383,6 +1406,30 @@ mod tests {
         assert!(!valid_id("abc"));
         assert!(!valid_id("1-"));
         assert!(!valid_id(""));
+    }
+
+    #[test]
+    fn times_past_year_9999_are_shown_raw_not_a_crash() {
+        assert_eq!(format_time(0, true), "1970-01-01T00:00:00.000Z");
+        assert_eq!(format_time(1_500, false), "1970-01-01T00:00:01Z");
+        assert_eq!(format_time(u64::MAX, true), format!("{} ms", u64::MAX));
+        let letter = DeadLetter {
+            id: Some("9-0".into()),
+            original_id: "1-0".into(),
+            stream: "s".into(),
+            group: "g".into(),
+            consumer: "c".into(),
+            event_id: Some("e".into()),
+            kind: Kind::Permanent,
+            reason: "r".into(),
+            attempts: 1,
+            history: Vec::new(),
+            first_failed_at: u64::MAX,
+            dead_at: 253_402_300_800_000,
+            fields: Vec::new(),
+        };
+        let json = letter_json(&letter);
+        assert_eq!(json["dead_at_rfc3339"], "253402300800000 ms");
     }
 
     #[test]

@@ -8,7 +8,7 @@
 
 use std::fmt::Write as _;
 use std::io::Read as _;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
 use crate::dead_letter::{DeadLetter, Kind};
 use crate::dlq::{self, Filter, ReasonMatch, ReplayOptions, Selection};
@@ -92,14 +92,8 @@ fn html(status: u16, title: &str, body: &str) -> Response {
     )
 }
 
-/// RFC 3339, or the raw number for a time humantime cannot format (year
-/// 10000 and later: a corrupted field must not crash the page).
 fn time(ms: u64) -> String {
-    const MAX_MS: u64 = 253_402_300_799_999; // 9999-12-31T23:59:59.999Z
-    if ms > MAX_MS {
-        return format!("{ms} ms");
-    }
-    humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+    crate::dlq::format_time(ms, false)
 }
 
 fn field_text(value: &[u8]) -> String {

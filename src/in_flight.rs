@@ -81,18 +81,28 @@ impl InFlight {
         }
     }
 
-    /// Turns a reservation of `reserved` places into the entries actually
-    /// read. Returns, per key, whether it was newly admitted (`false`: this
-    /// process already holds it, skip it).
-    pub fn admit<'a>(&self, reserved: usize, keys: impl IntoIterator<Item = &'a str>) -> Vec<bool> {
+    /// Turns a reservation of `reserved` places into the entries of `stream`
+    /// actually read, by id. Returns, per entry, whether it was newly
+    /// admitted (`false`: this process already holds it, skip it).
+    pub fn admit<'a>(
+        &self,
+        reserved: usize,
+        stream: &str,
+        ids: impl IntoIterator<Item = &'a str>,
+    ) -> Vec<bool> {
         let mut state = self.lock();
         state.reserved = state.reserved.saturating_sub(reserved);
-        let admitted = keys
+        let admitted = ids
             .into_iter()
-            .map(|k| state.entries.insert(k.to_owned()))
+            .map(|id| state.entries.insert(key(stream, id)))
             .collect();
         self.changed.notify_all();
         admitted
+    }
+
+    /// Gives back a reservation for which nothing was read.
+    pub fn unreserve(&self, reserved: usize) {
+        self.admit(reserved, "", []);
     }
 
     /// Marks an entry finished (acked, dead-lettered or abandoned).
@@ -142,19 +152,19 @@ mod tests {
         let s = Shutdown::new();
         assert_eq!(f.reserve(2, &s), 2);
         assert_eq!(f.reserve(5, &s), 1);
-        assert_eq!(f.admit(2, ["a", "b"]), [true, true]);
-        assert_eq!(f.admit(1, ["a"]), [false]);
+        assert_eq!(f.admit(2, "s", ["a", "b"]), [true, true]);
+        assert_eq!(f.admit(1, "s", ["a"]), [false]);
         assert_eq!(f.len(), 2);
         assert_eq!(f.reserve(5, &s), 1);
-        f.admit(1, []);
+        f.unreserve(1);
         f.park(); // "a" waits for a retry: room for one more
         assert_eq!(f.reserve(5, &s), 2);
-        f.admit(2, []);
+        f.unreserve(2);
         f.unpark();
-        f.finish("a");
-        f.admit(0, [key("s", "1").as_str(), key("s", "2").as_str()]);
-        f.finish_all("s", ["1", "2"]);
-        f.finish("b");
+        f.finish(&key("s", "a"));
+        f.admit(0, "t", ["1", "2"]);
+        f.finish_all("t", ["1", "2"]);
+        f.finish(&key("s", "b"));
         assert_eq!(f.len(), 0);
         s.shutdown();
         assert_eq!(f.reserve(1, &s), 0);

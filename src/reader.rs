@@ -96,13 +96,10 @@ pub(crate) fn reader_thread(shared: &Shared, index: usize, jobs: &Sender<Job>) {
                     }
                 }
                 let idle = entries.is_empty() && matches!(position, Position::New);
-                let keys: Vec<String> = entries
-                    .iter()
-                    .map(|e| crate::in_flight::key(&stream, &e.id))
-                    .collect();
-                let admitted = shared
-                    .in_flight
-                    .admit(room, keys.iter().map(String::as_str));
+                let admitted =
+                    shared
+                        .in_flight
+                        .admit(room, &stream, entries.iter().map(|e| e.id.as_str()));
                 let job = deliveries(shared, &stream, entries, &admitted, |id| {
                     counts
                         .as_ref()
@@ -115,7 +112,7 @@ pub(crate) fn reader_thread(shared: &Shared, index: usize, jobs: &Sender<Job>) {
                 shared.reader_idle[index].store(idle, Ordering::SeqCst);
             }
             Err(e) => {
-                shared.in_flight.admit(room, std::iter::empty());
+                shared.in_flight.unreserve(room);
                 shared.reader_idle[index].store(false, Ordering::SeqCst);
                 if streams::is_nogroup(&e) {
                     log::warn!(

@@ -62,7 +62,7 @@ fn reclaim_stream(
         let claimed = match claimed {
             Ok(c) => c,
             Err(e) => {
-                shared.in_flight.admit(room, std::iter::empty());
+                shared.in_flight.unreserve(room);
                 return Err(e);
             }
         };
@@ -83,18 +83,14 @@ fn reclaim_stream(
             Err(e) => {
                 // Give the room back (the claimed entries stay pending and
                 // are claimed again next time).
-                shared.in_flight.admit(room, std::iter::empty());
+                shared.in_flight.unreserve(room);
                 return Err(e);
             }
         };
-        let keys: Vec<String> = claimed
-            .entries
-            .iter()
-            .map(|e| crate::in_flight::key(stream, &e.id))
-            .collect();
-        let admitted = shared
-            .in_flight
-            .admit(room, keys.iter().map(String::as_str));
+        let admitted =
+            shared
+                .in_flight
+                .admit(room, stream, claimed.entries.iter().map(|e| e.id.as_str()));
         let n = admitted.iter().filter(|a| **a).count();
         if n > 0 {
             log::info!(

@@ -124,12 +124,16 @@ impl Health {
     }
 
     /// Records that `server` failed; logs only the first failure of an outage.
-    pub fn down(&self, server: Server, why: &dyn std::fmt::Display) {
-        if !self.flag(server).swap(true, Ordering::SeqCst) {
+    /// Records that `server` failed; logs the start of an outage once, however
+    /// many threads notice it. Returns whether this call logged it.
+    pub fn down(&self, server: Server, why: &dyn std::fmt::Display) -> bool {
+        let first = !self.flag(server).swap(true, Ordering::SeqCst);
+        if first {
             log::error!(
                 "{server:?}: unavailable ({why}); pausing and reconnecting with backoff, no event is failed because of this"
             );
         }
+        first
     }
 
     /// Records that `server` works; logs the end of an outage.
@@ -147,7 +151,9 @@ pub(crate) const DURATION_BUCKETS: [f64; 10] =
 /// A Prometheus-style histogram of handler call durations, lock-free.
 #[derive(Debug, Default)]
 pub(crate) struct Histogram {
-    /// Cumulative counts per bucket of `DURATION_BUCKETS`, then +Inf.
+    /// Counts per bucket of `DURATION_BUCKETS` (each call lands in the first
+    /// bucket whose bound it does not exceed), then above the last bound;
+    /// made cumulative when read, so a call costs two atomic adds.
     buckets: [AtomicU64; 11],
     sum_micros: AtomicU64,
 }
@@ -155,12 +161,11 @@ pub(crate) struct Histogram {
 impl Histogram {
     pub fn observe(&self, d: std::time::Duration) {
         let secs = d.as_secs_f64();
-        for (i, bound) in DURATION_BUCKETS.iter().enumerate() {
-            if secs <= *bound {
-                self.buckets[i].fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        self.buckets[10].fetch_add(1, Ordering::Relaxed);
+        let i = DURATION_BUCKETS
+            .iter()
+            .position(|bound| secs <= *bound)
+            .unwrap_or(DURATION_BUCKETS.len());
+        self.buckets[i].fetch_add(1, Ordering::Relaxed);
         self.sum_micros.fetch_add(
             u64::try_from(d.as_micros()).unwrap_or(u64::MAX),
             Ordering::Relaxed,
@@ -169,7 +174,50 @@ impl Histogram {
 
     /// (cumulative bucket counts, +Inf last; sum in seconds).
     pub fn read(&self) -> ([u64; 11], f64) {
-        let counts = std::array::from_fn(|i| self.buckets[i].load(Ordering::Relaxed));
+        let mut total = 0;
+        let counts = std::array::from_fn(|i| {
+            total += self.buckets[i].load(Ordering::Relaxed);
+            total
+        });
         (counts, self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Health, Histogram, Server};
+    use std::time::Duration;
+
+    #[test]
+    fn histogram_buckets_are_cumulative() {
+        let h = Histogram::default();
+        for ms in [0, 1, 3, 30, 400, 9_000] {
+            h.observe(Duration::from_millis(ms));
+        }
+        let (counts, sum) = h.read();
+        // Bounds: 1ms 2.5ms 5ms 10ms 25ms 50ms 100ms 250ms 1s 5s +Inf.
+        assert_eq!(counts, [2, 2, 3, 3, 3, 4, 4, 4, 5, 5, 6]);
+        assert!((sum - 9.434).abs() < 1e-9, "{sum}");
+    }
+
+    #[test]
+    fn an_outage_is_logged_once_however_many_threads_see_it() {
+        let health = Health::default();
+        let logged: usize = std::thread::scope(|s| {
+            let threads: Vec<_> = (0..8)
+                .map(|_| s.spawn(|| health.down(Server::Redis, &"refused")))
+                .collect();
+            threads
+                .into_iter()
+                .map(|t| t.join().unwrap())
+                .filter(|&first| first)
+                .count()
+        });
+        assert_eq!(logged, 1);
+        assert!(!health.down(Server::Redis, &"still refused"));
+        // Another server's outage is its own; a new outage is logged again.
+        assert!(health.down(Server::Postgres, &"refused"));
+        health.up(Server::Redis);
+        assert!(health.down(Server::Redis, &"refused again"));
     }
 }

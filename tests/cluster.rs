@@ -351,7 +351,8 @@ fn events_apply_once_on_a_cluster_over_tls_with_an_acl_user() {
     // A wrong password: one line, the password not in it.
     let wrong = url.replace(password, "not-the-password");
     let out = cli(&wrong, &run, None);
-    assert!(!out.status.success());
+    assert_eq!(out.code(), Some(1), "{}", out.stderr);
+    assert_eq!(out.stderr.trim().lines().count(), 1, "{}", out.stderr);
     assert!(
         out.stderr.contains("cannot connect to Redis") && !out.stderr.contains("not-the-password"),
         "{}",

@@ -315,6 +315,12 @@ fn crash_loop_event_is_dead_lettered_and_others_applied_once() {
     assert_eq!(letter.fields, poison_fields, "every original field, raw");
     assert_eq!(letter.attempts, MAX_ATTEMPTS as u32);
     assert_eq!(letter.history.len(), MAX_ATTEMPTS);
+    // Deliveries that crashed the process have no time of failure.
+    assert!(
+        letter.history.iter().all(|a| a.at.is_none()),
+        "{:?}",
+        letter.history
+    );
     assert_eq!(db.effects("poison"), 0);
     assert_eq!(
         db.count("SELECT count(*) FROM processed_events WHERE event_id = 'poison'"),

@@ -192,6 +192,18 @@ fn list_and_detail_render_hostile_payloads_as_text() {
             encode(&id)
         ))
         .call();
+    // Every page forbids scripts, whatever it shows.
+    let page = agent
+        .get(format!("{base}/dlq?stream={}", encode(&stream)))
+        .call()
+        .unwrap();
+    let csp = page
+        .headers()
+        .get("content-security-policy")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    assert!(csp.contains("default-src 'none'"), "CSP: {csp:?}");
     assert_eq!(xlen(&mut r, &taskhub::dead_letter_stream(&stream)), 1);
     // With the token: back to its stream (where it fails again, being the
     // same bad payload, and comes back as a new dead letter).

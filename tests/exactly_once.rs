@@ -701,6 +701,76 @@ fn two_worker_processes_share_a_stream_exactly_once() {
 /// has two, no unread entry has one, and what is not acked stays pending or
 /// unread. A second run with `--until-idle` finishes the rest: every event
 /// exactly one effect, nothing pending.
+/// The shutdown deadline, the second signal and SIGINT. A handler still
+/// running when `--shutdown-timeout` passes: exit 1, its entry pending, no
+/// effect. A second signal: exit 130 at once, nothing acked. SIGINT stops
+/// like SIGTERM: exit 0 after the entry was applied and acked.
+#[test]
+fn shutdown_deadline_second_signal_and_sigint() {
+    const SLEEPY_SQL: &str =
+        "INSERT INTO notifications (event_id, payload) SELECT $1, $2 FROM pg_sleep(4)";
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "slow-1"), ("payload", "p")],
+    );
+    let run = |sql: Option<&str>, shutdown_timeout: &str| {
+        let mut cmd = taskhub(&redis_url(), &db.url);
+        cmd.args(["run", "--stream", &stream, "--group", &group])
+            .args(["--consumer", "c1", "--block-ms", "100"])
+            .args(["--shutdown-timeout", shutdown_timeout]);
+        if let Some(sql) = sql {
+            cmd.args(["--sql", sql]);
+        }
+        Proc::spawn(cmd)
+    };
+    // Until the entry is read and its handler sits in pg_sleep.
+    let wait_running = |conn: &mut redis::Connection| {
+        assert!(wait_until(Duration::from_secs(20), || pending(
+            conn, &stream, &group
+        ) == 1));
+        std::thread::sleep(Duration::from_millis(500));
+    };
+
+    let mut p = run(Some(SLEEPY_SQL), "1s");
+    wait_running(&mut conn);
+    p.signal("TERM");
+    let status = p.wait(Duration::from_secs(20));
+    assert_eq!(status.code(), Some(1), "{}", p.stderr());
+    assert!(
+        p.stderr().contains("shutdown did not finish"),
+        "{}",
+        p.stderr()
+    );
+    assert_eq!(pending(&mut conn, &stream, &group), 1);
+    assert_eq!(db.effects("slow-1"), 0);
+
+    let mut p = run(Some(SLEEPY_SQL), "30s");
+    wait_running(&mut conn);
+    p.signal("TERM");
+    std::thread::sleep(Duration::from_millis(200));
+    p.signal("TERM");
+    let status = p.wait(Duration::from_secs(20));
+    assert_eq!(status.code(), Some(130), "{}", p.stderr());
+    assert!(p.stderr().contains("second signal"), "{}", p.stderr());
+    assert_eq!(pending(&mut conn, &stream, &group), 1);
+    // The interrupted transactions never commit, even once their sleep ends.
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(db.effects("slow-1"), 0);
+
+    let mut p = run(None, "10s");
+    assert!(wait_until(Duration::from_secs(20), || db.effects("slow-1")
+        == 1
+        && pending(&mut conn, &stream, &group) == 0));
+    p.signal("INT");
+    let status = p.wait(Duration::from_secs(20));
+    assert!(status.success(), "{status:?}\n{}", p.stderr());
+    assert_eq!(db.effects("slow-1"), 1);
+}
+
 #[test]
 fn sigterm_mid_run_then_until_idle_finishes_exactly_once() {
     const N: usize = 3000;

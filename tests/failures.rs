@@ -306,6 +306,74 @@ fn permanent_error_is_dead_lettered_at_once_with_full_context() {
 
 // 2. ---------------------------------------------------------------------
 
+/// A dead letter that cannot be written (here the dead-letter key holds a
+/// string, so its XADD fails) leaves the entry pending, not acked and
+/// missing; once the key is fixed, the next run dead-letters it once.
+#[test]
+fn a_dead_letter_that_cannot_be_written_stays_pending() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let good = ids("ok", 5);
+    xadd_many(&mut conn, &stream, &good);
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "bad-1"), ("payload", "p")],
+    );
+    let dlq = taskhub::dead_letter_stream(&stream);
+    let _: () = redis::cmd("SET")
+        .arg(&dlq)
+        .arg("not a stream")
+        .query(&mut conn)
+        .unwrap();
+    let handler = || {
+        handler_fn(|event: &Event, tx: &mut Tx<'_>| {
+            if event.event_id() == "bad-1" {
+                return Err(HandlerError::permanent("bad input"));
+            }
+            insert(event, tx)
+        })
+    };
+
+    let running = start(
+        builder(&redis_url(), &db.url, &stream, &group)
+            .until_idle(false)
+            .build(handler())
+            .unwrap(),
+    );
+    assert!(wait_until(Duration::from_secs(20), || db
+        .effect_counts()
+        .len()
+        == good.len()));
+    // Long enough for several failed writes.
+    std::thread::sleep(Duration::from_secs(3));
+    let summary = running.stop(Duration::from_secs(30));
+    assert_eq!(summary.dead_lettered, 0, "{summary}");
+    assert_eq!(
+        pending(&mut conn, &stream, &group),
+        1,
+        "the bad entry is not acked"
+    );
+    let kind: String = redis::cmd("TYPE").arg(&dlq).query(&mut conn).unwrap();
+    assert_eq!(kind, "string");
+    assert_exactly_once(&db, &good);
+
+    let _: () = redis::cmd("DEL").arg(&dlq).query(&mut conn).unwrap();
+    let summary = start(
+        builder(&redis_url(), &db.url, &stream, &group)
+            .build(handler())
+            .unwrap(),
+    )
+    .join(Duration::from_secs(30));
+    assert_eq!(summary.dead_permanent, 1, "{summary}");
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].event_id.as_deref(), Some("bad-1"));
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+    assert_exactly_once(&db, &good);
+}
+
 #[test]
 fn retries_exhaust_with_growing_backoff_then_dead_letter() {
     let db = TestDb::new();

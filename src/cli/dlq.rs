@@ -4,7 +4,7 @@
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 use taskhub::RedisConn;
 
 use clap::{Args, Subcommand};
@@ -199,7 +199,7 @@ struct PurgeArgs {
 #[derive(Args, Debug)]
 struct ArchiveArgs {
     /// Archive dead letters older than this (dead-lettered more than D ago), e.g. 7d.
-    #[arg(long, value_name = "D", value_parser = duration)]
+    #[arg(long, value_name = "D", value_parser = super::duration)]
     older_than: Duration,
     /// `postgres` (the dead_letters_archive table of DATABASE_URL) or a JSONL file path.
     #[arg(long, value_name = "postgres|FILE", default_value = "postgres")]
@@ -207,11 +207,6 @@ struct ArchiveArgs {
     /// Entries copied, verified and removed per step.
     #[arg(long, value_name = "N", default_value_t = 500)]
     chunk: usize,
-}
-
-fn duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s)
-        .map_err(|e| format!("{e} (expected a duration such as 90s, 2h or 7d)"))
 }
 
 fn positive(s: &str) -> Result<f64, String> {
@@ -264,7 +259,7 @@ fn plural(n: usize, thing: &str) -> String {
 }
 
 fn time(ms: u64) -> String {
-    humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+    dlq::format_time(ms, false)
 }
 
 /// Ids, a filter or --all → a selection; anything else is a usage mistake.
@@ -339,7 +334,7 @@ impl Ctx {
     fn stats(&self, conn: &mut RedisConn) -> Result<ExitCode, String> {
         let s = dlq::stats(conn, &self.stream, &Filter::default()).map_err(err)?;
         let age = |t: Option<u64>| t.map(|t| dlq::age(t, self.now));
-        let age_secs = |t: Option<u64>| t.map(|t| dlq_millis(self.now).saturating_sub(t) / 1000);
+        let age_secs = |t: Option<u64>| t.map(|t| dlq::age_secs(t, self.now));
         if self.json {
             let by_kind: serde_json::Map<String, Value> = s
                 .by_kind
@@ -509,10 +504,7 @@ impl Ctx {
             .map(|a| {
                 vec![
                     format!("  {}", a.attempt),
-                    a.at.map_or_else(
-                        || "(never reported)".to_owned(),
-                        |t| humantime::format_rfc3339_seconds(t).to_string(),
-                    ),
+                    a.at.map_or_else(|| "(never reported)".to_owned(), |t| time(dlq::millis(t))),
                     c(&a.error),
                 ]
             })
@@ -808,7 +800,7 @@ impl Ctx {
                 "stream": self.stream,
                 "count": total,
                 "by_kind": by_kind,
-                "oldest_age_secs": s.oldest_dead_at.map(|t| dlq_millis(self.now).saturating_sub(t) / 1000),
+                "oldest_age_secs": s.oldest_dead_at.map(|t| dlq::age_secs(t, self.now)),
                 "latest_reason": s.latest_reason,
             });
             print(&format!("{doc}\n"))?;
@@ -826,11 +818,6 @@ impl Ctx {
             ExitCode::FAILURE
         })
     }
-}
-
-fn dlq_millis(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Control characters (terminal escapes in untrusted payloads) made visible.
