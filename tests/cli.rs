@@ -269,6 +269,48 @@ fn produce_rejects_a_line_that_is_not_json_and_names_it() {
     assert!(line.contains("JSON"), "{line}");
 }
 
+/// `--log-format json`: every log line is one JSON object. A flag wins over
+/// its environment variable (`--consumer` over `TASKHUB_CONSUMER`).
+#[test]
+fn json_log_lines_and_flags_over_the_environment() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    xadd(&mut conn, &stream, &[("event_id", "j-1"), ("payload", "p")]);
+    let mut cmd = th(&db.url);
+    cmd.env("TASKHUB_CONSUMER", "from-env")
+        .args(["--log-format", "json", "run", "--stream", &stream])
+        .args(["--group", &group, "--consumer", "from-flag"])
+        .args(["--block-ms", "200", "--until-idle"]);
+    let out = output(cmd, None, T);
+    assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
+    let lines: Vec<serde_json::Value> = out
+        .stderr
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
+        .collect();
+    assert!(lines.len() >= 2, "{}", out.stderr);
+    for l in &lines {
+        for key in ["ts", "level", "target", "msg"] {
+            assert!(l[key].is_string(), "{key} in {l}");
+        }
+    }
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["msg"].as_str().unwrap().contains("consumer from-flag")),
+        "{}",
+        out.stderr
+    );
+    let names: Vec<String> = taskhub::consumers(&redis_url(), &stream, &group)
+        .unwrap()
+        .into_iter()
+        .map(|c| c.name)
+        .collect();
+    assert_eq!(names, ["from-flag"]);
+    assert_eq!(db.effects("j-1"), 1);
+}
+
 #[test]
 fn produce_count_then_run_until_idle_applies_all() {
     let db = TestDb::new();

@@ -164,4 +164,19 @@ fn urls_can_come_from_files() {
         stderr.contains("***") && !stderr.contains("s3cret-pw"),
         "{stderr}"
     );
+    // The PostgreSQL URL too: DATABASE_URL points nowhere, the file wins.
+    let db = TestDb::new();
+    let pg_file = dir.0.join("database.url");
+    std::fs::write(&pg_file, format!("{}\n", db.url)).unwrap();
+    let out = taskhub(&redis_url(), "postgres://x@127.0.0.1:1/x")
+        .arg("--database-url-file")
+        .arg(&pg_file)
+        .arg("migrate")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

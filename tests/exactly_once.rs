@@ -228,6 +228,12 @@ fn same_event_id_in_three_entries_has_one_effect() {
     assert_eq!(summary.duplicates, 2, "{summary}");
     assert_eq!(summary.dead_lettered, 0, "{summary}");
     assert!(marker_exists(&mut conn, &group, "dup-1"));
+    // The marker lives --marker-ttl (24 h by default), then Redis drops it.
+    let ttl: i64 = redis::cmd("TTL")
+        .arg(format!("processed:{group}:dup-1"))
+        .query(&mut conn)
+        .unwrap();
+    assert!((86_000..=86_400).contains(&ttl), "TTL {ttl}");
 }
 
 /// The three copies arrive in one XREADGROUP batch (one worker, count 16):

@@ -12,7 +12,8 @@ use support::*;
 type Seen = Arc<Mutex<Vec<(Instant, String, Vec<u8>, String)>>>;
 
 /// A downstream that answers each request with the next status from
-/// `script(event_id, n)` (n = how many requests that event_id has made).
+/// `script(event_id, n)` (n = how many requests that event_id has made);
+/// status 0 answers 200 after 1.5 s.
 fn downstream(script: fn(&str, usize) -> (u16, Option<&'static str>)) -> (String, Seen) {
     let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
     let url = format!("http://{}/hook", server.server_addr().to_ip().unwrap());
@@ -38,6 +39,15 @@ fn downstream(script: fn(&str, usize) -> (u16, Option<&'static str>)) -> (String
                 seen.iter().filter(|s| s.1 == key).count()
             };
             let (status, retry_after) = script(&key, n);
+            if status == 0 {
+                // "Hang": answer only after the client's timeout, without
+                // holding up the next requests.
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(1500));
+                    let _ = request.respond(tiny_http::Response::from_string(""));
+                });
+                continue;
+            }
             let mut response = tiny_http::Response::from_string("").with_status_code(status);
             if let Some(v) = retry_after {
                 response.add_header(tiny_http::Header::from_bytes("Retry-After", v).unwrap());
@@ -80,6 +90,9 @@ fn success_retry_after_and_permanent_statuses() {
         k if k.starts_with("ok") => (200, None),
         k if k.starts_with("slow") && n == 1 => (503, Some("1")),
         k if k.starts_with("slow") => (204, None),
+        k if k.starts_with("r408") && n == 1 => (408, None),
+        k if k.starts_with("r429") && n == 1 => (429, None),
+        k if k.starts_with("r4") => (200, None),
         _ => (422, None),
     });
     let db = TestDb::new();
@@ -92,6 +105,8 @@ fn success_retry_after_and_permanent_statuses() {
     );
     xadd(&mut r, &stream, &[("event_id", "slow-1"), ("payload", "p")]);
     xadd(&mut r, &stream, &[("event_id", "bad-1"), ("payload", "p")]);
+    xadd(&mut r, &stream, &[("event_id", "r408-1"), ("payload", "p")]);
+    xadd(&mut r, &stream, &[("event_id", "r429-1"), ("payload", "p")]);
     let mut p = run_http(&url, &stream, &db, &[]);
     assert!(p.wait(Duration::from_secs(30)).success(), "{}", p.stderr());
 
@@ -110,6 +125,9 @@ fn success_retry_after_and_permanent_statuses() {
         gap >= Duration::from_secs(1),
         "Retry-After ignored: gap {gap:?}"
     );
+    // 408 and 429: retryable, so tried again and applied.
+    assert_eq!(calls("r408-1").len(), 2);
+    assert_eq!(calls("r429-1").len(), 2);
     // 422: permanent, not retried.
     assert_eq!(calls("bad-1").len(), 1);
     let dead = dead_letters(&mut r, &stream);
@@ -118,7 +136,22 @@ fn success_retry_after_and_permanent_statuses() {
     assert_eq!(dead[0].kind, taskhub::DeadLetterKind::Permanent);
     assert!(dead[0].reason.contains("HTTP 422"), "{}", dead[0].reason);
     // Successes are recorded in processed_events.
-    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 2);
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 4);
+    assert_eq!(pending(&mut r, &stream, &stream), 0);
+}
+
+#[test]
+fn a_downstream_timeout_is_retried() {
+    let (url, seen) = downstream(|_, n| if n == 1 { (0, None) } else { (204, None) });
+    let db = TestDb::new();
+    let stream = unique("http-slow");
+    let mut r = redis(&redis_url());
+    xadd(&mut r, &stream, &[("event_id", "t1"), ("payload", "p")]);
+    let mut p = run_http(&url, &stream, &db, &["--http-timeout", "300ms"]);
+    assert!(p.wait(Duration::from_secs(30)).success(), "{}", p.stderr());
+    assert_eq!(seen.lock().unwrap().len(), 2, "timed out, then tried again");
+    assert!(dead_letters(&mut r, &stream).is_empty());
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 1);
     assert_eq!(pending(&mut r, &stream, &stream), 0);
 }
 

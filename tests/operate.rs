@@ -159,26 +159,62 @@ fn metrics_health_and_readiness_match_what_the_run_did() {
 fn readyz_says_which_server_is_down() {
     let mut pg = PrivatePostgres::start();
     let db = TestDb::on(&pg.url("postgres"));
+    readyz_names_the_server_down(&redis_url(), &db, "postgres", |up| {
+        if up {
+            pg.start_again()
+        } else {
+            pg.stop()
+        }
+    });
+    let mut r = PrivateRedis::start();
+    let db = TestDb::new();
+    readyz_names_the_server_down(&r.url(), &db, "redis", |up| {
+        if up {
+            r.start_again()
+        } else {
+            r.stop()
+        }
+    });
+}
+
+/// `/readyz` answers 200, then 503 naming `server` while it is stopped
+/// (`set_up(false)`; `/healthz` still 200), then 200 again once it is back
+/// (`set_up(true)`).
+fn readyz_names_the_server_down(
+    redis_url: &str,
+    db: &TestDb,
+    server: &str,
+    mut set_up: impl FnMut(bool),
+) {
     let stream = unique("ready");
     let port = free_port();
-    let mut cmd = run_on(&db.url, &stream);
-    cmd.args(["--http", &format!("127.0.0.1:{port}")]);
+    let mut cmd = taskhub(redis_url, &db.url);
+    cmd.args([
+        "run",
+        "--stream",
+        &stream,
+        "--group",
+        &stream,
+        "--block-ms",
+        "100",
+    ])
+    .args(["--http", &format!("127.0.0.1:{port}")]);
     let mut p = Proc::spawn(cmd);
     let url = format!("http://127.0.0.1:{port}/readyz");
     assert!(wait_until(Duration::from_secs(20), || {
         std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
     }));
     assert_eq!(get(&url).0, 200);
-    pg.stop();
+    set_up(false);
     let (status, body) = get(&url);
     assert_eq!(status, 503, "{body}");
-    assert!(body.contains("postgres"), "{body}");
+    assert!(body.contains(server), "{body}");
     assert_eq!(
         get(&format!("http://127.0.0.1:{port}/healthz")).0,
         200,
         "alive all the same"
     );
-    pg.start_again();
+    set_up(true);
     assert!(wait_until(Duration::from_secs(20), || get(&url).0 == 200));
     p.signal("TERM");
     assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());

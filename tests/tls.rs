@@ -279,14 +279,16 @@ fn a_wrong_certificate_authority_is_a_one_line_startup_error() {
         certs.ca.display()
     );
 
-    // PostgreSQL, verify-full against another CA; and against the system
-    // store (no sslrootcert), which does not know the test CA either.
-    for root in [
-        format!("&sslrootcert={}", other.ca.display()),
-        String::new(),
+    // PostgreSQL, verify-full against another CA; against the system store
+    // (no sslrootcert), which does not know the test CA either; and require
+    // with another CA's sslrootcert, which checks the chain like libpq.
+    for tls in [
+        format!("verify-full&sslrootcert={}", other.ca.display()),
+        "verify-full".to_owned(),
+        format!("require&sslrootcert={}", other.ca.display()),
     ] {
         let url = format!(
-            "postgres://postgres@127.0.0.1:{}/postgres?sslmode=verify-full{root}",
+            "postgres://postgres@127.0.0.1:{}/postgres?sslmode={tls}",
             pg.port
         );
         let cmd = taskhub_tls(&redis.url(), &url, Some(&certs.ca));
@@ -302,6 +304,23 @@ fn a_wrong_certificate_authority_is_a_one_line_startup_error() {
         );
         assert!(errors[0].contains(&expected), "{stderr}");
         assert!(errors[0].contains("certificate verify failed"), "{stderr}");
+    }
+
+    // verify-full checks the host name, verify-ca does not: the server is
+    // reached at 127.0.0.1 under a name its certificate does not carry.
+    for (mode, code) in [("verify-full", 1), ("verify-ca", 0)] {
+        let url = format!(
+            "postgres://postgres@not-in-the-cert.invalid:{}/postgres?hostaddr=127.0.0.1&sslmode={mode}&sslrootcert={}",
+            pg.port,
+            certs.ca.display()
+        );
+        let mut cmd = taskhub_tls(&redis.url(), &url, Some(&certs.ca));
+        cmd.arg("migrate");
+        let (got, stderr) = run(&mut cmd, None);
+        assert_eq!(got, code, "{mode}: {stderr}");
+        if code == 1 {
+            assert!(stderr.contains("certificate verify failed"), "{stderr}");
+        }
     }
 
     // Redis, against another CA and against the system store.
