@@ -218,6 +218,70 @@ fn list_and_detail_render_hostile_payloads_as_text() {
     assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
 }
 
+/// The kind and reason filters narrow the list; with the token a dead letter
+/// can be deleted (without it, refused).
+#[test]
+fn filters_narrow_the_list_and_delete_needs_the_token() {
+    let db = TestDb::new();
+    let (mut p, base, stream, id) = setup(&db, Some(TOKEN));
+    let mut r = redis(&redis_url());
+    // A second dead letter, of another kind and reason: no event_id.
+    xadd(&mut r, &stream, &[("payload", "1")]);
+    assert!(wait_until(Duration::from_secs(20), || dead_letters(
+        &mut r, &stream
+    )
+    .len()
+        == 2));
+    let other = dead_letters(&mut r, &stream)
+        .into_iter()
+        .find(|l| l.id.as_deref() != Some(id.as_str()))
+        .and_then(|l| l.id)
+        .unwrap();
+    let list = |filter: &str| {
+        let agent = ureq::agent();
+        agent
+            .get(format!("{base}/dlq?stream={}&{filter}", encode(&stream)))
+            .call()
+            .unwrap()
+            .body_mut()
+            .read_to_string()
+            .unwrap()
+    };
+    let invalid = list("kind=invalid");
+    assert!(
+        invalid.contains(&other) && !invalid.contains(&id),
+        "{invalid}"
+    );
+    let by_reason = list("reason=22P02");
+    assert!(
+        by_reason.contains(&id) && !by_reason.contains(&other),
+        "{by_reason}"
+    );
+
+    let form = |token: &str| {
+        format!(
+            "stream={}&id={}&token={}",
+            encode(&stream),
+            encode(&id),
+            encode(token)
+        )
+    };
+    assert_eq!(
+        post(&format!("{base}/dlq/delete"), &form("wrong-token-123")).0,
+        403
+    );
+    assert_eq!(dead_letters(&mut r, &stream).len(), 2);
+    let (status, body) = post(&format!("{base}/dlq/delete"), &form(TOKEN));
+    assert_eq!(status, 303, "{body}");
+    let left: Vec<Option<String>> = dead_letters(&mut r, &stream)
+        .into_iter()
+        .map(|l| l.id)
+        .collect();
+    assert_eq!(left, [Some(other)]);
+    p.signal("TERM");
+    assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+}
+
 #[test]
 fn without_a_token_the_page_is_read_only() {
     let db = TestDb::new();

@@ -155,6 +155,60 @@ fn metrics_health_and_readiness_match_what_the_run_did() {
     assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
 }
 
+/// The gauges while work is held (a slow statement, one worker): entries in
+/// flight, pending in the group, lag behind the stream, never more entries
+/// held than the bound; then the duplicate counter once a repeated event_id
+/// has gone through.
+#[test]
+fn metrics_show_work_in_progress_and_duplicates() {
+    const SLOW_SQL: &str =
+        "INSERT INTO notifications (event_id, payload) SELECT $1, $2 FROM pg_sleep(0.4)";
+    let db = TestDb::new();
+    let stream = unique("ops-busy");
+    let mut r = redis(&redis_url());
+    for id in ["e0", "e1", "e2", "e3", "e4", "e5", "e0"] {
+        xadd(&mut r, &stream, &[("event_id", id), ("payload", "p")]);
+    }
+    let port = free_port();
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.args(["--sql", SLOW_SQL, "--http", &port.to_string()])
+        .args(["--workers", "1", "--count", "1", "--mode", "per-event"]);
+    let mut p = Proc::spawn(cmd);
+    let metrics = || parse_metrics(&get(&format!("http://127.0.0.1:{port}/metrics")).1);
+    let gauge =
+        |m: &[(String, f64)], name: &str| sample(m, &format!(r#"{name}{{stream="{stream}"}}"#));
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+                && sample(&metrics(), "taskhub_in_flight") > 0.0
+        }),
+        "{}",
+        p.stderr()
+    );
+    let m = metrics();
+    assert!(gauge(&m, "taskhub_pending") > 0.0, "{m:?}");
+    assert!(gauge(&m, "taskhub_stream_lag") > 0.0, "{m:?}");
+    // Memory stays bounded: at most workers · count · 2 = 2 entries held.
+    let mut most_held = 0;
+    assert!(
+        wait_until(Duration::from_secs(30), || {
+            let held = pending(&mut r, &stream, &stream);
+            most_held = most_held.max(held);
+            db.effect_counts().len() == 6 && held == 0
+        }),
+        "{}",
+        p.stderr()
+    );
+    assert!((1..=2).contains(&most_held), "{most_held} entries held");
+    let m = metrics();
+    assert_eq!(sample(&m, "taskhub_events_read_total"), 7.0);
+    assert_eq!(sample(&m, "taskhub_events_applied_total"), 6.0);
+    assert_eq!(sample(&m, "taskhub_duplicates_total"), 1.0);
+    assert_eq!(sample(&m, "taskhub_in_flight"), 0.0);
+    p.signal("TERM");
+    assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+}
+
 #[test]
 fn readyz_says_which_server_is_down() {
     let mut pg = PrivatePostgres::start();
