@@ -1362,6 +1362,25 @@ fn copy_to_file(path: &Path, stream: &str, records: &[Record]) -> Result<Vec<boo
 mod tests {
     use super::*;
 
+    /// A permanent dead letter of entry 1-0 on stream `s`, with `fields`.
+    fn sample_letter(fields: Fields) -> DeadLetter {
+        DeadLetter {
+            id: Some("9-0".into()),
+            original_id: "1-0".into(),
+            stream: "s".into(),
+            group: "g".into(),
+            consumer: "c".into(),
+            event_id: Some("e".into()),
+            kind: Kind::Permanent,
+            reason: "r".into(),
+            attempts: 1,
+            history: Vec::new(),
+            first_failed_at: 1,
+            dead_at: 2,
+            fields,
+        }
+    }
+
     #[test]
     fn fingerprints_mask_numbers_and_ids() {
         assert_eq!(fingerprint("HTTP 503 for order 1234"), "HTTP # for order #");
@@ -1414,19 +1433,9 @@ mod tests {
         assert_eq!(format_time(1_500, false), "1970-01-01T00:00:01Z");
         assert_eq!(format_time(u64::MAX, true), format!("{} ms", u64::MAX));
         let letter = DeadLetter {
-            id: Some("9-0".into()),
-            original_id: "1-0".into(),
-            stream: "s".into(),
-            group: "g".into(),
-            consumer: "c".into(),
-            event_id: Some("e".into()),
-            kind: Kind::Permanent,
-            reason: "r".into(),
-            attempts: 1,
-            history: Vec::new(),
             first_failed_at: u64::MAX,
             dead_at: 253_402_300_800_000,
-            fields: Vec::new(),
+            ..sample_letter(Vec::new())
         };
         let json = letter_json(&letter);
         assert_eq!(json["dead_at_rfc3339"], "253402300800000 ms");
@@ -1434,26 +1443,12 @@ mod tests {
 
     #[test]
     fn replay_fields_replace_earlier_audit_fields() {
-        let letter = DeadLetter {
-            id: Some("9-0".into()),
-            original_id: "1-0".into(),
-            stream: "s".into(),
-            group: "g".into(),
-            consumer: "c".into(),
-            event_id: Some("e".into()),
-            kind: Kind::Permanent,
-            reason: "r".into(),
-            attempts: 1,
-            history: Vec::new(),
-            first_failed_at: 1,
-            dead_at: 2,
-            fields: vec![
-                (b"event_id".to_vec(), b"e".to_vec()),
-                (b"replayed_from".to_vec(), b"3-0".to_vec()),
-                (b"replay_count".to_vec(), b"2".to_vec()),
-                (b"bin".to_vec(), vec![0, 255]),
-            ],
-        };
+        let letter = sample_letter(vec![
+            (b"event_id".to_vec(), b"e".to_vec()),
+            (b"replayed_from".to_vec(), b"3-0".to_vec()),
+            (b"replay_count".to_vec(), b"2".to_vec()),
+            (b"bin".to_vec(), vec![0, 255]),
+        ]);
         let fields = replay_fields(&letter, UNIX_EPOCH + Duration::from_millis(42));
         let get = |n: &str| {
             let all: Vec<&Vec<u8>> = fields

@@ -78,6 +78,16 @@ fn encode(s: &str) -> String {
         .collect()
 }
 
+/// The body of a replay or delete POST for dead letter `id`.
+fn form(stream: &str, id: &str, token: &str) -> String {
+    format!(
+        "stream={}&id={}&token={}",
+        encode(stream),
+        encode(id),
+        encode(token)
+    )
+}
+
 /// Starts a worker with the page, makes one dead letter with a hostile
 /// payload and event_id, returns (process, base url, stream, dead-letter id).
 fn setup(db: &TestDb, token: Option<&str>) -> (Proc, String, String, String) {
@@ -164,14 +174,7 @@ fn list_and_detail_render_hostile_payloads_as_text() {
         .unwrap_or(false));
 
     // Replay needs the token: without it or with a wrong one, refused.
-    let form = |token: &str| {
-        format!(
-            "stream={}&id={}&token={}",
-            encode(&stream),
-            encode(&id),
-            encode(token)
-        )
-    };
+    let form = |token: &str| form(&stream, &id, token);
     assert_eq!(post(&format!("{base}/dlq/replay"), &form("")).0, 403);
     assert_eq!(
         post(&format!("{base}/dlq/replay"), &form("wrong-token-123")).0,
@@ -258,14 +261,7 @@ fn filters_narrow_the_list_and_delete_needs_the_token() {
         "{by_reason}"
     );
 
-    let form = |token: &str| {
-        format!(
-            "stream={}&id={}&token={}",
-            encode(&stream),
-            encode(&id),
-            encode(token)
-        )
-    };
+    let form = |token: &str| form(&stream, &id, token);
     assert_eq!(
         post(&format!("{base}/dlq/delete"), &form("wrong-token-123")).0,
         403
