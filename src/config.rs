@@ -34,6 +34,7 @@ pub struct Config {
     pub(crate) reclaim_min_idle: Duration,
     pub(crate) max_event_id_bytes: usize,
     pub(crate) max_entry_bytes: usize,
+    pub(crate) handler_timeout: Duration,
     pub(crate) mode: Mode,
     pub(crate) http: Option<String>,
     pub(crate) alert_webhook: Option<String>,
@@ -118,6 +119,7 @@ impl fmt::Debug for Config {
             .field("reclaim_min_idle", &self.reclaim_min_idle)
             .field("max_event_id_bytes", &self.max_event_id_bytes)
             .field("max_entry_bytes", &self.max_entry_bytes)
+            .field("handler_timeout", &self.handler_timeout)
             .field("mode", &self.mode)
             .field("http", &self.http)
             .field("alert_webhook", &self.alert_webhook.as_deref().map(redact))
@@ -172,6 +174,7 @@ impl Default for Builder {
                 reclaim_min_idle: Duration::from_secs(300),
                 max_event_id_bytes: 256,
                 max_entry_bytes: 1024 * 1024,
+                handler_timeout: Duration::from_secs(60),
                 mode: Mode::Batch,
                 http: None,
                 alert_webhook: None,
@@ -274,9 +277,20 @@ impl Builder {
     );
     setter!(
         /// How long an entry must sit unacknowledged before another consumer
-        /// may take it over. Must exceed the longest handler run plus the
-        /// longest retry wait. Defaults to 300 s.
+        /// may take it over. At least 2 s, and longer than the longest single
+        /// retry wait (`backoff_cap`, `max_retry_after`). A handler run or
+        /// a wait that outlasts it is safe: an entry held for over a second
+        /// is checked (and its idle time reset) before it is committed, and
+        /// a holder that lost it to another consumer stops working on it.
+        /// Defaults to 300 s.
         reclaim_min_idle: Duration
+    );
+    setter!(
+        /// Longest a handler's SQL statement may run (PostgreSQL's
+        /// `statement_timeout` on every worker connection; the `--http-url`
+        /// handler's requests too). A statement cancelled by it is a
+        /// retryable failure. Defaults to 60 s.
+        handler_timeout: Duration
     );
     setter!(
         /// Batch or per-event commits. Defaults to [`Mode::Batch`].
@@ -414,6 +428,16 @@ impl Builder {
         }
         if c.reclaim_interval.is_zero() {
             return err("reclaim interval must be positive".into());
+        }
+        if c.handler_timeout < Duration::from_millis(1) {
+            return err("handler timeout must be at least 1 ms".into());
+        }
+        if c.reclaim_min_idle < Duration::from_secs(2) {
+            return err(format!(
+                "reclaim min-idle must be at least 2s, not {:?} (entries held for up to 1 s are \
+                 committed without asking Redis whether another consumer took them over)",
+                c.reclaim_min_idle
+            ));
         }
         let longest_wait = c.backoff_cap.max(c.max_retry_after);
         if c.reclaim_min_idle <= longest_wait {

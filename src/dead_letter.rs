@@ -7,10 +7,10 @@
 //! attempt count and history, and the first-failure and dead-at times.
 //!
 //! The XADD to the dead-letter stream and the XACK of the original entry go in
-//! one atomic step (a Lua script that writes the letter only if the XACK
-//! acked the entry): an event is never both dead and pending, nor acked and
-//! missing, nor dead twice. The dead-letter stream is never trimmed by
-//! taskhub.
+//! one atomic step (a Lua script, [`WRITE_DEAD_LETTER`], that writes only
+//! for the consumer that owns the entry, and only once per entry): an event
+//! is never both dead and pending, nor acked and missing, nor dead twice.
+//! The dead-letter stream is never trimmed by taskhub.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -18,7 +18,7 @@ use crossbeam_channel::Receiver;
 
 use crate::delivery::Attempt;
 use crate::event::Fields;
-use crate::redis_conn::RedisConn;
+use crate::in_flight::Ticket;
 use crate::run::Shared;
 use crate::stats::{Server, Stats};
 
@@ -35,15 +35,20 @@ pub enum Kind {
     CrashLoop,
     /// The entry breaks the message contract or cannot be decoded.
     Invalid,
+    /// The entry was deleted from its stream (a producer's `MAXLEN`, an
+    /// `XDEL`) while it was pending, before it could be applied: the letter
+    /// keeps what was known of it.
+    Trimmed,
 }
 
 impl Kind {
     /// All kinds.
-    pub const ALL: [Kind; 4] = [
+    pub const ALL: [Kind; 5] = [
         Kind::Permanent,
         Kind::Exhausted,
         Kind::CrashLoop,
         Kind::Invalid,
+        Kind::Trimmed,
     ];
 
     /// The name stored in the `kind` field.
@@ -53,6 +58,7 @@ impl Kind {
             Kind::Exhausted => "exhausted",
             Kind::CrashLoop => "crash_loop",
             Kind::Invalid => "invalid",
+            Kind::Trimmed => "trimmed",
         }
     }
 
@@ -107,6 +113,58 @@ pub fn dead_letter_stream(stream: &str) -> String {
 
 /// Prefix of original fields inside a dead letter.
 const FIELD_PREFIX: &[u8] = b"f:";
+
+/// A letter whose entry had more fields than this keeps them all in one
+/// field, [`PACKED_FIELDS`], so that the letter still fits the arguments of
+/// the Lua script that writes it (Lua's `unpack` takes fewer than 8,000
+/// values).
+const MAX_INLINE_FIELDS: usize = 3_900;
+
+/// The field holding the original fields of a very wide entry, each name
+/// and value written as `<length>:<bytes>`.
+const PACKED_FIELDS: &[u8] = b"packed_fields";
+
+fn pack(fields: &Fields) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (k, v) in fields {
+        for part in [k, v] {
+            out.extend_from_slice(part.len().to_string().as_bytes());
+            out.push(b':');
+            out.extend_from_slice(part);
+        }
+    }
+    out
+}
+
+fn unpack(packed: &[u8]) -> Result<Fields, String> {
+    let mut parts = Vec::new();
+    let mut rest = packed;
+    while !rest.is_empty() {
+        let colon = rest
+            .iter()
+            .position(|b| *b == b':')
+            .ok_or("packed_fields: no length")?;
+        let len: usize = std::str::from_utf8(&rest[..colon])
+            .ok()
+            .and_then(|n| n.parse().ok())
+            .ok_or("packed_fields: bad length")?;
+        let end = colon
+            .checked_add(1 + len)
+            .filter(|end| *end <= rest.len())
+            .ok_or("packed_fields: cut short")?;
+        parts.push(rest[colon + 1..end].to_vec());
+        rest = &rest[end..];
+    }
+    if parts.len() % 2 != 0 {
+        return Err("packed_fields: a name without a value".into());
+    }
+    let mut fields = Vec::with_capacity(parts.len() / 2);
+    let mut it = parts.into_iter();
+    while let (Some(k), Some(v)) = (it.next(), it.next()) {
+        fields.push((k, v));
+    }
+    Ok(fields)
+}
 
 /// `t` in milliseconds since the epoch (0 before it).
 pub fn millis(t: SystemTime) -> u64 {
@@ -172,6 +230,10 @@ impl DeadLetter {
         put("history", history_json(&self.history));
         put("first_failed_at", self.first_failed_at.to_string());
         put("dead_at", self.dead_at.to_string());
+        if self.fields.len() > MAX_INLINE_FIELDS {
+            out.push((PACKED_FIELDS.to_vec(), pack(&self.fields)));
+            return out;
+        }
         for (k, v) in &self.fields {
             let mut name = FIELD_PREFIX.to_vec();
             name.extend_from_slice(k);
@@ -208,13 +270,17 @@ impl DeadLetter {
             history: parse_history(&text("history")?)?,
             first_failed_at: number("first_failed_at")?,
             dead_at: number("dead_at")?,
-            fields: raw
-                .iter()
-                .filter_map(|(k, v)| {
-                    k.strip_prefix(FIELD_PREFIX)
-                        .map(|name| (name.to_vec(), v.clone()))
-                })
-                .collect(),
+            fields: match raw.iter().find(|(k, _)| k.as_slice() == PACKED_FIELDS) {
+                Some((_, packed)) if !packed.is_empty() => unpack(packed)?,
+                Some(_) => Vec::new(),
+                None => raw
+                    .iter()
+                    .filter_map(|(k, v)| {
+                        k.strip_prefix(FIELD_PREFIX)
+                            .map(|name| (name.to_vec(), v.clone()))
+                    })
+                    .collect(),
+            },
         })
     }
 
@@ -227,81 +293,90 @@ impl DeadLetter {
     }
 }
 
-/// A dead letter on its way to the writer, with the in-flight key to release.
+/// A dead letter on its way to the writer.
 #[derive(Debug)]
 pub(crate) struct Job {
     pub letter: DeadLetter,
-    pub in_flight_key: String,
+    /// The delivery count this consumer holds the entry with (its ticket's,
+    /// when it has one, which follows later deliveries to this process): the
+    /// letter is written only while the entry is still pending for this
+    /// consumer with this count. `None` for an entry that already left the
+    /// pending list (XAUTOCLAIM reports trimmed entries that way).
+    pub token: Option<u64>,
+    /// The entry's place in the in-flight set, released once written.
+    pub ticket: Option<Ticket>,
 }
 
-/// Writes a dead letter and acks its entry in one atomic step, but only if
-/// the entry is still pending in the group; returns 1 when written, 0 when
-/// not. The XADD comes before the XACK: a script is not rolled back, so if
-/// the XADD fails the entry must still be pending (and is retried), never
-/// acked and missing.
+/// Writes a dead letter and acks its entry in one atomic step, only while
+/// this consumer owns the entry (pending for it, with the delivery count it
+/// holds it with), and only once per entry. Returns 1 when written, 0 when
+/// the entry is no longer this consumer's (another consumer claimed it, or
+/// it was acked), 2 when it was dead-lettered before (then it is acked).
 ///
-/// Two consumers can hold the same entry: its owner, held up past
-/// `reclaim_min_idle` (by a PostgreSQL outage, say), and the consumer that
-/// reclaimed it meanwhile. Both reach the same verdict on an invalid or
-/// permanently failing event, and both used to write it: it was
-/// dead-lettered twice (found by scripts/chaos.sh). Now the second one finds
-/// the entry no longer pending and writes nothing. (A deleted group, NOGROUP,
-/// also answers 0: the entry is gone, or is delivered again from the
-/// recreated group.)
-const WRITE_IF_PENDING: &str = "\
-    local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) \
-    if type(pending) ~= 'table' or #pending == 0 then return 0 end \
-    redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3)) \
-    redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) \
-    return 1";
+/// - Ownership: an owner that was slow past `reclaim_min_idle` and the
+///   consumer that claimed the entry meanwhile can both reach a verdict;
+///   only the current owner's counts. The delivery count is the fence: a
+///   claim raises it, so a verdict reached before the entry changed hands,
+///   even by the consumer that owns it again now, is refused.
+/// - Once: the index `<stream>:dlq:index` records every entry written, so
+///   an entry delivered again (its group destroyed and created again) is
+///   not dead-lettered twice.
+/// - The XADD comes before the XACK: a script is not rolled back, so if the
+///   XADD fails the entry is still pending (and is retried), never acked
+///   and missing.
+///
+/// KEYS: stream, dead-letter stream, index. ARGV: group, entry id, consumer,
+/// delivery count (empty: no ownership check), then the letter's fields.
+const WRITE_DEAD_LETTER: &str = r"
+if redis.call('HEXISTS', KEYS[3], ARGV[2]) == 1 then
+    redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
+    return 2
+end
+if ARGV[4] ~= '' then
+    local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+    if type(p) ~= 'table' or #p == 0 or p[1][2] ~= ARGV[3]
+        or p[1][4] ~= tonumber(ARGV[4]) then
+        return 0
+    end
+end
+local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5))
+redis.call('HSET', KEYS[3], ARGV[2], id)
+redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
+return 1
+";
 
-/// Lua's `unpack` takes fewer than 8,000 values: a letter with more fields
-/// (an entry with about 4,000 fields) is written with MULTI/EXEC instead,
-/// unconditionally, so it can still be dead-lettered twice in that race.
-const MAX_SCRIPT_VALUES: usize = 7_900;
-
-/// The call of [`WRITE_IF_PENDING`] that writes `letter` and acks its
-/// entry; `None` for a letter too large for a script (see
-/// [`MAX_SCRIPT_VALUES`]).
-fn write_if_pending(letter: &DeadLetter, fields: &[(Vec<u8>, Vec<u8>)]) -> Option<redis::Cmd> {
-    if fields.len() * 2 > MAX_SCRIPT_VALUES {
-        return None;
-    }
+/// The call of [`WRITE_DEAD_LETTER`] for one job.
+fn write_command(job: &Job) -> redis::Cmd {
+    let letter = &job.letter;
     let mut eval = redis::cmd("EVAL");
-    eval.arg(WRITE_IF_PENDING)
-        .arg(2)
+    eval.arg(WRITE_DEAD_LETTER)
+        .arg(3)
         .arg(&letter.stream)
         .arg(dead_letter_stream(&letter.stream))
-        .arg(&letter.group)
-        .arg(&letter.original_id);
-    for (k, v) in fields {
-        eval.arg(k).arg(v);
-    }
-    Some(eval)
-}
-
-/// Writes a letter too large for a script, and acks its entry, in one
-/// MULTI/EXEC (on a cluster, it goes to the node of the stream's hash slot).
-fn write_large(
-    conn: &mut RedisConn,
-    letter: &DeadLetter,
-    fields: &[(Vec<u8>, Vec<u8>)],
-) -> redis::RedisResult<()> {
-    let mut xadd = redis::cmd("XADD");
-    xadd.arg(dead_letter_stream(&letter.stream)).arg("*");
-    for (k, v) in fields {
-        xadd.arg(k).arg(v);
-    }
-    redis::pipe()
-        .atomic()
-        .add_command(xadd)
-        .ignore()
-        .cmd("XACK")
-        .arg(&letter.stream)
+        .arg(crate::keys::dead_letter_index(&letter.stream))
         .arg(&letter.group)
         .arg(&letter.original_id)
-        .ignore()
-        .query(conn)
+        .arg(&letter.consumer)
+        .arg(
+            job.ticket
+                .as_ref()
+                .and_then(Ticket::token)
+                .or(job.token)
+                .map(|n| n.to_string())
+                .unwrap_or_default(),
+        );
+    for (k, v) in letter.to_fields() {
+        eval.arg(k).arg(v);
+    }
+    eval
+}
+
+/// What the script answered for one letter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Written {
+    Now,
+    NotOwned,
+    Before,
 }
 
 /// The dead-letter writer thread: writes what the workers hand it, in
@@ -320,14 +395,12 @@ pub(crate) fn writer_thread(shared: &Shared, jobs: &Receiver<Job>) {
                 Err(_) => break,
             }
         }
-        let mut written = Vec::new();
-        loop {
+        let written = loop {
             match write(shared, &batch) {
                 Ok(w) => {
                     shared.health.up(Server::Redis);
                     attempt = 0;
-                    written = w;
-                    break;
+                    break w;
                 }
                 Err(e) => {
                     shared.health.down(Server::Redis, &e);
@@ -338,31 +411,40 @@ pub(crate) fn writer_thread(shared: &Shared, jobs: &Receiver<Job>) {
                             "dead-letter writer: giving up on {} dead letters at shutdown; they stay pending and will be delivered again",
                             batch.len()
                         );
-                        for job in &batch {
-                            shared.in_flight.finish(&job.in_flight_key);
-                        }
-                        batch.clear();
-                        break;
+                        break Vec::new();
                     }
                 }
             }
+        };
+        for (job, written) in batch.iter().zip(written) {
+            report(shared, &job.letter, written);
         }
-        for (i, job) in batch.into_iter().enumerate() {
-            let l = &job.letter;
-            if !written.get(i).copied().unwrap_or(true) {
-                log::info!(
-                    "{}/{}: not dead-lettered: the entry is no longer pending (another consumer reclaimed and finished it)",
-                    l.stream,
-                    l.original_id
-                );
-                shared.in_flight.finish(&job.in_flight_key);
-                continue;
-            }
+        // Written, or left pending at shutdown: either way they leave the
+        // in-flight set.
+        let tickets: Vec<Ticket> = batch.iter_mut().filter_map(|j| j.ticket.take()).collect();
+        shared.in_flight.release_all(tickets);
+    }
+}
+
+fn report(shared: &Shared, l: &DeadLetter, written: Written) {
+    match written {
+        Written::NotOwned => log::info!(
+            "{}/{}: not dead-lettered: the entry is no longer this consumer's (another consumer claimed it, or it was finished)",
+            l.stream,
+            l.original_id
+        ),
+        Written::Before => log::info!(
+            "{}/{}: dead-lettered before (its group was created again?); acked",
+            l.stream,
+            l.original_id
+        ),
+        Written::Now => {
             let counter = match l.kind {
                 Kind::Permanent => &shared.stats.dead_permanent,
                 Kind::Exhausted => &shared.stats.dead_exhausted,
                 Kind::CrashLoop => &shared.stats.dead_crash_loop,
                 Kind::Invalid => &shared.stats.dead_invalid,
+                Kind::Trimmed => &shared.stats.dead_trimmed,
             };
             Stats::add(counter, 1);
             log::warn!(
@@ -374,40 +456,27 @@ pub(crate) fn writer_thread(shared: &Shared, jobs: &Receiver<Job>) {
                 l.attempts,
                 l.reason
             );
-            shared.in_flight.finish(&job.in_flight_key);
         }
     }
 }
 
-/// Writes `batch`; returns, per letter, whether it was written. The letters
-/// go in one pipeline (one round trip per node on a cluster), the rare
-/// letters too large for a script one at a time after it.
-fn write(shared: &Shared, batch: &[Job]) -> redis::RedisResult<Vec<bool>> {
+/// Writes `batch` in one pipeline (one round trip per node on a cluster);
+/// returns what happened to each letter.
+fn write(shared: &Shared, batch: &[Job]) -> redis::RedisResult<Vec<Written>> {
     let mut conn = shared.redis_conn()?;
     let mut pipe = conn.pipe();
-    let mut scripted = Vec::with_capacity(batch.len());
-    let mut large = Vec::new();
-    for (i, job) in batch.iter().enumerate() {
-        let fields = job.letter.to_fields();
-        match write_if_pending(&job.letter, &fields) {
-            Some(eval) => {
-                pipe.add_command(eval);
-                scripted.push(i);
-            }
-            None => large.push((i, fields)),
-        }
+    for job in batch {
+        pipe.add_command(write_command(job));
     }
-    let mut written = vec![true; batch.len()];
-    if !scripted.is_empty() {
-        let replies: Vec<redis::Value> = pipe.query(&mut conn)?;
-        for (i, reply) in scripted.into_iter().zip(replies) {
-            written[i] = !matches!(reply, redis::Value::Int(0));
-        }
-    }
-    for (i, fields) in large {
-        write_large(&mut conn, &batch[i].letter, &fields)?;
-    }
-    Ok(written)
+    let replies: Vec<i64> = pipe.query(&mut conn)?;
+    Ok(replies
+        .into_iter()
+        .map(|r| match r {
+            1 => Written::Now,
+            2 => Written::Before,
+            _ => Written::NotOwned,
+        })
+        .collect())
 }
 
 #[cfg(test)]

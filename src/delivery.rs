@@ -1,10 +1,12 @@
 //! A delivery: one stream entry on its way through the worker, with what has
-//! happened to it so far in this process.
+//! happened to it so far in this process and the proof that this consumer
+//! still owns it.
 
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::event::{Event, Fields, Invalid};
+use crate::in_flight::Ticket;
 
 /// One failed attempt, kept for the dead-letter history.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -18,6 +20,12 @@ pub struct Attempt {
     pub error: String,
 }
 
+/// An entry held this long since Redis last gave it to this consumer is
+/// checked (and its idle time reset) before its outcome is committed: no
+/// other consumer can have claimed it sooner, since claims need an idle
+/// time of at least `reclaim_min_idle`, which is at least twice this.
+pub(crate) const FRESH: Duration = Duration::from_secs(1);
+
 /// An entry read from a stream, valid or not.
 #[derive(Debug)]
 pub(crate) struct Delivery {
@@ -28,18 +36,31 @@ pub(crate) struct Delivery {
     /// delivery count, lowered by `Processor::count_start` for redeliveries
     /// that never started (entries queued behind a crash).
     pub delivery_count: u64,
+    /// Redis's delivery count when this consumer got the entry: with the
+    /// consumer name, the fence that proves it is still ours (a claim by
+    /// anyone raises it). `None` for an entry that already left the pending
+    /// list (XAUTOCLAIM reports trimmed entries that way).
+    pub token: Option<u64>,
+    /// The entry was deleted from its stream while pending; `body` has no
+    /// fields then, and it is dead-lettered as `trimmed`.
+    pub trimmed: bool,
+    /// When this consumer last got (or refreshed) the entry: taken before
+    /// the command was sent, so it is never later than Redis's own clock.
+    pub held_since: Instant,
     /// Failed attempts in this process.
     pub failures: Vec<Attempt>,
+    /// Connections lost while this event ran and other events committed:
+    /// an event that kills its database session is a crash loop too.
+    pub strikes: u32,
+    /// Its place in the in-flight set, released when the delivery is
+    /// dropped.
+    pub ticket: Option<Ticket>,
 }
 
 /// What the channel to the workers carries: entries of one stream.
 pub(crate) type Job = Vec<Delivery>;
 
 impl Delivery {
-    pub fn key(&self) -> String {
-        crate::in_flight::key(&self.stream, &self.entry_id)
-    }
-
     pub fn event_id(&self) -> Option<&str> {
         match &self.body {
             Ok(event) => Some(event.event_id()),
@@ -48,6 +69,18 @@ impl Delivery {
                 .find(|(k, _)| k == b"event_id")
                 .and_then(|(_, v)| std::str::from_utf8(v).ok()),
         }
+    }
+
+    /// The delivery count that proves this consumer still owns the entry:
+    /// that of the latest delivery to this process (see `Ticket::token`).
+    pub fn fence(&self) -> Option<u64> {
+        self.ticket.as_ref().and_then(Ticket::token).or(self.token)
+    }
+
+    /// Whether its ownership must be checked with Redis before its outcome
+    /// is committed (see [`FRESH`]).
+    pub fn held_long(&self) -> bool {
+        self.held_since.elapsed() >= FRESH
     }
 
     /// Attempts made before this delivery: each earlier delivery that did not

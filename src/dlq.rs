@@ -16,8 +16,8 @@
 //!   not added again, and an XADD that fails deletes nothing. Events whose
 //!   effect was already committed are skipped by the normal idempotency layer
 //!   when a worker reads them; the report says how many there are, checked in
-//!   `processed_events` (the arbiter) when PostgreSQL is at hand, else with
-//!   the Redis markers.
+//!   `processed_events` (the arbiter) when PostgreSQL is at hand (else not
+//!   checked).
 //! - [`purge`] deletes dead letters.
 //! - [`archive`] moves dead letters older than a cutoff to the
 //!   `dead_letters_archive` table or to a JSONL file, in chunks: copy (commit,
@@ -44,7 +44,6 @@ use crate::dead_letter::{dead_letter_stream, DeadLetter, Kind};
 use crate::error::{Error, ErrorKind};
 use crate::event::{parse_entries, Fields};
 use crate::fault::{self, Point};
-use crate::process::marker_key;
 
 /// Entries read per XREVRANGE page.
 const PAGE: usize = 500;
@@ -708,10 +707,10 @@ pub struct ReplayOptions {
 /// Where "already processed" was looked up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProcessedCheck {
-    /// `processed_events` in PostgreSQL: the truth.
+    /// `processed_events` in PostgreSQL: the truth. (The Redis markers are
+    /// not asked: they speak for one database, which only PostgreSQL can
+    /// name; without it, nothing is checked.)
     Postgres,
-    /// The Redis markers `processed:<scope>:<event_id>`, which expire.
-    RedisMarker,
 }
 
 impl ProcessedCheck {
@@ -719,7 +718,6 @@ impl ProcessedCheck {
     pub fn as_str(self) -> &'static str {
         match self {
             ProcessedCheck::Postgres => "postgres",
-            ProcessedCheck::RedisMarker => "redis-marker",
         }
     }
 }
@@ -817,7 +815,6 @@ pub fn replay_fields(letter: &DeadLetter, now: SystemTime) -> Fields {
 
 /// Which of `letters` are already processed, in their scopes.
 fn already_processed(
-    conn: &mut RedisConn,
     pg: Option<&mut postgres::Client>,
     letters: &[DeadLetter],
     scope: Option<&str>,
@@ -855,27 +852,13 @@ fn already_processed(
                 })
                 .collect())
         }
-        None => {
-            let mut pipe = conn.pipe();
-            for l in letters {
-                pipe.cmd("EXISTS").arg(marker_key(
-                    &scope_of(l),
-                    l.event_id.as_deref().unwrap_or(""),
-                ));
-            }
-            let marked: Vec<bool> = pipe.query(conn).map_err(redis_error("markers"))?;
-            Ok(letters
-                .iter()
-                .zip(marked)
-                .map(|(l, m)| l.event_id.is_some() && m)
-                .collect())
-        }
+        None => Ok(vec![false; letters.len()]),
     }
 }
 
 /// Puts the selected dead letters of `stream` back on their original stream
 /// (see the module documentation). With `pg`, "already processed" is looked
-/// up in `processed_events`, else in the Redis markers. `progress` is called
+/// up in `processed_events`, else not at all. `progress` is called
 /// with (done, total) after each chunk. A filter selection is replayed oldest
 /// first; ids in the order given.
 pub fn replay(
@@ -898,11 +881,7 @@ pub fn replay(
     let total = ids.len();
     let mut report = ReplayReport {
         dry_run: options.dry_run,
-        checked_with: Some(if pg.is_some() {
-            ProcessedCheck::Postgres
-        } else {
-            ProcessedCheck::RedisMarker
-        }),
+        checked_with: pg.is_some().then_some(ProcessedCheck::Postgres),
         ..ReplayReport::default()
     };
     let started = Instant::now();
@@ -927,9 +906,8 @@ pub fn replay(
                 }),
             }
         }
-        let processed =
-            already_processed(conn, pg.as_deref_mut(), &letters, options.scope.as_deref())
-                .map_err(|e| progress_error(e, &report, total))?;
+        let processed = already_processed(pg.as_deref_mut(), &letters, options.scope.as_deref())
+            .map_err(|e| progress_error(e, &report, total))?;
         let items: Vec<ReplayItem> = letters
             .iter()
             .zip(&processed)

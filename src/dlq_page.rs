@@ -400,7 +400,7 @@ fn action(shared: &Shared, path: &str, form: &[(String, String)]) -> Response {
         let mut pg = shared.pg.get_timeout(Duration::from_secs(2)).ok();
         let report = dlq::replay(
             &mut conn,
-            pg.as_deref_mut(),
+            pg.as_deref_mut().map(|c| &mut **c),
             &stream,
             &selection,
             &ReplayOptions::default(),

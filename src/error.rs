@@ -229,11 +229,14 @@ pub fn classify_sqlstate(code: &str) -> FailureClass {
     match code {
         // Connection exceptions, admin shutdown, crash shutdown, cannot connect
         // now, too many connections: the server is (momentarily) not there.
+        // A read-only transaction (25006: a failover in progress, a replica
+        // promoted late, default_transaction_read_only) cannot write whatever
+        // the event: an outage too, and the session is replaced.
         c if c.starts_with("08") => FailureClass::Outage,
-        "57P01" | "57P02" | "57P03" | "53300" => FailureClass::Outage,
-        // Serialization failure, deadlock, lock not available, read-only
-        // transaction (a failover in progress): trying again can succeed.
-        "40001" | "40P01" | "55P03" | "25006" => FailureClass::Retryable,
+        "57P01" | "57P02" | "57P03" | "53300" | "25006" => FailureClass::Outage,
+        // Serialization failure, deadlock, lock not available: trying again
+        // can succeed.
+        "40001" | "40P01" | "55P03" => FailureClass::Retryable,
         // Data exceptions, integrity constraint violations, syntax errors and
         // access rule violations: the same event fails the same way again.
         c if c.starts_with("22") || c.starts_with("23") || c.starts_with("42") => {
@@ -324,10 +327,12 @@ mod tests {
 
     #[test]
     fn sqlstates_from_the_issue_are_classified() {
-        for code in ["40001", "40P01", "55P03", "25006"] {
+        for code in ["40001", "40P01", "55P03"] {
             assert_eq!(classify_sqlstate(code), FailureClass::Retryable, "{code}");
         }
-        for code in ["57P01", "57P02", "57P03", "53300", "08000", "08006"] {
+        for code in [
+            "57P01", "57P02", "57P03", "53300", "08000", "08006", "25006",
+        ] {
             assert_eq!(classify_sqlstate(code), FailureClass::Outage, "{code}");
         }
         for code in ["22001", "22P02", "23505", "23503", "42601", "42P01"] {

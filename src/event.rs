@@ -187,33 +187,40 @@ pub(crate) fn parse_entries(value: redis::Value) -> Result<Vec<RawEntry>, String
             .ok_or("entry id is not a string")?;
         let fields = match body {
             redis::Value::Nil => None,
-            redis::Value::Array(flat) => {
-                let mut fields = Vec::with_capacity(flat.len() / 2);
-                let mut it = flat.into_iter();
-                while let Some(k) = it.next() {
-                    let v = it.next().ok_or("odd number of field items")?;
-                    fields.push((
-                        bytes(k).ok_or("field name is not a string")?,
-                        bytes(v).ok_or("field value is not a string")?,
-                    ));
-                }
-                Some(fields)
-            }
-            redis::Value::Map(map) => {
-                let mut fields = Vec::with_capacity(map.len());
-                for (k, v) in map {
-                    fields.push((
-                        bytes(k).ok_or("field name is not a string")?,
-                        bytes(v).ok_or("field value is not a string")?,
-                    ));
-                }
-                Some(fields)
-            }
-            other => return Err(format!("unexpected entry body {other:?}")),
+            body => Some(parse_fields(body)?),
         };
         entries.push(RawEntry { id, fields });
     }
     Ok(entries)
+}
+
+/// Parses an entry's fields, `[k, v, ...]` (or a map), as raw bytes.
+pub(crate) fn parse_fields(body: redis::Value) -> Result<Fields, String> {
+    match body {
+        redis::Value::Array(flat) => {
+            let mut fields = Vec::with_capacity(flat.len() / 2);
+            let mut it = flat.into_iter();
+            while let Some(k) = it.next() {
+                let v = it.next().ok_or("odd number of field items")?;
+                fields.push((
+                    bytes(k).ok_or("field name is not a string")?,
+                    bytes(v).ok_or("field value is not a string")?,
+                ));
+            }
+            Ok(fields)
+        }
+        redis::Value::Map(map) => {
+            let mut fields = Vec::with_capacity(map.len());
+            for (k, v) in map {
+                fields.push((
+                    bytes(k).ok_or("field name is not a string")?,
+                    bytes(v).ok_or("field value is not a string")?,
+                ));
+            }
+            Ok(fields)
+        }
+        other => Err(format!("unexpected entry body {other:?}")),
+    }
 }
 
 /// Parses an XREADGROUP reply into (stream, entries) pairs.

@@ -1,21 +1,35 @@
-//! Flow control: the set of entries read but not finished yet.
+//! Flow control: the entries read but not finished yet, each held by a
+//! [`Ticket`] that gives its place back when dropped.
 //!
-//! A reader reserves room before each XREADGROUP and blocks while the worker
-//! holds `capacity` entries with their fields (in the channel, in a worker, or
-//! waiting for the dead-letter writer). A slow database therefore slows
-//! reading and memory stays flat. Entries waiting for a retry are *parked*:
-//! they keep only their id (see `retry.rs`), so they do not use that room,
-//! up to `MAX_PARKED` of them. The set also tells the reclaimer and the restart path
-//! which entries this process is already working on, so none runs twice here.
+//! A reader [`reserve`](InFlight::reserve)s room before each XREADGROUP and
+//! blocks while the worker holds `capacity` entries with their fields (in the
+//! channel, in a worker, or waiting for the dead-letter writer). A slow
+//! database therefore slows reading and memory stays flat. The reservation
+//! turns into one ticket per entry actually read; the ticket travels with the
+//! entry (worker, retry thread, dead-letter writer) and is released when the
+//! entry is dropped, whatever the path: acked, dead-lettered, left pending at
+//! shutdown, or dropped by a panic. No path can forget to give it back, and
+//! no path can give back a ticket another thread still holds.
+//!
+//! Entries waiting for a retry are *parked*: they keep only their id (see
+//! `retry.rs`), so they do not use the readers' room, up to `MAX_PARKED` of
+//! them. The set also tells the reclaimer and the restart path which entries
+//! this process is already working on, so none runs twice here.
 
-use std::collections::HashSet;
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::shutdown::Shutdown;
 
-#[derive(Debug)]
+/// The in-flight set of one worker.
+#[derive(Debug, Clone)]
 pub(crate) struct InFlight {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
     state: Mutex<State>,
     changed: Condvar,
     capacity: usize,
@@ -23,7 +37,9 @@ pub(crate) struct InFlight {
 
 #[derive(Debug, Default)]
 struct State {
-    entries: HashSet<String>,
+    /// Held entries, with the delivery count Redis gave the latest delivery
+    /// of each to this process (see [`Ticket::token`]).
+    entries: HashMap<String, Option<u64>>,
     reserved: usize,
     parked: usize,
 }
@@ -32,48 +48,50 @@ struct State {
 /// wait too.
 const MAX_PARKED: usize = 100_000;
 
-/// The key of an entry: stream and entry id.
-pub(crate) fn key(stream: &str, entry_id: &str) -> String {
+fn key(stream: &str, entry_id: &str) -> String {
     let mut k = String::with_capacity(stream.len() + entry_id.len() + 1);
-    write_key(&mut k, stream, entry_id);
+    k.push_str(stream);
+    k.push('\n');
+    k.push_str(entry_id);
     k
 }
 
-fn write_key(buf: &mut String, stream: &str, entry_id: &str) {
-    buf.clear();
-    buf.push_str(stream);
-    buf.push('\n');
-    buf.push_str(entry_id);
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 impl InFlight {
     pub fn new(capacity: usize) -> InFlight {
         InFlight {
-            state: Mutex::new(State::default()),
-            changed: Condvar::new(),
-            capacity: capacity.max(1),
+            inner: Arc::new(Inner {
+                state: Mutex::new(State::default()),
+                changed: Condvar::new(),
+                capacity: capacity.max(1),
+            }),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Waits for room and reserves up to `want` places. Returns 0 only when a
+    /// Waits for room and reserves up to `want` places. `None` only when a
     /// shutdown was asked for.
-    pub fn reserve(&self, want: usize, shutdown: &Shutdown) -> usize {
-        let mut state = self.lock();
+    pub fn reserve(&self, want: usize, shutdown: &Shutdown) -> Option<Reservation> {
+        let inner = &self.inner;
+        let mut state = inner.lock();
         loop {
             if shutdown.is_shutdown() {
-                return 0;
+                return None;
             }
             let used = state.entries.len().saturating_sub(state.parked) + state.reserved;
-            if used < self.capacity && state.parked < MAX_PARKED {
-                let n = want.min(self.capacity - used);
-                state.reserved += n;
-                return n;
+            if used < inner.capacity && state.parked < MAX_PARKED {
+                let places = want.min(inner.capacity - used);
+                state.reserved += places;
+                return Some(Reservation {
+                    inner: inner.clone(),
+                    places,
+                });
             }
-            state = self
+            state = inner
                 .changed
                 .wait_timeout(state, Duration::from_millis(100))
                 .unwrap_or_else(|e| e.into_inner())
@@ -81,64 +99,139 @@ impl InFlight {
         }
     }
 
-    /// Turns a reservation of `reserved` places into the entries of `stream`
-    /// actually read, by id. Returns, per entry, whether it was newly
-    /// admitted (`false`: this process already holds it, skip it).
-    pub fn admit<'a>(
-        &self,
-        reserved: usize,
-        stream: &str,
-        ids: impl IntoIterator<Item = &'a str>,
-    ) -> Vec<bool> {
-        let mut state = self.lock();
-        state.reserved = state.reserved.saturating_sub(reserved);
-        let admitted = ids
-            .into_iter()
-            .map(|id| state.entries.insert(key(stream, id)))
-            .collect();
-        self.changed.notify_all();
-        admitted
-    }
-
-    /// Gives back a reservation for which nothing was read.
-    pub fn unreserve(&self, reserved: usize) {
-        self.admit(reserved, "", []);
-    }
-
-    /// Marks an entry finished (acked, dead-lettered or abandoned).
-    pub fn finish(&self, key: &str) {
-        let mut state = self.lock();
-        state.entries.remove(key);
-        self.changed.notify_all();
-    }
-
-    /// Marks a batch of entries of one stream finished, under one lock.
-    pub fn finish_all<'a>(&self, stream: &str, entry_ids: impl IntoIterator<Item = &'a str>) {
-        let mut key = String::new();
-        let mut state = self.lock();
-        for id in entry_ids {
-            write_key(&mut key, stream, id);
-            state.entries.remove(key.as_str());
-        }
-        self.changed.notify_all();
-    }
-
-    /// An entry starts waiting for a retry: it no longer takes room.
-    pub fn park(&self) {
-        let mut state = self.lock();
-        state.parked += 1;
-        self.changed.notify_all();
-    }
-
-    /// A parked entry is back (or gone).
-    pub fn unpark(&self) {
-        let mut state = self.lock();
-        state.parked = state.parked.saturating_sub(1);
-    }
-
     /// Entries held now, parked ones included (reservations not counted).
     pub fn len(&self) -> usize {
-        self.lock().entries.len()
+        self.inner.lock().entries.len()
+    }
+
+    /// Gives back several tickets under one lock (a batch that was acked).
+    pub fn release_all(&self, tickets: impl IntoIterator<Item = Ticket>) {
+        let mut state = self.inner.lock();
+        for mut ticket in tickets {
+            ticket.release(&mut state);
+        }
+        self.inner.changed.notify_all();
+    }
+}
+
+/// Room reserved for one read; what is not turned into tickets is given back
+/// when it is dropped.
+#[derive(Debug)]
+pub(crate) struct Reservation {
+    inner: Arc<Inner>,
+    places: usize,
+}
+
+impl Reservation {
+    /// The number of entries this reservation may admit.
+    pub fn places(&self) -> usize {
+        self.places
+    }
+
+    /// Turns the reservation into tickets for the entries of `stream`
+    /// actually read, by id, each with the delivery count Redis gave it:
+    /// `None` for an entry this process holds already (skip it; its holder's
+    /// ticket takes the new count, since this process is still its owner).
+    pub fn admit<'a>(
+        mut self,
+        stream: &str,
+        entries: impl IntoIterator<Item = (&'a str, Option<u64>)>,
+    ) -> Vec<Option<Ticket>> {
+        let mut state = self.inner.lock();
+        state.reserved = state.reserved.saturating_sub(self.places);
+        self.places = 0;
+        let tickets = entries
+            .into_iter()
+            .map(|(id, count)| {
+                let key = key(stream, id);
+                match state.entries.get_mut(&key) {
+                    Some(held) => {
+                        if count.is_some() {
+                            *held = count;
+                        }
+                        None
+                    }
+                    None => {
+                        state.entries.insert(key.clone(), count);
+                        Some(Ticket {
+                            inner: Some(self.inner.clone()),
+                            key,
+                            parked: false,
+                        })
+                    }
+                }
+            })
+            .collect();
+        self.inner.changed.notify_all();
+        tickets
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.places > 0 {
+            let mut state = self.inner.lock();
+            state.reserved = state.reserved.saturating_sub(self.places);
+            self.inner.changed.notify_all();
+        }
+    }
+}
+
+/// One entry's place in the in-flight set, released on drop.
+#[derive(Debug)]
+pub(crate) struct Ticket {
+    /// `None` once released.
+    inner: Option<Arc<Inner>>,
+    key: String,
+    parked: bool,
+}
+
+impl Ticket {
+    /// The delivery count of the latest delivery of this entry to this
+    /// process: with the consumer name, the proof that the entry is still
+    /// ours (a claim by another consumer raises the count in Redis but not
+    /// here). `None` if unknown.
+    pub fn token(&self) -> Option<u64> {
+        let inner = self.inner.as_ref()?;
+        inner.lock().entries.get(&self.key).copied().flatten()
+    }
+
+    /// The entry starts waiting for a retry: it no longer takes the readers'
+    /// room (it still keeps other readers from admitting it).
+    pub fn park(&mut self) {
+        if let Some(inner) = self.inner.as_ref().filter(|_| !self.parked) {
+            inner.lock().parked += 1;
+            inner.changed.notify_all();
+            self.parked = true;
+        }
+    }
+
+    /// The entry is back from its wait and takes room again.
+    pub fn unpark(&mut self) {
+        if let Some(inner) = self.inner.as_ref().filter(|_| self.parked) {
+            let mut state = inner.lock();
+            state.parked = state.parked.saturating_sub(1);
+            self.parked = false;
+        }
+    }
+
+    fn release(&mut self, state: &mut State) {
+        if self.inner.take().is_some() {
+            state.entries.remove(&self.key);
+            if self.parked {
+                state.parked = state.parked.saturating_sub(1);
+            }
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if let Some(inner) = self.inner.clone() {
+            let mut state = inner.lock();
+            self.release(&mut state);
+            inner.changed.notify_all();
+        }
     }
 }
 
@@ -147,26 +240,75 @@ mod tests {
     use super::*;
 
     #[test]
-    fn reserve_admit_finish() {
+    fn reservations_become_tickets_released_on_drop() {
         let f = InFlight::new(3);
         let s = Shutdown::new();
-        assert_eq!(f.reserve(2, &s), 2);
-        assert_eq!(f.reserve(5, &s), 1);
-        assert_eq!(f.admit(2, "s", ["a", "b"]), [true, true]);
-        assert_eq!(f.admit(1, "s", ["a"]), [false]);
+        let r = f.reserve(2, &s).unwrap();
+        assert_eq!(r.places(), 2);
+        assert_eq!(f.reserve(5, &s).unwrap().places(), 1); // dropped: given back
+        let tickets = r.admit("s", [("a", Some(1)), ("b", Some(1))]);
+        assert!(tickets.iter().all(Option::is_some));
+        // Held already: not admitted twice, but this process delivered it
+        // again, so the holder's token follows.
+        let again = f.reserve(1, &s).unwrap().admit("s", [("a", Some(2))]);
+        assert!(again[0].is_none());
         assert_eq!(f.len(), 2);
-        assert_eq!(f.reserve(5, &s), 1);
-        f.unreserve(1);
-        f.park(); // "a" waits for a retry: room for one more
-        assert_eq!(f.reserve(5, &s), 2);
-        f.unreserve(2);
-        f.unpark();
-        f.finish(&key("s", "a"));
-        f.admit(0, "t", ["1", "2"]);
-        f.finish_all("t", ["1", "2"]);
-        f.finish(&key("s", "b"));
+        let mut tickets: Vec<Ticket> = tickets.into_iter().flatten().collect();
+        assert_eq!(tickets[0].token(), Some(2));
+        assert_eq!(tickets[1].token(), Some(1));
+        // A parked ticket does not take room; the set is full otherwise.
+        assert_eq!(f.reserve(5, &s).unwrap().places(), 1);
+        tickets[0].park();
+        assert_eq!(f.reserve(5, &s).unwrap().places(), 2);
+        tickets[0].unpark();
+        let b = tickets.pop().unwrap();
+        drop(tickets); // "a" released by drop
+        assert_eq!(f.len(), 1);
+        f.release_all([b]);
         assert_eq!(f.len(), 0);
         s.shutdown();
-        assert_eq!(f.reserve(1, &s), 0);
+        assert!(f.reserve(1, &s).is_none());
+    }
+
+    #[test]
+    fn a_parked_ticket_dropped_frees_its_parked_count() {
+        let f = InFlight::new(1);
+        let s = Shutdown::new();
+        let mut t = f
+            .reserve(1, &s)
+            .unwrap()
+            .admit("s", [("a", None)])
+            .remove(0)
+            .unwrap();
+        t.park();
+        drop(t);
+        assert_eq!(f.len(), 0);
+        assert_eq!(f.inner.lock().parked, 0);
+        assert_eq!(f.reserve(1, &s).unwrap().places(), 1);
+    }
+
+    #[test]
+    fn a_ticket_moved_to_another_thread_survives_a_panic_here() {
+        // The bug this type closes: a worker that panicked released every
+        // key of its job, including one it had already handed to the retry
+        // thread, so that entry could be admitted (and run) twice.
+        let f = InFlight::new(4);
+        let s = Shutdown::new();
+        let mut tickets = f
+            .reserve(2, &s)
+            .unwrap()
+            .admit("s", [("a", None), ("b", None)]);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let handed_over = tickets[0].take().unwrap();
+            tx.send(handed_over).unwrap();
+            let _still_here = tickets[1].take();
+            panic!("a bug outside the handler");
+        }));
+        assert!(result.is_err());
+        let held = rx.recv().unwrap();
+        assert!(f.reserve(1, &s).unwrap().admit("s", [("a", None)])[0].is_none());
+        assert!(f.reserve(1, &s).unwrap().admit("s", [("b", None)])[0].is_some());
+        drop(held);
     }
 }

@@ -55,7 +55,9 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod ack;
 mod alert;
+mod apply;
 mod backoff;
 mod config;
 mod connect;
@@ -71,6 +73,7 @@ mod handler;
 mod http_handler;
 mod http_server;
 mod in_flight;
+mod keys;
 mod migrate;
 mod pool;
 mod process;

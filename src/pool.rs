@@ -2,9 +2,12 @@
 //! channel and processing them (see `process.rs`).
 //!
 //! Handler panics are caught where the handler is called. Anything else that
-//! panics while processing a job is caught here too: the thread logs it, leaves
-//! the job's entries pending (they will be delivered again) and goes on, so
-//! the pool stays at full size.
+//! panics while processing a job is caught here too: the thread logs it and
+//! goes on, so the pool stays at full size. The job's entries that had not
+//! been handed on yet are dropped by the unwinding, which releases their
+//! in-flight tickets and leaves them pending (they will be delivered again);
+//! those already handed to the retry thread or the dead-letter writer keep
+//! their tickets there.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -27,16 +30,12 @@ pub(crate) fn worker_thread(
 ) {
     let mut processor = Processor::new(shared.clone(), retry, dead);
     while let Ok(job) = jobs.recv() {
-        let keys: Vec<String> = job.iter().map(|d| d.key()).collect();
+        let entries = job.len();
         if catch_unwind(AssertUnwindSafe(|| processor.process(job))).is_err() {
             log::error!(
-                "{}: processing a batch panicked; its {} entries stay pending and will be delivered again",
+                "{}: processing a batch of {entries} entries panicked; those not finished stay pending and will be delivered again",
                 std::thread::current().name().unwrap_or("worker"),
-                keys.len()
             );
-            for key in &keys {
-                shared.in_flight.finish(key);
-            }
             processor = Processor::new(
                 shared.clone(),
                 processor.retry_sender(),

@@ -8,15 +8,23 @@
 //! list. On start, and after every reconnect, the reader first re-reads this
 //! consumer's own pending entries (`0`) before new ones (`>`). It reserves room
 //! in the in-flight set before each read, so a slow database slows reading.
+//!
+//! When the group disappears (`XGROUP DESTROY`, a Redis restarted without
+//! persistence), the reader creates it again: at `0` for a group that
+//! started there (every entry is delivered again; the duplicate markers,
+//! `processed_events` and the dead-letter index settle them), and, for a
+//! group that started at `$`, at the last id this reader saw, so entries
+//! added meanwhile are not skipped.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 
 use crate::delivery::{Delivery, Job};
-use crate::event::{Event, RawEntry};
+use crate::event::{Event, Invalid, RawEntry};
+use crate::in_flight::Ticket;
 use crate::redis_conn::RedisConn;
 use crate::run::Shared;
 use crate::stats::{Server, Stats};
@@ -37,6 +45,9 @@ pub(crate) fn reader_thread(shared: &Shared, index: usize, jobs: &Sender<Job>) {
     let read_timeout = config.block + Duration::from_secs(5);
     let mut conn: Option<RedisConn> = None;
     let mut position = Position::Pending("0".into());
+    // The newest entry id this reader saw, where a `$` group is created
+    // again.
+    let mut last_seen: Option<String> = None;
     let mut failures = 0u32;
     while !shared.shutdown.is_shutdown() {
         let c = match conn.as_mut() {
@@ -51,25 +62,27 @@ pub(crate) fn reader_thread(shared: &Shared, index: usize, jobs: &Sender<Job>) {
                 }
             },
         };
-        let room = shared.in_flight.reserve(config.count, &shared.shutdown);
-        if room == 0 {
+        let Some(room) = shared.in_flight.reserve(config.count, &shared.shutdown) else {
             break;
-        }
+        };
         let (block, from) = match &position {
             Position::Pending(after) => (None, after.as_str()),
             Position::New => (Some(config.block.as_millis() as u64), ">"),
         };
+        let sent_at = Instant::now();
         let read = streams::read_group(
             c,
             &stream,
             &config.group,
             &config.consumer,
-            room,
+            room.places(),
             block,
             from,
         )
         .and_then(|entries| {
             let counts = match (&position, entries.first(), entries.last()) {
+                // This consumer's own pending entries from `first` to
+                // `last` are exactly the ones just re-read.
                 (Position::Pending(_), Some(first), Some(last)) => Some(streams::delivery_counts(
                     c,
                     &stream,
@@ -89,6 +102,11 @@ pub(crate) fn reader_thread(shared: &Shared, index: usize, jobs: &Sender<Job>) {
                     shared.health.up(Server::Redis);
                     failures = 0;
                 }
+                if let Some(last) = entries.last() {
+                    if last_seen.as_deref().is_none_or(|l| newer(&last.id, l)) {
+                        last_seen = Some(last.id.clone());
+                    }
+                }
                 if let Position::Pending(after) = &mut position {
                     match entries.last() {
                         Some(last) => *after = last.id.clone(),
@@ -96,32 +114,35 @@ pub(crate) fn reader_thread(shared: &Shared, index: usize, jobs: &Sender<Job>) {
                     }
                 }
                 let idle = entries.is_empty() && matches!(position, Position::New);
-                let admitted =
-                    shared
-                        .in_flight
-                        .admit(room, &stream, entries.iter().map(|e| e.id.as_str()));
-                let job = deliveries(shared, &stream, entries, &admitted, |id| {
+                let count = |id: &str| {
                     counts
                         .as_ref()
                         .and_then(|c| c.get(id).copied())
                         .unwrap_or(1)
-                });
+                };
+                let tickets = room.admit(
+                    &stream,
+                    entries.iter().map(|e| (e.id.as_str(), Some(count(&e.id)))),
+                );
+                let job = deliveries(shared, &stream, entries, tickets, sent_at, count);
                 if !job.is_empty() && jobs.send(job).is_err() {
                     break;
                 }
                 shared.reader_idle[index].store(idle, Ordering::SeqCst);
             }
             Err(e) => {
-                shared.in_flight.unreserve(room);
+                drop(room);
                 shared.reader_idle[index].store(false, Ordering::SeqCst);
                 if streams::is_nogroup(&e) {
+                    let start = match (config.start_id.as_str(), &last_seen) {
+                        ("$", Some(last)) => last.clone(),
+                        (start, _) => start.to_owned(),
+                    };
                     log::warn!(
-                        "{stream}: consumer group {} is gone (NOGROUP); creating it again",
+                        "{stream}: consumer group {} is gone (NOGROUP); creating it again at {start}",
                         config.group
                     );
-                    if let Err(e) =
-                        streams::ensure_group(c, &stream, &config.group, &config.start_id)
-                    {
+                    if let Err(e) = streams::ensure_group(c, &stream, &config.group, &start) {
                         log::error!("{stream}: cannot create group {}: {e}", config.group);
                         shared.shutdown.sleep(Duration::from_secs(1));
                     }
@@ -147,70 +168,73 @@ pub(crate) fn reader_thread(shared: &Shared, index: usize, jobs: &Sender<Job>) {
     log::debug!("{stream}: reader stopped");
 }
 
-/// Turns raw entries into deliveries. Entries deleted while pending are acked
-/// at once (nothing is left to process); entries this process already holds
-/// are skipped.
+/// Whether stream entry id `a` comes after `b` (`<ms>-<seq>`).
+fn newer(a: &str, b: &str) -> bool {
+    let parse = |id: &str| -> (u64, u64) {
+        let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
+        (ms.parse().unwrap_or(0), seq.parse().unwrap_or(0))
+    };
+    parse(a) > parse(b)
+}
+
+/// Turns raw entries read (or claimed) at `sent_at` into deliveries, one per
+/// ticket: an entry without a ticket is held by this process already and is
+/// skipped. An entry deleted from the stream while pending (Redis returns it
+/// without fields) becomes a delivery to dead-letter as `trimmed`.
 pub(crate) fn deliveries(
     shared: &Shared,
     stream: &Arc<str>,
     entries: Vec<RawEntry>,
-    admitted: &[bool],
+    tickets: Vec<Option<Ticket>>,
+    sent_at: Instant,
     delivery_count: impl Fn(&str) -> u64,
 ) -> Job {
     let mut job = Vec::with_capacity(entries.len());
-    let mut deleted = Vec::new();
-    for (entry, admitted) in entries.into_iter().zip(admitted) {
-        if !admitted {
-            continue;
-        }
+    for (entry, ticket) in entries.into_iter().zip(tickets) {
+        let Some(ticket) = ticket else { continue };
         Stats::add(&shared.stats.read, 1);
-        let Some(fields) = entry.fields else {
-            deleted.push(entry.id);
-            continue;
-        };
         let count = delivery_count(&entry.id);
-        let body = Event::parse(
-            stream.clone(),
-            entry.id.clone(),
-            fields,
-            count,
-            shared.limits,
-        );
+        let (body, trimmed) = match entry.fields {
+            Some(fields) => (
+                Event::parse(
+                    stream.clone(),
+                    entry.id.clone(),
+                    fields,
+                    count,
+                    shared.limits,
+                ),
+                false,
+            ),
+            None => (Err((Vec::new(), Invalid(TRIMMED.into()))), true),
+        };
         job.push(Delivery {
             stream: stream.clone(),
             entry_id: entry.id,
             body,
             delivery_count: count,
+            token: Some(count),
+            trimmed,
+            held_since: sent_at,
             failures: Vec::new(),
+            strikes: 0,
+            ticket: Some(ticket),
         });
-    }
-    if !deleted.is_empty() {
-        ack_deleted(shared, stream, &deleted, true);
     }
     job
 }
 
-/// Acks entries that were deleted from the stream while pending. `admitted`:
-/// whether this process admitted them to its in-flight set (a reader did; the
-/// reclaimer's deleted ids were never admitted, and must not release keys
-/// that a worker or the retry thread may hold).
-pub(crate) fn ack_deleted(shared: &Shared, stream: &str, ids: &[String], admitted: bool) {
-    log::warn!(
-        "{stream}: {} entries were deleted while pending ({}...); acking them, nothing is left to process",
-        ids.len(),
-        ids[0]
-    );
-    Stats::add(&shared.stats.deleted_while_pending, ids.len() as u64);
-    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
-    let acked = shared
-        .redis_conn()
-        .and_then(|mut c| streams::ack(&mut c, stream, &shared.config.group, &refs));
-    if let Err(e) = acked {
-        log::error!("{stream}: cannot ack deleted entries: {e}");
-    }
-    if admitted {
-        for id in ids {
-            shared.in_flight.finish(&crate::in_flight::key(stream, id));
-        }
+/// The reason of a `trimmed` dead letter.
+pub(crate) const TRIMMED: &str =
+    "the entry was deleted from the stream (MAXLEN, XTRIM or XDEL) while it was pending, before it could be applied";
+
+#[cfg(test)]
+mod tests {
+    use super::newer;
+
+    #[test]
+    fn entry_ids_compare_as_numbers() {
+        assert!(newer("10-0", "9-5"));
+        assert!(newer("9-10", "9-9"));
+        assert!(!newer("9-9", "9-9"));
     }
 }

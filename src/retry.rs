@@ -3,8 +3,11 @@
 //! A worker that sees a retryable failure does not sleep: it hands the
 //! delivery to this thread with the time it is due and goes on with the next
 //! event. This thread keeps the waiting retries in a heap, sleeps until the
-//! earliest is due (or a new one arrives), then reads the entry back from the
-//! stream and hands it to the worker pool.
+//! earliest is due (or a new one arrives), then checks that the entry is
+//! still this consumer's (another consumer may have claimed it while it
+//! waited: then it is the new owner's), resets its idle time, reads it back
+//! from the stream and hands it to the worker pool. An entry deleted from
+//! the stream meanwhile becomes a `trimmed` dead letter.
 //!
 //! A waiting retry keeps only the entry id and its attempt history, not its
 //! fields, and does not count against the readers' in-flight room: thousands
@@ -21,9 +24,12 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender};
 
 use crate::delivery::{Attempt, Delivery, Job};
-use crate::event::{parse_entries, Event};
+use crate::event::{Event, Invalid};
+use crate::in_flight::Ticket;
+use crate::reader::TRIMMED;
 use crate::run::Shared;
-use crate::stats::Server;
+use crate::stats::{Server, Stats};
+use crate::streams::{self, Owned};
 
 /// A failed delivery waiting for its retry.
 #[derive(Debug)]
@@ -31,25 +37,33 @@ pub(crate) struct Retry {
     pub due: Instant,
     pub stream: Arc<str>,
     pub entry_id: String,
+    pub event_id: Option<String>,
     pub delivery_count: u64,
+    pub token: Option<u64>,
     pub failures: Vec<Attempt>,
+    pub strikes: u32,
+    /// Its parked place in the in-flight set.
+    pub ticket: Option<Ticket>,
 }
 
 impl Retry {
     /// Keeps what a retry needs of `delivery`; its fields are read again
     /// from the stream when it is due.
-    pub fn of(delivery: Delivery, due: Instant) -> Retry {
+    pub fn of(mut delivery: Delivery, due: Instant) -> Retry {
+        if let Some(ticket) = &mut delivery.ticket {
+            ticket.park();
+        }
         Retry {
             due,
+            event_id: delivery.event_id().map(str::to_owned),
             stream: delivery.stream,
             entry_id: delivery.entry_id,
             delivery_count: delivery.delivery_count,
+            token: delivery.token,
             failures: delivery.failures,
+            strikes: delivery.strikes,
+            ticket: delivery.ticket,
         }
-    }
-
-    fn key(&self) -> String {
-        crate::in_flight::key(&self.stream, &self.entry_id)
     }
 }
 
@@ -87,12 +101,13 @@ pub(crate) fn retry_thread(shared: &Shared, incoming: &Receiver<Retry>, jobs: &S
             due.push(waiting.pop().expect("peeked"));
         }
         if !due.is_empty() {
+            let sent_at = Instant::now();
             match fetch(shared, &due) {
-                Ok(bodies) => {
+                Ok(owned) => {
                     shared.health.up(Server::Redis);
                     failures = 0;
-                    for (retry, fields) in due.into_iter().zip(bodies) {
-                        hand_back(shared, jobs, retry, fields);
+                    for (retry, owned) in due.into_iter().zip(owned) {
+                        hand_back(shared, jobs, retry, owned, sent_at);
                     }
                 }
                 Err(e) => {
@@ -124,75 +139,89 @@ pub(crate) fn retry_thread(shared: &Shared, incoming: &Receiver<Retry>, jobs: &S
             "retry: {left} deliveries waiting for a retry stay pending until the next start"
         );
     }
-    for retry in waiting.drain().chain(incoming.try_iter()) {
-        leave_pending(shared, &retry);
-    }
+    // Dropping them releases their tickets; the entries stay pending.
 }
 
-/// Reads the fields of due retries back, in one pipelined round trip.
-/// `None` for an entry deleted meanwhile.
-fn fetch(shared: &Shared, due: &[Retry]) -> redis::RedisResult<Vec<Option<crate::event::Fields>>> {
+/// Checks that each due retry is still this consumer's, refreshes its idle
+/// time and reads its fields back, in one pipelined round trip.
+fn fetch(shared: &Shared, due: &[Retry]) -> redis::RedisResult<Vec<Owned>> {
     let mut conn = shared.redis_conn()?;
     let mut pipe = conn.pipe();
+    let config = &shared.config;
     for retry in due {
-        pipe.cmd("XRANGE")
-            .arg(&*retry.stream)
-            .arg(&retry.entry_id)
-            .arg(&retry.entry_id);
+        pipe.add_command(streams::claim_if_owned(
+            &retry.stream,
+            &config.group,
+            &config.consumer,
+            &retry.entry_id,
+            retry
+                .ticket
+                .as_ref()
+                .and_then(Ticket::token)
+                .or(retry.token)
+                .unwrap_or(0),
+            true,
+        ));
     }
     let replies: Vec<redis::Value> = pipe.query(&mut conn)?;
-    Ok(replies
-        .into_iter()
-        .map(|reply| {
-            parse_entries(reply)
-                .ok()
-                .and_then(|mut entries| entries.pop())
-                .and_then(|entry| entry.fields)
-        })
-        .collect())
+    replies.into_iter().map(streams::parse_owned).collect()
 }
 
-fn hand_back(
-    shared: &Shared,
-    jobs: &Sender<Job>,
-    retry: Retry,
-    fields: Option<crate::event::Fields>,
-) {
-    let Some(fields) = fields else {
-        shared.in_flight.unpark();
-        crate::reader::ack_deleted(shared, &retry.stream, &[retry.entry_id], true);
-        return;
+fn hand_back(shared: &Shared, jobs: &Sender<Job>, mut retry: Retry, owned: Owned, at: Instant) {
+    let (body, trimmed) = match owned {
+        Owned::Yes(Some(fields)) => (
+            Event::parse(
+                retry.stream.clone(),
+                retry.entry_id.clone(),
+                fields,
+                retry.delivery_count,
+                shared.limits,
+            ),
+            false,
+        ),
+        Owned::Lost | Owned::Yes(None) => {
+            // Claimed by another consumer while it waited (its wait plus
+            // its runs outlasted reclaim_min_idle), or finished by one: the
+            // new owner decides its outcome, not us.
+            log::info!(
+                "{}/{}: no longer this consumer's (another consumer claimed it); leaving it to its new owner",
+                retry.stream,
+                retry.entry_id
+            );
+            Stats::add(&shared.stats.lost_ownership, 1);
+            return;
+        }
+        Owned::Trimmed { .. } => {
+            let known = retry
+                .event_id
+                .take()
+                .map(|id| vec![(b"event_id".to_vec(), id.into_bytes())])
+                .unwrap_or_default();
+            (Err((known, Invalid(TRIMMED.into()))), true)
+        }
     };
-    let body = Event::parse(
-        retry.stream.clone(),
-        retry.entry_id.clone(),
-        fields,
-        retry.delivery_count,
-        shared.limits,
-    );
-    let mut job = vec![Delivery {
+    if let Some(ticket) = &mut retry.ticket {
+        ticket.unpark();
+    }
+    let job = vec![Delivery {
         stream: retry.stream,
         entry_id: retry.entry_id,
         body,
         delivery_count: retry.delivery_count,
+        token: retry.token,
+        trimmed,
+        held_since: at,
         failures: retry.failures,
+        strikes: retry.strikes,
+        ticket: retry.ticket,
     }];
-    shared.in_flight.unpark();
+    let mut job = job;
     loop {
         match jobs.send_timeout(job, TICK) {
             Ok(()) => return,
             Err(SendTimeoutError::Timeout(back)) if !shared.shutdown.is_shutdown() => job = back,
-            Err(SendTimeoutError::Timeout(back) | SendTimeoutError::Disconnected(back)) => {
-                for d in back {
-                    shared.in_flight.finish(&d.key());
-                }
-                return;
-            }
+            // Shutdown: dropping it leaves the entry pending.
+            Err(SendTimeoutError::Timeout(_) | SendTimeoutError::Disconnected(_)) => return,
         }
     }
-}
-
-fn leave_pending(shared: &Shared, retry: &Retry) {
-    shared.in_flight.unpark();
-    shared.in_flight.finish(&retry.key());
 }

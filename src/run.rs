@@ -23,6 +23,7 @@ use crate::error::{Error, ErrorKind};
 use crate::event::Limits;
 use crate::handler::Handler;
 use crate::in_flight::InFlight;
+use crate::keys::Namespace;
 use crate::redis_conn::RedisClient;
 use crate::shutdown::Shutdown;
 use crate::stats::{Health, Stats, Summary};
@@ -46,6 +47,9 @@ pub(crate) struct Shared {
     pub stats: Stats,
     pub health: Health,
     pub in_flight: InFlight,
+    /// The duplicate markers' namespace: the database history they speak
+    /// for, followed by every new PostgreSQL connection.
+    pub namespace: Namespace,
     pub shutdown: Shutdown,
     pub backoff: Backoff,
     pub limits: Limits,
@@ -127,7 +131,12 @@ impl Worker {
         }
         let redis =
             connect::redis_pool(&redis_client, &config.redis_url, config.workers as u32 + 4)?;
-        let pg = connect::postgres_pool(&config.database_url, config.workers as u32 + 1)?;
+        let namespace = Namespace::default();
+        let setup = connect::Setup {
+            namespace: namespace.clone(),
+            statement_timeout: config.handler_timeout,
+        };
+        let pg = connect::postgres_pool(&config.database_url, config.workers as u32 + 1, setup)?;
         check_schema(&pg, &config, self.handler.as_ref())?;
         {
             let mut conn = redis
@@ -152,6 +161,7 @@ impl Worker {
             stats: Stats::default(),
             health: Health::default(),
             in_flight: InFlight::new(config.max_in_flight()),
+            namespace,
             shutdown: self.shutdown.clone(),
             backoff: Backoff {
                 base: config.backoff_base,
@@ -180,14 +190,25 @@ impl Worker {
             shared.config.workers,
             shared.handler.name()
         );
+        if let Some(identity) = shared.namespace.identity() {
+            log::info!(
+                "postgres: {identity}; duplicate markers in namespace {}",
+                shared.namespace.get()
+            );
+        }
         run_threads(&shared)
     }
 }
 
 fn check_schema(pg: &PgPool, config: &Config, handler: &dyn Handler) -> Result<(), Error> {
-    let mut conn = pg
-        .get()
-        .map_err(|e| connect::pg_unreachable(&config.database_url, e))?;
+    drop(
+        pg.get()
+            .map_err(|e| connect::pg_unreachable(&config.database_url, e))?,
+    );
+    // The handler's start-up check gets a plain session: pooled ones are
+    // read-only outside taskhub's transactions, and a handler may create
+    // what it needs here.
+    let mut conn = connect::postgres(&config.database_url)?;
     conn.simple_query("SELECT scope, event_id FROM processed_events LIMIT 0")
         .map_err(|e| {
             Error::with_source(

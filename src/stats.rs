@@ -18,8 +18,13 @@ pub(crate) struct Stats {
     pub dead_exhausted: AtomicU64,
     pub dead_crash_loop: AtomicU64,
     pub dead_invalid: AtomicU64,
+    pub dead_trimmed: AtomicU64,
+    /// Entries this process dropped because another consumer owns them now.
+    pub lost_ownership: AtomicU64,
+    /// Transactions committed by this process (an event that kills its
+    /// connection while others commit is a crash loop, not an outage).
+    pub commits: AtomicU64,
     pub reclaimed: AtomicU64,
-    pub deleted_while_pending: AtomicU64,
     pub panics: AtomicU64,
     pub handler_seconds: Histogram,
 }
@@ -46,6 +51,9 @@ pub struct Summary {
     pub dead_crash_loop: u64,
     /// ... of which invalid entries.
     pub dead_invalid: u64,
+    /// ... of which entries deleted from their stream before they could be
+    /// applied.
+    pub dead_trimmed: u64,
     /// Entries taken over from other consumers.
     pub reclaimed: u64,
     /// Handler panics caught.
@@ -64,6 +72,7 @@ impl Stats {
             get(&self.dead_exhausted),
             get(&self.dead_crash_loop),
             get(&self.dead_invalid),
+            get(&self.dead_trimmed),
         ];
         Summary {
             read: get(&self.read),
@@ -75,6 +84,7 @@ impl Stats {
             dead_exhausted: dead[1],
             dead_crash_loop: dead[2],
             dead_invalid: dead[3],
+            dead_trimmed: dead[4],
             reclaimed: get(&self.reclaimed),
             panics: get(&self.panics),
         }
@@ -86,7 +96,7 @@ impl std::fmt::Display for Summary {
         write!(
             f,
             "read={} applied={} duplicates={} retries={} dead_lettered={} \
-             (permanent={} exhausted={} crash_loop={} invalid={}) reclaimed={}",
+             (permanent={} exhausted={} crash_loop={} invalid={} trimmed={}) reclaimed={}",
             self.read,
             self.applied,
             self.duplicates,
@@ -96,6 +106,7 @@ impl std::fmt::Display for Summary {
             self.dead_exhausted,
             self.dead_crash_loop,
             self.dead_invalid,
+            self.dead_trimmed,
             self.reclaimed
         )
     }

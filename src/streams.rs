@@ -7,13 +7,14 @@ use redis::RedisResult;
 
 use crate::redis_conn::RedisConn;
 
-use crate::event::{parse_entries, parse_read_reply, RawEntry};
+use crate::event::{parse_entries, parse_read_reply, Fields, RawEntry};
 
 fn protocol_error(what: String) -> redis::RedisError {
     redis::RedisError::from((redis::ErrorKind::Parse, "unexpected reply", what))
 }
 
-/// Creates `group` on `stream` (and the stream) unless it exists.
+/// Creates `group` on `stream` (and the stream) at `start_id` unless it
+/// exists.
 pub(crate) fn ensure_group(
     conn: &mut RedisConn,
     stream: &str,
@@ -94,6 +95,116 @@ pub(crate) fn delivery_counts(
         .into_iter()
         .map(|(id, _, _, times)| (id, times))
         .collect())
+}
+
+/// Who holds each of `ids` (consumer, delivery count), looked up one by one
+/// in one pipelined round trip; `None` for an id that is not pending. (One
+/// `XPENDING first last n consumer` over the ids' range would also return
+/// the consumer's other pending entries in between, and push some of these
+/// out of its `n` rows.)
+pub(crate) fn owners(
+    conn: &mut RedisConn,
+    stream: &str,
+    group: &str,
+    ids: &[&str],
+) -> RedisResult<Vec<Option<(String, u64)>>> {
+    let mut pipe = conn.pipe();
+    for id in ids {
+        pipe.cmd("XPENDING")
+            .arg(stream)
+            .arg(group)
+            .arg(*id)
+            .arg(*id)
+            .arg(1);
+    }
+    let replies: Vec<Vec<(String, String, u64, u64)>> = pipe.query(conn)?;
+    Ok(replies
+        .into_iter()
+        .map(|rows| {
+            rows.into_iter()
+                .next()
+                .map(|(_, consumer, _, count)| (consumer, count))
+        })
+        .collect())
+}
+
+/// Whether an entry is still this consumer's, refreshed if so.
+#[derive(Debug)]
+pub(crate) enum Owned {
+    /// Pending for this consumer with the count it holds it with; its idle
+    /// time is reset to 0 (so no claim can take it for `reclaim_min_idle`),
+    /// and its fields, when asked for.
+    Yes(Option<Fields>),
+    /// Pending for this consumer, but deleted from the stream (a producer's
+    /// MAXLEN): it cannot be refreshed (XCLAIM would drop it from the
+    /// pending list). Idle for this many milliseconds.
+    Trimmed { idle_ms: u64 },
+    /// Claimed by another consumer, or no longer pending.
+    Lost,
+}
+
+/// Checks that `id` is pending for `consumer` with delivery count `count`,
+/// and if so resets its idle time (XCLAIM JUSTID, which keeps the count)
+/// and returns its fields when `fields` is set. KEYS: stream. ARGV: group,
+/// entry id, consumer, delivery count, `fields` or `check`.
+const CLAIM_IF_OWNED: &str = r"
+local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if type(p) ~= 'table' or #p == 0 or p[1][2] ~= ARGV[3]
+    or p[1][4] ~= tonumber(ARGV[4]) then
+    return {0}
+end
+local e = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
+if #e == 0 then return {2, p[1][3]} end
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[2], 'JUSTID')
+if ARGV[5] == 'fields' then return {1, e[1][2]} end
+return {1}
+";
+
+/// The [`CLAIM_IF_OWNED`] call for one entry.
+pub(crate) fn claim_if_owned(
+    stream: &str,
+    group: &str,
+    consumer: &str,
+    id: &str,
+    count: u64,
+    fields: bool,
+) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(CLAIM_IF_OWNED)
+        .arg(1)
+        .arg(stream)
+        .arg(group)
+        .arg(id)
+        .arg(consumer)
+        .arg(count)
+        .arg(if fields { "fields" } else { "check" });
+    cmd
+}
+
+/// Reads the reply of one [`claim_if_owned`] call.
+pub(crate) fn parse_owned(reply: redis::Value) -> RedisResult<Owned> {
+    let redis::Value::Array(mut parts) = reply else {
+        return Err(protocol_error(format!("ownership check: {reply:?}")));
+    };
+    let status = match parts.first() {
+        Some(redis::Value::Int(n)) => *n,
+        other => return Err(protocol_error(format!("ownership check: {other:?}"))),
+    };
+    Ok(match status {
+        1 if parts.len() > 1 => {
+            let flat = parts.swap_remove(1);
+            let fields = crate::event::parse_fields(flat).map_err(protocol_error)?;
+            Owned::Yes(Some(fields))
+        }
+        1 => Owned::Yes(None),
+        2 => Owned::Trimmed {
+            idle_ms: match parts.get(1) {
+                Some(redis::Value::Int(n)) => u64::try_from(*n).unwrap_or(0),
+                _ => u64::MAX,
+            },
+        },
+        _ => Owned::Lost,
+    })
 }
 
 /// Number of entries pending in the group (all consumers).

@@ -195,7 +195,7 @@ fn owner_and_reclaimer_dead_letter_an_entry_once() {
             .backoff_cap(Duration::from_millis(100))
             .max_retry_after(Duration::from_millis(500))
             .reclaim_interval(reclaim_every)
-            .reclaim_min_idle(Duration::from_secs(1))
+            .reclaim_min_idle(Duration::from_secs(2))
             .shutdown_timeout(Duration::from_secs(15))
             .build(handler)
             .unwrap()
@@ -218,7 +218,7 @@ fn owner_and_reclaimer_dead_letter_an_entry_once() {
         Duration::from_secs(60),
         Box::new(handler_fn(move |_: &Event, _: &mut Tx<'_>| {
             e.store(true, Ordering::SeqCst);
-            std::thread::sleep(Duration::from_secs(3));
+            std::thread::sleep(Duration::from_secs(4));
             r.store(true, Ordering::SeqCst);
             Err(HandlerError::permanent("rejected by the slow owner"))
         })),

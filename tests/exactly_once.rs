@@ -102,9 +102,9 @@ fn processed_rows(db: &TestDb, scope: &str, event_id: &str) -> i64 {
         .get(0)
 }
 
-fn marker_exists(conn: &mut redis::Connection, scope: &str, event_id: &str) -> bool {
+fn marker_exists(db: &TestDb, conn: &mut redis::Connection, scope: &str, event_id: &str) -> bool {
     redis::cmd("EXISTS")
-        .arg(format!("processed:{scope}:{event_id}"))
+        .arg(marker_key(&db.url, scope, event_id))
         .query::<i64>(conn)
         .unwrap()
         == 1
@@ -227,10 +227,10 @@ fn same_event_id_in_three_entries_has_one_effect() {
     assert_eq!(summary.applied, 1, "{summary}");
     assert_eq!(summary.duplicates, 2, "{summary}");
     assert_eq!(summary.dead_lettered, 0, "{summary}");
-    assert!(marker_exists(&mut conn, &group, "dup-1"));
+    assert!(marker_exists(&db, &mut conn, &group, "dup-1"));
     // The marker lives --marker-ttl (24 h by default), then Redis drops it.
     let ttl: i64 = redis::cmd("TTL")
-        .arg(format!("processed:{group}:dup-1"))
+        .arg(marker_key(&db.url, &group, "dup-1"))
         .query(&mut conn)
         .unwrap();
     assert!((86_000..=86_400).contains(&ttl), "TTL {ttl}");
@@ -293,10 +293,13 @@ fn marker_deleted_before_a_second_entry_postgres_still_decides() {
     xadd(&mut conn, &stream, &[("event_id", "m-1"), ("payload", "a")]);
     let first = run_until_idle(builder(&db.url, &stream, &group), SqlHandler::default());
     assert_eq!((first.applied, first.duplicates), (1, 0), "{first}");
-    assert!(marker_exists(&mut conn, &group, "m-1"), "marker was set");
+    assert!(
+        marker_exists(&db, &mut conn, &group, "m-1"),
+        "marker was set"
+    );
 
     let deleted: i64 = redis::cmd("DEL")
-        .arg(format!("processed:{group}:m-1"))
+        .arg(marker_key(&db.url, &group, "m-1"))
         .query(&mut conn)
         .unwrap();
     assert_eq!(deleted, 1);
@@ -312,7 +315,7 @@ fn marker_deleted_before_a_second_entry_postgres_still_decides() {
     assert_eq!(processed_rows(&db, &group, "m-1"), 1);
     assert_eq!(pending(&mut conn, &stream, &group), 0);
     assert!(
-        marker_exists(&mut conn, &group, "m-1"),
+        marker_exists(&db, &mut conn, &group, "m-1"),
         "the duplicate found in PostgreSQL sets the marker again"
     );
 }
@@ -339,9 +342,9 @@ fn marker_deleted_before_redelivery_of_the_same_entry() {
     crashed.kill();
     assert_eq!(db.effects("r-1"), 1, "committed before the crash");
     assert_eq!(pending(&mut conn, &stream, &group), 1, "not acked");
-    assert!(marker_exists(&mut conn, &group, "r-1"));
+    assert!(marker_exists(&db, &mut conn, &group, "r-1"));
     let _: i64 = redis::cmd("DEL")
-        .arg(format!("processed:{group}:r-1"))
+        .arg(marker_key(&db.url, &group, "r-1"))
         .query(&mut conn)
         .unwrap();
 
@@ -400,7 +403,7 @@ fn failing_handler_leaves_nothing_then_fixed_handler_applies_once() {
         "no processed_events row at all"
     );
     assert_eq!(pending(&mut conn, &stream, &group), 1, "still pending");
-    assert!(!marker_exists(&mut conn, &group, "f-1"));
+    assert!(!marker_exists(&db, &mut conn, &group, "f-1"));
     assert!(dead_letters(&mut conn, &stream).is_empty());
 
     // The fixed handler, same consumer: it re-reads its pending entry.

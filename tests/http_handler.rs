@@ -59,7 +59,7 @@ fn downstream(script: fn(&str, usize) -> (u16, Option<&'static str>)) -> (String
 }
 
 /// Runs the binary on `stream` with a group named after it, so the Redis
-/// markers (`processed:<group>:<event_id>`) of one run never meet another's.
+/// markers (keyed by group and event_id) of one run never meet another's.
 fn run_http(url: &str, stream: &str, db: &TestDb, extra: &[&str]) -> Proc {
     let mut cmd = taskhub(&redis_url(), &db.url);
     cmd.args([

@@ -145,9 +145,9 @@ proptest! {
 
 /// What the README's failure table says about a 5-character SQLSTATE.
 fn documented_class(code: &str) -> FailureClass {
-    if code.starts_with("08") || ["57P01", "57P02", "57P03", "53300"].contains(&code) {
+    if code.starts_with("08") || ["57P01", "57P02", "57P03", "53300", "25006"].contains(&code) {
         FailureClass::Outage
-    } else if ["40001", "40P01", "55P03", "25006"].contains(&code) {
+    } else if ["40001", "40P01", "55P03"].contains(&code) {
         FailureClass::Retryable
     } else if code.starts_with("22") || code.starts_with("23") || code.starts_with("42") {
         FailureClass::Permanent
@@ -211,7 +211,7 @@ fn named_sqlstates_from_the_postgres_crate_are_classified() {
         (SqlState::T_R_SERIALIZATION_FAILURE, FailureClass::Retryable),
         (SqlState::T_R_DEADLOCK_DETECTED, FailureClass::Retryable),
         (SqlState::LOCK_NOT_AVAILABLE, FailureClass::Retryable),
-        (SqlState::READ_ONLY_SQL_TRANSACTION, FailureClass::Retryable),
+        (SqlState::READ_ONLY_SQL_TRANSACTION, FailureClass::Outage),
         (SqlState::DISK_FULL, FailureClass::Retryable),
         (SqlState::CONNECTION_FAILURE, FailureClass::Outage),
         (SqlState::ADMIN_SHUTDOWN, FailureClass::Outage),

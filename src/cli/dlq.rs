@@ -58,7 +58,7 @@ XADD and its removal from the dead-letter stream are one atomic step, and an ent
 gone (replayed or purged meanwhile) is not added twice. Events whose effect is already
 committed are skipped by the worker's idempotency layer (as duplicates); the summary says
 how many, looked up in PostgreSQL's processed_events (DATABASE_URL) under each dead letter's
-group as scope (--scope to change), or in the Redis markers when PostgreSQL is unreachable.")]
+group as scope (--scope to change); not checked when PostgreSQL is unreachable.")]
     Replay(ReplayArgs),
     /// Delete dead letters (needs --yes; without it, says how many would go).
     Purge(PurgeArgs),
@@ -558,7 +558,7 @@ impl Ctx {
             Ok(client) => Some(client),
             Err(e) => {
                 eprintln!(
-                    "taskhub: warning: {e}; \"already processed\" is looked up in the Redis markers instead (they expire, so the count may be low)"
+                    "taskhub: warning: {e}; \"already processed\" is not checked (the worker still skips what was applied)"
                 );
                 None
             }
@@ -643,8 +643,8 @@ impl Ctx {
             ));
         }
         let checked = match report.checked_with {
-            Some(dlq::ProcessedCheck::Postgres) => "processed_events in PostgreSQL",
-            _ => "the Redis markers",
+            Some(_) => "checked in processed_events in PostgreSQL",
+            None => "not checked: PostgreSQL was not reachable",
         };
         let n = report.replayed();
         let processed = report.already_processed();
@@ -656,7 +656,7 @@ impl Ctx {
             });
         } else {
             out.push_str(&format!(
-                "{} {} to {}: {processed} already processed (the worker will skip {} as duplicate{}; checked in {checked}), {} to apply",
+                "{} {} to {}: {processed} already processed (the worker will skip {} as duplicate{}; {checked}), {} to apply",
                 if report.dry_run { "dry run: would replay" } else { "replayed" },
                 plural(n, "dead letter"),
                 if n == 1 { "its stream" } else { "their streams" },

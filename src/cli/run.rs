@@ -41,7 +41,11 @@ pub struct RunArgs {
     /// header Idempotency-Key: the event_id).
     #[arg(long, conflicts_with = "sql")]
     pub http_url: Option<String>,
-    /// Timeout of one --http-url request.
+    /// Longest a handler's SQL statement (or --http-url request) may run;
+    /// one cut short is a retryable failure.
+    #[arg(long, default_value = "60s", value_parser = duration, allow_hyphen_values = true)]
+    pub handler_timeout: Duration,
+    /// Timeout of one --http-url request (at most --handler-timeout).
     #[arg(long, default_value = "10s", value_parser = duration, allow_hyphen_values = true)]
     pub http_timeout: Duration,
     /// batch: one transaction per batch of new events (falls back to one per
@@ -117,6 +121,7 @@ pub fn run(servers: &Servers, args: RunArgs) -> Result<(), String> {
         .marker_ttl(args.marker_ttl)
         .shutdown_timeout(args.shutdown_timeout)
         .max_entry_bytes(args.max_entry_bytes)
+        .handler_timeout(args.handler_timeout)
         .start_id(&args.start_id)
         .mode(args.mode);
     for stream in &args.stream {
@@ -142,7 +147,10 @@ pub fn run(servers: &Servers, args: RunArgs) -> Result<(), String> {
         .alert_age(args.alert_age)
         .alert_min_gap(args.alert_min_gap);
     let worker = match &args.http_url {
-        Some(url) => builder.build(HttpHandler::new(url, args.http_timeout)),
+        Some(url) => builder.build(HttpHandler::new(
+            url,
+            args.http_timeout.min(args.handler_timeout),
+        )),
         None => builder.build(SqlHandler::new(args.sql)),
     }
     .map_err(|e| e.to_string())?;

@@ -123,6 +123,34 @@ impl TestDb {
         }
     }
 
+    /// Drops the database and creates it again under the same name, with the
+    /// migrations applied: a staging reset.
+    pub fn recreate(&self) {
+        let mut admin = postgres::Client::connect(&self.admin_url, postgres::NoTls).unwrap();
+        for sql in ["DROP DATABASE {} WITH (FORCE)", "CREATE DATABASE {}"] {
+            admin.batch_execute(&sql.replace("{}", &self.name)).unwrap();
+        }
+        taskhub::migrate(&self.url).expect("migrations apply");
+    }
+
+    /// Runs `sql` on the admin connection (database `postgres`), where
+    /// `ALTER DATABASE` and `pg_terminate_backend` of this database's
+    /// sessions can be run.
+    pub fn admin(&self, sql: &str) {
+        let mut admin = postgres::Client::connect(&self.admin_url, postgres::NoTls).unwrap();
+        admin.batch_execute(sql).unwrap();
+    }
+
+    /// Ends every session on this database except the admin's own, as a
+    /// failover or a server restart would.
+    pub fn terminate_sessions(&self) {
+        self.admin(&format!(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE datname = '{}' AND pid <> pg_backend_pid()",
+            self.name
+        ));
+    }
+
     pub fn client(&self) -> postgres::Client {
         postgres::Client::connect(&self.url, postgres::NoTls).unwrap()
     }
@@ -727,4 +755,99 @@ pub fn run_on(db_url: &str, stream: &str) -> Command {
         "100",
     ]);
     cmd
+}
+
+/// Parses the summary line `read=.. applied=.. duplicates=.. ... (permanent=..
+/// ...) reclaimed=..` (the last such line of `stdout`).
+pub fn parse_summary(stdout: &str) -> std::collections::BTreeMap<String, u64> {
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.contains("applied="))
+        .unwrap_or_else(|| panic!("no summary line on stdout:\n{stdout}"));
+    line.split_whitespace()
+        .filter_map(|tok| {
+            let tok = tok.trim_matches(|c| c == '(' || c == ')');
+            let (k, v) = tok.split_once('=')?;
+            Some((k.to_owned(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+/// A library `Worker` running on its own thread, stopped (bounded) when
+/// dropped so a failed assertion never leaves one running.
+pub struct Running {
+    stop: taskhub::Shutdown,
+    handle: Option<std::thread::JoinHandle<Result<taskhub::Summary, taskhub::Error>>>,
+}
+
+impl Running {
+    pub fn start(builder: taskhub::Builder, handler: impl taskhub::Handler) -> Running {
+        let worker = builder.build(handler).expect("valid configuration");
+        let stop = worker.shutdown_handle();
+        let handle = std::thread::Builder::new()
+            .name("test-worker-run".into())
+            .spawn(move || worker.run())
+            .unwrap();
+        Running {
+            stop,
+            handle: Some(handle),
+        }
+    }
+
+    /// Waits at most `timeout` for `run()` to return by itself (with
+    /// `until_idle`); panics (after stopping it) on timeout or failure.
+    pub fn join(mut self, timeout: Duration) -> taskhub::Summary {
+        let handle = self.handle.take().unwrap();
+        if !wait_until(timeout, || handle.is_finished()) {
+            self.stop.shutdown();
+            wait_until(Duration::from_secs(20), || handle.is_finished());
+            panic!("run() did not finish by itself within {timeout:?}");
+        }
+        match handle.join() {
+            Ok(Ok(summary)) => summary,
+            Ok(Err(e)) => panic!("run() failed: {e}"),
+            Err(_) => panic!("run() panicked"),
+        }
+    }
+
+    /// Asks for a graceful stop and waits (bounded) for `run()` to return.
+    pub fn stop(self) -> taskhub::Summary {
+        self.stop.shutdown();
+        self.join(Duration::from_secs(30))
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(h) = self.handle.take() {
+            self.stop.shutdown();
+            wait_until(Duration::from_secs(20), || h.is_finished());
+        }
+    }
+}
+
+/// The Redis marker key of `event_id` in `scope` for the database at
+/// `db_url`, computed here from the format the README documents:
+/// `th:<ns>:<len(scope)>:<scope>:<event_id>`, where `<ns>` is the 64-bit
+/// FNV-1a hash, in hex, of `<system_identifier>/<database oid>/<timeline,
+/// 8 hex digits>/<processed_events file node>`.
+pub fn marker_key(db_url: &str, scope: &str, event_id: &str) -> String {
+    let mut client = postgres::Client::connect(db_url, postgres::NoTls).unwrap();
+    let row = client
+        .query_one(
+            "SELECT (SELECT system_identifier FROM pg_control_system())::text, \
+             (SELECT oid FROM pg_database WHERE datname = current_database())::text, \
+             substr(pg_walfile_name(pg_current_wal_insert_lsn()), 1, 8), \
+             coalesce(pg_relation_filenode(to_regclass('processed_events')), 0)::text",
+            &[],
+        )
+        .unwrap();
+    let parts: Vec<String> = (0..4).map(|i| row.get(i)).collect();
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in parts.join("/").bytes() {
+        hash ^= u64::from(b);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("th:{hash:016x}:{}:{scope}:{event_id}", scope.len())
 }

@@ -1,0 +1,69 @@
+//! Step 4 of a message's path: after the commits, one pipelined round trip
+//! sets the duplicate markers of what committed (with a TTL) and XACKs
+//! everything finished; then the entries leave the in-flight set.
+//!
+//! Markers go to the namespace of the database that committed (see
+//! `keys.rs`). They are only a cache: if Redis refuses them (out of memory,
+//! say) the entries are acked without them, and PostgreSQL still decides.
+
+use crate::fault::{self, Point};
+use crate::process::{event, Finished, Processor};
+
+impl Processor {
+    /// Sets markers for `done.to_mark`, then XACKs all of `done`, in one
+    /// round trip, through Redis outages.
+    pub(crate) fn mark_and_ack(&mut self, stream: &str, mut done: Finished) {
+        if done.deliveries.is_empty() {
+            return;
+        }
+        let finished = &done.deliveries;
+        let ttl = self.shared.config.marker_ttl.as_secs();
+        let group = self.shared.config.group.clone();
+        let ns = self.shared.namespace.get();
+        let split = fault::is_armed(Point::AfterMarker);
+        let acked = self.with_redis(|conn, scope| {
+            let mut pipe = conn.pipe();
+            for &i in &done.to_mark {
+                pipe.cmd("SET")
+                    .arg(crate::keys::marker(
+                        &ns,
+                        scope,
+                        event(&finished[i]).event_id(),
+                    ))
+                    .arg(1)
+                    .arg("EX")
+                    .arg(ttl)
+                    .ignore();
+            }
+            if split {
+                // Crash test: Redis applied the markers, then we died.
+                pipe.query::<()>(conn)?;
+                pipe = conn.pipe();
+                for &i in &done.to_mark {
+                    fault::hit(Point::AfterMarker, event(&finished[i]).event_id());
+                }
+            }
+            let ids: Vec<&str> = finished.iter().map(|d| d.entry_id.as_str()).collect();
+            pipe.cmd("XACK").arg(stream).arg(&group).arg(&ids).ignore();
+            match pipe.query::<()>(conn) {
+                Err(e) if !crate::error::redis_is_outage(&e) => {
+                    log::warn!(
+                        "{stream}: duplicate markers not written ({e}); acking without them"
+                    );
+                    crate::streams::ack(conn, stream, &group, &ids)
+                }
+                result => result,
+            }
+        });
+        if acked.is_none() {
+            log::warn!(
+                "{stream}: shutdown during a Redis outage; {} committed entries stay pending and will be skipped as duplicates",
+                finished.len()
+            );
+        }
+        let tickets = done.deliveries.iter_mut().filter_map(|d| d.ticket.take());
+        self.shared
+            .in_flight
+            .release_all(tickets.collect::<Vec<_>>());
+    }
+}

@@ -1,0 +1,371 @@
+//! Step 3 of a message's path: apply an event's effect exactly once, in one
+//! PostgreSQL transaction with the record that it was applied. This is where
+//! the guarantee is made.
+//!
+//! One transaction, for one event ([`Processor::apply`]) or for a batch of
+//! first deliveries ([`Processor::apply_batch`]), the same steps:
+//! 1. insert `(scope, event_id)` into `processed_events` with `ON CONFLICT
+//!    DO NOTHING`: no row back means the event was applied before (a
+//!    duplicate); the row's transaction id is kept;
+//! 2. for a redelivered entry, count this start (a crash from here on is
+//!    charged to it, see [`Processor::apply`]);
+//! 3. run the handler in the same transaction;
+//! 4. for an entry held for over a second, check with Redis that it is still
+//!    this consumer's (see `delivery.rs`): if another consumer claimed it,
+//!    roll back and leave it to them;
+//! 5. COMMIT, but only if the transaction is still the one of step 1: a
+//!    handler that failed a statement and returned Ok, or that ran COMMIT or
+//!    ROLLBACK itself, fails its event instead. (Sessions are read-only
+//!    outside taskhub's own READ WRITE transactions, so what such a handler
+//!    writes after ending the transaction fails instead of committing on
+//!    its own.)
+
+use std::time::Instant;
+
+use crate::delivery::{Delivery, FRESH};
+use crate::error::{FailureClass, HandlerError};
+use crate::event::Event;
+use crate::fault::{self, Point};
+use crate::handler::{catch_panic, prepare_cached as prepare, Tx};
+use crate::process::{event, Processor};
+use crate::run::Shared;
+use crate::stats::Stats;
+use crate::streams::{self, Owned};
+
+const INSERT_PROCESSED: &str = "INSERT INTO processed_events (scope, event_id) VALUES ($1, $2) \
+     ON CONFLICT DO NOTHING RETURNING txid_current()";
+const INSERT_PROCESSED_BATCH: &str = "INSERT INTO processed_events (scope, event_id) \
+     SELECT $1, unnest($2::text[]) ON CONFLICT DO NOTHING RETURNING event_id, txid_current()";
+/// The transaction id now: NULL outside a transaction that wrote, and an
+/// error (25P02) in an aborted one.
+const CURRENT_TXID: &str = "SELECT txid_current_if_assigned()";
+
+/// The outcome of applying one event.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Applied {
+    /// The effect was committed now.
+    New,
+    /// The effect had been committed before.
+    Duplicate,
+    /// Delivered more often than attempts are allowed, never applied.
+    CrashLoop,
+    /// Rolled back: another consumer claimed the entry meanwhile.
+    NotOurs,
+    /// Rolled back: the entry was deleted from its stream and had been
+    /// idle too long to be committed safely; dead-letter it.
+    Trimmed,
+}
+
+/// The outcome of a batch transaction.
+#[derive(Debug)]
+pub(crate) enum Batch {
+    /// Committed; per delivery, whether it was new (else a duplicate).
+    Applied(Vec<bool>),
+    /// Rolled back because these deliveries (by position) are not this
+    /// consumer's any more, or were trimmed; the rest is to be tried again.
+    NotOurs(Vec<(usize, Applied)>),
+}
+
+impl Processor {
+    fn connection(&mut self) -> Result<(), HandlerError> {
+        if self.pg.as_ref().is_some_and(|c| c.is_closed()) {
+            self.pg = None;
+        }
+        if self.pg.is_none() {
+            let conn = self
+                .shared
+                .pg
+                .get()
+                .map_err(|e| HandlerError::outage(format!("no PostgreSQL connection: {e}")))?;
+            self.cache.clear();
+            self.pg = Some(conn);
+        }
+        Ok(())
+    }
+
+    /// Step 3 for one event.
+    ///
+    /// A redelivered entry (not a retry) counts its start in Redis just
+    /// before its handler runs, once the dedup insert said it is new: Redis's
+    /// delivery count also rises for entries delivered but never started
+    /// (queued behind the event that crashed the process, or stopped while
+    /// waiting out an outage), and counting those dead-lettered innocent
+    /// entries as crash loops. An entry started more than `max_attempts`
+    /// times is a crash loop: rolled back and dead-lettered without running.
+    pub(crate) fn apply(&mut self, delivery: &mut Delivery) -> Result<Applied, HandlerError> {
+        let shared = self.shared.clone();
+        let scope = shared.config.scope();
+        self.connection()?;
+        let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
+            unreachable!("connection() sets it")
+        };
+        let insert = prepare(&mut ***conn, cache, INSERT_PROCESSED)?;
+        let mut tx = Tx {
+            tx: conn.build_transaction().read_only(false).start()?,
+            cache,
+        };
+        let event_id = event(delivery).event_id().to_owned();
+        let Some(row) = tx.query_opt(&insert, &[&scope, &event_id])? else {
+            return Ok(Applied::Duplicate); // dropping tx rolls back
+        };
+        let xid: i64 = row.get(0);
+        self.reached_database = true;
+        if delivery.delivery_count > 1 && delivery.failures.is_empty() {
+            let started = count_start(&shared, delivery).ok_or_else(stopped)?;
+            delivery.delivery_count = delivery.delivery_count.min(started.saturating_add(1));
+            if delivery.prior_attempts() >= shared.config.max_attempts {
+                return Ok(Applied::CrashLoop);
+            }
+        }
+        let event = event(delivery);
+        fault::hit(Point::InHandler, event.event_id());
+        let started = Instant::now();
+        let handled = catch_panic(|| shared.handler.handle(event, &mut tx));
+        shared.stats.handler_seconds.observe(started.elapsed());
+        log::trace!(
+            "{}/{}: handler ran in {:?}",
+            delivery.stream,
+            delivery.entry_id,
+            started.elapsed()
+        );
+        if let Err(e) = handled {
+            if e.is_panic() {
+                Stats::add(&shared.stats.panics, 1);
+            }
+            return Err(ended(&mut tx, xid).unwrap_or(e));
+        }
+        if delivery.held_long() {
+            let owned = ownership(&shared, std::slice::from_ref(delivery)).ok_or_else(stopped)?;
+            if let Some(lost) = not_ours(&owned[0]) {
+                return Ok(lost);
+            }
+        }
+        fault::hit(Point::BeforeCommit, event.event_id());
+        commit(tx, xid)?;
+        Stats::add(&shared.stats.commits, 1);
+        fault::hit(Point::AfterCommit, event.event_id());
+        committed(&shared, event);
+        Ok(Applied::New)
+    }
+
+    /// Step 3 for a batch: one set-based insert into `processed_events`
+    /// returns which event ids are new, the handler's batch form applies
+    /// them, one COMMIT. Any error rolls the whole batch back.
+    pub(crate) fn apply_batch(&mut self, batch: &[Delivery]) -> Result<Batch, HandlerError> {
+        let shared = self.shared.clone();
+        let scope = shared.config.scope();
+        self.connection()?;
+        let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
+            unreachable!("connection() sets it")
+        };
+        let insert = prepare(&mut ***conn, cache, INSERT_PROCESSED_BATCH)?;
+        let mut tx = Tx {
+            tx: conn.build_transaction().read_only(false).start()?,
+            cache,
+        };
+        let ids: Vec<&str> = batch.iter().map(|d| event(d).event_id()).collect();
+        let rows = tx.query(&insert, &[&scope, &ids])?;
+        self.reached_database = true;
+        let xid: Option<i64> = rows.first().map(|row| row.get(1));
+        let mut inserted: std::collections::HashSet<String> =
+            rows.into_iter().map(|row| row.get(0)).collect();
+        // The first delivery of each inserted id is new; later copies of the
+        // same id in this batch are duplicates.
+        let new: Vec<bool> = ids.iter().map(|id| inserted.remove(*id)).collect();
+        let (positions, events): (Vec<usize>, Vec<&Event>) = batch
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| new[*i])
+            .map(|(i, d)| (i, event(d)))
+            .unzip();
+        let Some(xid) = xid else {
+            return Ok(Batch::Applied(new)); // all duplicates; rolled back
+        };
+        for e in &events {
+            fault::hit(Point::InHandler, e.event_id());
+        }
+        let started = Instant::now();
+        let handled = catch_panic(|| shared.handler.handle_batch(&events, &mut tx));
+        shared.stats.handler_seconds.observe(started.elapsed());
+        if let Err(e) = handled {
+            if e.is_panic() {
+                Stats::add(&shared.stats.panics, 1);
+            }
+            if let Some(ended) = ended(&mut tx, xid) {
+                return Err(ended.for_no_event());
+            }
+            // Name the failing event by its place in `batch`.
+            let at = e.event_index().and_then(|i| positions.get(i).copied());
+            return Err(match at {
+                Some(i) => e.for_event(i),
+                None => e.for_no_event(),
+            });
+        }
+        let long: Vec<usize> = (0..batch.len()).filter(|i| batch[*i].held_long()).collect();
+        if !long.is_empty() {
+            let held: Vec<&Delivery> = long.iter().map(|i| &batch[*i]).collect();
+            let owned = ownership(&shared, held).ok_or_else(stopped)?;
+            let lost: Vec<(usize, Applied)> = long
+                .into_iter()
+                .zip(owned)
+                .filter_map(|(i, o)| not_ours(&o).map(|a| (i, a)))
+                .collect();
+            if !lost.is_empty() {
+                return Ok(Batch::NotOurs(lost));
+            }
+        }
+        for e in &events {
+            fault::hit(Point::BeforeCommit, e.event_id());
+        }
+        commit(tx, xid).map_err(HandlerError::for_no_event)?;
+        Stats::add(&shared.stats.commits, 1);
+        for e in &events {
+            fault::hit(Point::AfterCommit, e.event_id());
+            committed(&shared, e);
+        }
+        Ok(Batch::Applied(new))
+    }
+}
+
+/// The error that makes `through_outages` stop: a shutdown came during a
+/// Redis outage inside the transaction (which rolls back).
+fn stopped() -> HandlerError {
+    HandlerError::outage("stopped while Redis was unavailable")
+}
+
+/// Counts the start of a redelivered entry's attempt; returns the starts
+/// counted so far for it (this one included), not counting its first
+/// delivery. `None` when a shutdown interrupted a Redis outage.
+fn count_start(shared: &Shared, delivery: &Delivery) -> Option<u64> {
+    let key = crate::keys::started(&shared.config.group, &delivery.stream, &delivery.entry_id);
+    let ttl = shared.config.marker_ttl.as_secs().max(1);
+    crate::process::redis_call(shared, |conn, _| {
+        let (n,): (u64,) = redis::pipe()
+            .cmd("INCR")
+            .arg(&key)
+            .cmd("EXPIRE")
+            .arg(&key)
+            .arg(ttl)
+            .ignore()
+            .query(conn)?;
+        Ok(n)
+    })
+}
+
+/// Checks (and refreshes) that each of `held` is still this consumer's, in
+/// one pipelined round trip. `None` when a shutdown interrupted a Redis
+/// outage.
+fn ownership<'a>(
+    shared: &Shared,
+    held: impl IntoIterator<Item = &'a Delivery> + Clone,
+) -> Option<Vec<Owned>> {
+    let config = &shared.config;
+    crate::process::redis_call(shared, |conn, _| {
+        let mut pipe = conn.pipe();
+        for d in held.clone() {
+            pipe.add_command(streams::claim_if_owned(
+                &d.stream,
+                &config.group,
+                &config.consumer,
+                &d.entry_id,
+                d.fence().unwrap_or(0),
+                false,
+            ));
+        }
+        let replies: Vec<redis::Value> = pipe.query(conn)?;
+        replies.into_iter().map(streams::parse_owned).collect()
+    })
+}
+
+/// Why a checked entry must not be committed by this consumer, if so. An
+/// entry deleted from the stream cannot have its idle time reset; it is
+/// committed only while it has been idle for less than [`FRESH`] (no claim
+/// can take it before twice that), else dead-lettered as trimmed.
+fn not_ours(owned: &Owned) -> Option<Applied> {
+    match owned {
+        Owned::Yes(_) => None,
+        Owned::Trimmed { idle_ms } if *idle_ms < FRESH.as_millis() as u64 => None,
+        Owned::Trimmed { .. } => Some(Applied::Trimmed),
+        Owned::Lost => Some(Applied::NotOurs),
+    }
+}
+
+/// The error to report when a handler that failed had ended the transaction
+/// itself: its statements after the COMMIT or ROLLBACK ran outside ours
+/// and failed (sessions are read-only outside taskhub's transactions), so
+/// its own error hides the cause. A round trip on this failure path only.
+fn ended(tx: &mut Tx<'_>, xid: i64) -> Option<HandlerError> {
+    let check = tx.prepare_cached(CURRENT_TXID).ok()?;
+    match tx.query_one(&check, &[]) {
+        Ok(row) if row.get::<_, Option<i64>>(0) != Some(xid) => Some(ended_error()),
+        _ => None, // still ours (or aborted, as a failed statement leaves it)
+    }
+}
+
+fn ended_error() -> HandlerError {
+    HandlerError::permanent(
+        "the handler ended the transaction itself (it ran COMMIT or ROLLBACK): the event is not recorded as applied, and what it committed before stays committed; fix the handler, then replay",
+    )
+}
+
+/// COMMIT, but only of the transaction that recorded the event.
+///
+/// PostgreSQL answers COMMIT in a failed transaction with ROLLBACK and no
+/// error, and the client reports success: a handler that swallowed a
+/// statement error and returned Ok would have its event acked with nothing
+/// written. And a handler that ran COMMIT or ROLLBACK itself (through
+/// `batch_execute`) ended the transaction that held the `processed_events`
+/// row: its event would be acked with no row, or with half an effect
+/// committed. One cheap statement before COMMIT catches both: it fails in an
+/// aborted transaction (25P02), and returns another transaction id (NULL)
+/// once the handler ended ours.
+fn commit(mut tx: Tx<'_>, xid: i64) -> Result<(), HandlerError> {
+    let check = tx.prepare_cached(CURRENT_TXID)?;
+    let current: Option<i64> = match tx.query_one(&check, &[]) {
+        Ok(row) => row.get(0),
+        Err(e) if crate::error::classify_postgres(&e) == FailureClass::Outage => {
+            return Err(e.into())
+        }
+        Err(e) => {
+            return Err(HandlerError::retryable(format!(
+                "a statement of the handler failed and the transaction was aborted, but the handler returned Ok; rolled back ({e})"
+            )))
+        }
+    };
+    if current != Some(xid) {
+        return Err(ended_error());
+    }
+    tx.tx.commit()?;
+    Ok(())
+}
+
+/// The handler's `committed` hook; a panic in it is logged, not spread
+/// (the event is committed: it must be acked all the same).
+fn committed(shared: &Shared, event: &Event) {
+    let hook = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        shared.handler.committed(event)
+    }));
+    if hook.is_err() {
+        log::error!(
+            "{}/{}: the handler's committed hook panicked",
+            event.stream(),
+            event.entry_id()
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_deleted_entry_is_committed_only_while_fresh() {
+        assert_eq!(not_ours(&Owned::Yes(None)), None);
+        assert_eq!(not_ours(&Owned::Trimmed { idle_ms: 10 }), None);
+        assert_eq!(
+            not_ours(&Owned::Trimmed { idle_ms: 5_000 }),
+            Some(Applied::Trimmed)
+        );
+        assert_eq!(not_ours(&Owned::Lost), Some(Applied::NotOurs));
+    }
+}

@@ -1,0 +1,191 @@
+//! The Redis keys taskhub keeps besides the streams, and why each part of
+//! their names is there.
+//!
+//! - The duplicate marker of an event, `th:<ns>:<len>:<scope>:<event_id>`:
+//!   a cache of "this database committed this event". `<ns>` names the
+//!   database history that owns the truth (see [`Namespace`]), so two
+//!   deployments sharing one Redis, a database dropped and created again
+//!   under the same name, or a restore or failover to another timeline
+//!   never trust markers written for another history. `<len>` is the
+//!   scope's length in bytes: without it, scope `g` with event `x:1` and
+//!   scope `g:x` with event `1` would be one key.
+//! - The start counter of a redelivered entry,
+//!   `th:s:<len>:<group>:<len>:<stream>:<entry_id>` (see `process.rs`).
+//! - The index of dead-lettered entries, the hash `<stream>:dlq:index`
+//!   (entry id → dead-letter id), in the stream's hash slot: an entry
+//!   delivered again after its group was created again is recognised as
+//!   dead-lettered already.
+//!
+//! Keys written by earlier versions (`processed:<scope>:<event_id>`) are
+//! not read: they could not say which database they speak for. They expire
+//! with their TTL; meanwhile PostgreSQL answers for them.
+
+use std::fmt;
+use std::sync::{Arc, RwLock};
+
+/// The identity of the database history the markers speak for: the
+/// cluster's `system_identifier` (new for every `initdb`, kept by replicas),
+/// the database's OID (new when it is created again), the timeline (new
+/// after a promotion or a point-in-time restore) and the file node of
+/// `processed_events` (new after a TRUNCATE). Shown as a 64-bit FNV-1a hash
+/// of those four, in hex.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Identity {
+    pub system_identifier: String,
+    pub database_oid: String,
+    pub timeline: String,
+    pub filenode: String,
+}
+
+impl Identity {
+    /// The query that reads it (one row of four texts). It fails on a
+    /// server in recovery (a standby): no writes are possible there anyway.
+    pub const QUERY: &'static str = "SELECT \
+        (SELECT system_identifier FROM pg_control_system())::text, \
+        (SELECT oid FROM pg_database WHERE datname = current_database())::text, \
+        substr(pg_walfile_name(pg_current_wal_insert_lsn()), 1, 8), \
+        coalesce(pg_relation_filenode(to_regclass('processed_events')), 0)::text";
+
+    /// The namespace of markers for this identity.
+    pub fn namespace(&self) -> String {
+        let text = format!(
+            "{}/{}/{}/{}",
+            self.system_identifier, self.database_oid, self.timeline, self.filenode
+        );
+        format!("{:016x}", fnv1a(text.as_bytes()))
+    }
+}
+
+impl fmt::Display for Identity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "system {} database oid {} timeline {} processed_events file {}",
+            self.system_identifier,
+            self.database_oid,
+            u32::from_str_radix(&self.timeline, 16).unwrap_or(0),
+            self.filenode
+        )
+    }
+}
+
+/// 64-bit FNV-1a: small, and the same in every version of taskhub and Rust
+/// (std's hasher may change between releases).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        hash ^= u64::from(*b);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash
+}
+
+/// The marker namespace in use, shared by every thread and replaced when a
+/// new PostgreSQL connection finds another identity (a failover, a database
+/// created again while the worker ran).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Namespace {
+    current: Arc<RwLock<(Arc<str>, Option<Identity>)>>,
+}
+
+impl Namespace {
+    /// The namespace now.
+    pub fn get(&self) -> Arc<str> {
+        self.current
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+            .clone()
+    }
+
+    /// The identity it stands for, once a connection saw one.
+    pub fn identity(&self) -> Option<Identity> {
+        self.current
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .1
+            .clone()
+    }
+
+    /// Records the identity a connection found; logs when it changed.
+    pub fn observe(&self, identity: &Identity) {
+        let ns = identity.namespace();
+        let mut current = self.current.write().unwrap_or_else(|e| e.into_inner());
+        if *current.0 != *ns {
+            if !current.0.is_empty() {
+                log::warn!(
+                    "postgres: the database is not the one the markers were written for \
+                     ({identity}); markers of namespace {} are no longer trusted, \
+                     new ones go to {ns}",
+                    current.0
+                );
+            }
+            *current = (ns.into(), Some(identity.clone()));
+        }
+    }
+}
+
+/// The marker of `event_id` in `scope`, in namespace `ns`.
+pub(crate) fn marker(ns: &str, scope: &str, event_id: &str) -> String {
+    format!("th:{ns}:{}:{scope}:{event_id}", scope.len())
+}
+
+/// The start counter of one entry of `stream` in `group`.
+pub(crate) fn started(group: &str, stream: &str, entry_id: &str) -> String {
+    format!(
+        "th:s:{}:{group}:{}:{stream}:{entry_id}",
+        group.len(),
+        stream.len()
+    )
+}
+
+/// The index of the entries of `stream` that were dead-lettered.
+pub(crate) fn dead_letter_index(stream: &str) -> String {
+    format!("{stream}:dlq:index")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_that_join_alike_make_different_keys() {
+        assert_ne!(marker("n", "g", "x:1"), marker("n", "g:x", "1"));
+        assert_ne!(started("a:b", "c", "1-0"), started("a", "b:c", "1-0"));
+        assert_ne!(started("a", "b:1-0", "2-0"), started("a", "b", "1-0:2-0"));
+        assert_eq!(marker("00ff", "g", "e"), "th:00ff:1:g:e");
+    }
+
+    #[test]
+    fn every_part_of_the_identity_changes_the_namespace() {
+        let base = Identity {
+            system_identifier: "7301".into(),
+            database_oid: "16384".into(),
+            timeline: "00000001".into(),
+            filenode: "16390".into(),
+        };
+        let ns = base.namespace();
+        assert_eq!(ns.len(), 16);
+        for changed in [
+            Identity {
+                system_identifier: "7302".into(),
+                ..base.clone()
+            },
+            Identity {
+                database_oid: "16385".into(),
+                ..base.clone()
+            },
+            Identity {
+                timeline: "00000002".into(),
+                ..base.clone()
+            },
+            Identity {
+                filenode: "16391".into(),
+                ..base.clone()
+            },
+        ] {
+            assert_ne!(changed.namespace(), ns);
+        }
+        assert_eq!(base.clone().namespace(), ns);
+    }
+}

@@ -1,0 +1,704 @@
+//! One outcome per event, whatever happens around it: the faults an
+//! attacker-minded review found that the other tests did not inject. Each
+//! test failed on the code before the fix it guards.
+//!
+//! - two deployments sharing one Redis, ambiguous marker keys, and a
+//!   database dropped and created again under the same name: a Redis marker
+//!   never skips an event that this database did not commit;
+//! - an entry held by a retrying owner and claimed by another instance: it
+//!   is applied or dead-lettered, never both;
+//! - graceful restarts during a PostgreSQL outage do not turn healthy
+//!   entries into `crash_loop` dead letters;
+//! - a read-only window (SQLSTATE 25006) is an outage, not failed attempts;
+//! - a consumer group destroyed and created again does not dead-letter (or
+//!   apply) what was dead-lettered before;
+//! - an entry trimmed from its stream while it waits for a retry becomes a
+//!   `trimmed` dead letter;
+//! - a statement that kills its PostgreSQL backend ends as `crash_loop`
+//!   instead of stalling a worker for ever;
+//! - a handler that runs ROLLBACK or COMMIT itself fails its event;
+//! - `--handler-timeout` cancels a hung statement;
+//! - a group started at `$` and destroyed is created again where this
+//!   consumer stopped reading, not at `$`.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::*;
+use taskhub::{DeadLetterKind, Event, Handler, HandlerError, Tx};
+
+/// The longest any run of the binary may take here.
+const RUN_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// `taskhub run --stream <stream> --until-idle` with `extra` flags, on the
+/// shared Redis; asserts exit 0 and returns the summary.
+fn run_idle(db_url: &str, stream: &str, extra: &[&str]) -> BTreeMap<String, u64> {
+    let mut cmd = taskhub(&redis_url(), db_url);
+    cmd.args([
+        "run",
+        "--stream",
+        stream,
+        "--block-ms",
+        "100",
+        "--until-idle",
+    ])
+    .args(extra);
+    let out = output(cmd, None, RUN_TIMEOUT);
+    assert!(
+        out.status.success(),
+        "run failed: {}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        out.stdout,
+        out.stderr
+    );
+    parse_summary(&out.stdout)
+}
+
+/// XADDs one event per id with `payload`; returns the entry ids.
+fn add_events(conn: &mut redis::Connection, stream: &str, ids: &[String], payload: &str) {
+    for id in ids {
+        xadd(conn, stream, &[("event_id", id), ("payload", payload)]);
+    }
+}
+
+fn ids(prefix: &str, n: usize) -> Vec<String> {
+    let base = unique(prefix);
+    (0..n).map(|i| format!("{base}-{i}")).collect()
+}
+
+/// Effects plus dead letters of `event_id`: its number of outcomes.
+fn outcomes(db: &TestDb, conn: &mut redis::Connection, stream: &str, event_id: &str) -> usize {
+    let dead = dead_letters(conn, stream)
+        .into_iter()
+        .filter(|l| l.event_id.as_deref() == Some(event_id))
+        .count();
+    dead + db.effects(event_id) as usize
+}
+
+#[test]
+fn two_deployments_on_one_redis_each_apply_their_own_events() {
+    // Two teams, one Redis, their own databases, the default group name.
+    let (db_a, db_b) = (TestDb::new(), TestDb::new());
+    let mut conn = redis(&redis_url());
+    let (stream_a, stream_b) = (unique("team_a"), unique("team_b"));
+    let events = ids("order", 20);
+    add_events(&mut conn, &stream_a, &events, "a");
+    add_events(&mut conn, &stream_b, &events, "b");
+
+    let a = run_idle(&db_a.url, &stream_a, &[]);
+    let b = run_idle(&db_b.url, &stream_b, &[]);
+    assert_eq!(a["applied"], 20, "{a:?}");
+    assert_eq!(b["applied"], 20, "the second database got nothing: {b:?}");
+    for db in [&db_a, &db_b] {
+        let counts = db.effect_counts();
+        assert_eq!(counts.len(), 20);
+        assert!(counts.values().all(|n| *n == 1), "{counts:?}");
+    }
+}
+
+#[test]
+fn scopes_and_event_ids_that_join_alike_do_not_share_a_marker() {
+    // Scope "g" with event "x:1" and scope "g:x" with event "1" used to be
+    // the same key, processed:g:x:1.
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let group = unique("g");
+    let scoped_group = format!("{group}:x");
+    let (s1, s2) = (unique("s1"), unique("s2"));
+    xadd(&mut conn, &s1, &[("event_id", "x:1"), ("payload", "p")]);
+    xadd(&mut conn, &s2, &[("event_id", "1"), ("payload", "p")]);
+
+    let first = run_idle(&db.url, &s1, &["--group", &group]);
+    let second = run_idle(&db.url, &s2, &["--group", &scoped_group]);
+    assert_eq!(first["applied"], 1, "{first:?}");
+    assert_eq!(second["applied"], 1, "{second:?}");
+    assert_eq!(db.effects("x:1"), 1);
+    assert_eq!(db.effects("1"), 1);
+}
+
+#[test]
+fn a_database_created_again_does_not_trust_the_old_markers() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let group = unique("g");
+    let events = ids("reset", 10);
+    let first = unique("before");
+    add_events(&mut conn, &first, &events, "p");
+    let before = run_idle(&db.url, &first, &["--group", &group]);
+    assert_eq!(before["applied"], 10, "{before:?}");
+
+    // A staging reset: same name, empty database, Redis keeps its markers.
+    db.recreate();
+    assert_eq!(db.effect_counts().len(), 0);
+    let second = unique("after");
+    add_events(&mut conn, &second, &events, "p");
+    let after = run_idle(&db.url, &second, &["--group", &group]);
+    assert_eq!(
+        after["applied"], 10,
+        "the new database got nothing: {after:?}"
+    );
+    assert_eq!(db.effect_counts().len(), 10);
+}
+
+/// Fails its first two calls (after 1.5 s of work each), then inserts.
+struct SlowFlaky {
+    calls: Arc<AtomicUsize>,
+}
+
+impl Handler for SlowFlaky {
+    fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        std::thread::sleep(Duration::from_millis(1500));
+        if n <= 2 {
+            return Err(HandlerError::retryable(format!("call {n} fails")));
+        }
+        tx.execute(
+            "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)",
+            &[&event.event_id(), &event.payload()],
+        )?;
+        Ok(())
+    }
+}
+
+#[test]
+fn an_entry_claimed_from_a_retrying_owner_gets_one_outcome() {
+    // The owner's wait (<= 1.5 s) is below --reclaim-min-idle (2 s), but its
+    // handler run plus the wait are not: the other instance claims the entry
+    // while the owner still holds it for a retry. Each used to finish it its
+    // own way: one dead-lettered it (exhausted) and the other committed it.
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("owned"), unique("g"));
+    let calls = Arc::new(AtomicUsize::new(0));
+    // Only b reclaims (a's own reclaimer would claim the entry back from
+    // itself, which resets its idle time and hides the race).
+    let builder = |consumer: &str, reclaim_every: Duration| {
+        fast_builder(&redis_url(), &db.url, &stream, &group)
+            .consumer(consumer)
+            .workers(1)
+            .max_attempts(2)
+            .backoff_base(Duration::from_millis(1500))
+            .backoff_cap(Duration::from_millis(1500))
+            .max_retry_after(Duration::from_millis(1500))
+            .reclaim_min_idle(Duration::from_secs(2))
+            .reclaim_interval(reclaim_every)
+    };
+    let a = Running::start(
+        builder("a", Duration::from_secs(600)),
+        SlowFlaky {
+            calls: calls.clone(),
+        },
+    );
+    let event_id = unique("e");
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", &event_id), ("payload", "p")],
+    );
+    assert!(wait_until(Duration::from_secs(10), || calls
+        .load(Ordering::SeqCst)
+        >= 1));
+    let b = Running::start(
+        builder("b", Duration::from_millis(100)),
+        SlowFlaky {
+            calls: calls.clone(),
+        },
+    );
+    assert!(
+        wait_until(Duration::from_secs(30), || pending(
+            &mut conn, &stream, &group
+        ) == 0
+            && outcomes(&db, &mut conn, &stream, &event_id) >= 1),
+        "the event was never finished"
+    );
+    // A graceful stop lets whatever either instance still runs finish.
+    a.stop();
+    b.stop();
+    assert_eq!(
+        outcomes(&db, &mut conn, &stream, &event_id),
+        1,
+        "effects {}, dead letters {:?}",
+        db.effects(&event_id),
+        dead_letters(&mut conn, &stream)
+    );
+}
+
+/// Makes the dedup insert fail with SQLSTATE `code` while `fault_switch.on`
+/// is true (it starts on): PostgreSQL answers as a server that lost the
+/// connection (08006) or is read-only (25006) would, while the worker can
+/// still start.
+fn fault_switch(db: &TestDb, code: &str) {
+    db.client()
+        .batch_execute(&format!(
+            "CREATE TABLE fault_switch (on_ boolean NOT NULL);
+             INSERT INTO fault_switch VALUES (true);
+             CREATE FUNCTION fault() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF (SELECT on_ FROM fault_switch) THEN
+                     RAISE EXCEPTION 'injected fault {code}' USING ERRCODE = '{code}';
+                 END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER fault BEFORE INSERT ON processed_events
+                 FOR EACH ROW EXECUTE FUNCTION fault();"
+        ))
+        .unwrap();
+}
+
+fn set_fault(db: &TestDb, on: bool) {
+    // (The database may default to read-only sessions meanwhile.)
+    db.client()
+        .batch_execute(&format!(
+            "BEGIN READ WRITE; UPDATE fault_switch SET on_ = {on}; COMMIT"
+        ))
+        .unwrap();
+}
+
+#[test]
+fn graceful_restarts_during_an_outage_are_not_crash_loops() {
+    let db = TestDb::new();
+    fault_switch(&db, "08006");
+    let mut conn = redis(&redis_url());
+    let stream = unique("restarts");
+    let group = stream.clone(); // run_on names the group after the stream
+    let events = ids("healthy", 3);
+    add_events(&mut conn, &stream, &events, "p");
+    let run = |extra: &[&str]| {
+        let mut cmd = run_on(&db.url, &stream);
+        cmd.args(["--consumer", "c1", "--max-attempts", "3"])
+            .args(extra);
+        cmd
+    };
+    for restart in 1..=4 {
+        let mut p = Proc::spawn(run(&[]));
+        assert!(
+            p.wait_for("Postgres: unavailable", RUN_TIMEOUT),
+            "restart {restart}: the outage was never seen\n{}",
+            p.stderr()
+        );
+        p.signal("TERM");
+        let status = p.wait(RUN_TIMEOUT);
+        assert!(
+            status.success(),
+            "restart {restart}: {status}\n{}",
+            p.stderr()
+        );
+    }
+    assert_eq!(pending(&mut conn, &stream, &group), 3);
+
+    set_fault(&db, false);
+    let out = output(run(&["--until-idle"]), None, RUN_TIMEOUT);
+    assert!(out.status.success(), "{}", out.stderr);
+    let summary = parse_summary(&out.stdout);
+    assert_eq!(summary["applied"], 3, "{summary:?}\n{}", out.stderr);
+    assert_eq!(dead_letters(&mut conn, &stream), vec![]);
+}
+
+#[test]
+fn a_read_only_window_is_an_outage() {
+    let db = TestDb::new();
+    fault_switch(&db, "08006");
+    set_fault(&db, false);
+    let mut conn = redis(&redis_url());
+    let stream = unique("readonly");
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.args(["--max-attempts", "3"])
+        .args(["--backoff-base", "10ms", "--backoff-cap", "100ms"])
+        .args(["--max-retry-after", "1s", "--reclaim-min-idle", "5s"]);
+    let mut p = Proc::spawn(cmd);
+    let before = ids("before", 10);
+    add_events(&mut conn, &stream, &before, "p");
+    assert!(wait_until(Duration::from_secs(20), || db
+        .effect_counts()
+        .len()
+        == 10));
+
+    // A failover in progress: writes are refused as read-only (25006), and
+    // new sessions default to read-only.
+    db.client()
+        .batch_execute(
+            "CREATE OR REPLACE FUNCTION fault() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF (SELECT on_ FROM fault_switch) THEN
+                     RAISE EXCEPTION 'cannot execute INSERT in a read-only transaction'
+                         USING ERRCODE = '25006';
+                 END IF;
+                 RETURN NEW;
+             END $$;",
+        )
+        .unwrap();
+    set_fault(&db, true);
+    db.admin(&format!(
+        "ALTER DATABASE {} SET default_transaction_read_only = on",
+        db.name
+    ));
+    db.terminate_sessions();
+    let during = ids("during", 10);
+    add_events(&mut conn, &stream, &during, "p");
+    std::thread::sleep(Duration::from_secs(3));
+    set_fault(&db, false);
+
+    let all_applied = wait_until(Duration::from_secs(30), || {
+        db.effect_counts().len() == 20 || !dead_letters(&mut conn, &stream).is_empty()
+    });
+    // The database-wide read-only default stays: taskhub's transactions say
+    // READ WRITE.
+    p.signal("TERM");
+    let status = p.wait(RUN_TIMEOUT);
+    db.admin(&format!(
+        "ALTER DATABASE {} RESET default_transaction_read_only",
+        db.name
+    ));
+    assert!(status.success(), "{status}\n{}", p.stderr());
+    assert_eq!(
+        dead_letters(&mut conn, &stream),
+        vec![],
+        "events failed because the database was read-only"
+    );
+    assert!(
+        all_applied,
+        "not everything applied: {:?}",
+        db.effect_counts()
+    );
+    let counts = db.effect_counts();
+    assert!(counts.values().all(|n| *n == 1), "{counts:?}");
+    assert!(
+        p.stderr().contains("Postgres: unavailable"),
+        "the read-only window was not reported as an outage\n{}",
+        p.stderr()
+    );
+}
+
+#[test]
+fn a_group_created_again_does_not_repeat_dead_letters() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("regroup"), unique("g"));
+    let good = ids("good", 5);
+    let bad = ids("bad", 2);
+    add_events(&mut conn, &stream, &good, "1");
+    add_events(&mut conn, &stream, &bad, "not a number");
+    let args = ["--group", group.as_str(), "--sql", INT_SQL];
+    let first = run_idle(&db.url, &stream, &args);
+    assert_eq!(first["applied"], 5, "{first:?}");
+    assert_eq!(dead_letters(&mut conn, &stream).len(), 2);
+
+    // XGROUP DESTROY (or a Redis restarted without persistence): the group
+    // is created again at 0 and every entry is delivered again.
+    let destroy = |conn: &mut redis::Connection| {
+        let n: i64 = redis::cmd("XGROUP")
+            .arg("DESTROY")
+            .arg(&stream)
+            .arg(&group)
+            .query(conn)
+            .unwrap();
+        assert_eq!(n, 1);
+    };
+    destroy(&mut conn);
+    let second = run_idle(&db.url, &stream, &args);
+    assert_eq!(second["applied"], 0, "{second:?}");
+    assert_eq!(
+        dead_letters(&mut conn, &stream).len(),
+        2,
+        "dead-lettered twice"
+    );
+
+    // Again, with the cause of the failures gone: the dead letters stay
+    // dead letters (a replay is how they are retried), nothing is applied.
+    destroy(&mut conn);
+    let third = run_idle(&db.url, &stream, &["--group", &group]);
+    assert_eq!(third["applied"], 0, "{third:?}");
+    for id in &bad {
+        assert_eq!(db.effects(id), 0, "{id} applied after being dead-lettered");
+    }
+    assert_eq!(dead_letters(&mut conn, &stream).len(), 2);
+    for id in &good {
+        assert_eq!(db.effects(id), 1);
+    }
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
+/// A statement whose failure is always retryable (serialization failure).
+const ALWAYS_RETRY: &str = "
+    CREATE FUNCTION try_later(id text) RETURNS void LANGUAGE plpgsql AS $$
+    BEGIN
+        RAISE EXCEPTION 'try % later', id USING ERRCODE = '40001';
+    END $$;";
+
+#[test]
+fn an_entry_trimmed_while_it_waits_for_a_retry_is_a_trimmed_dead_letter() {
+    let db = TestDb::new();
+    db.client().batch_execute(ALWAYS_RETRY).unwrap();
+    let mut conn = redis(&redis_url());
+    let stream = unique("trimmed");
+    let group = stream.clone(); // run_on names the group after the stream
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.args(["--sql", "SELECT try_later($1)"])
+        .args(["--backoff-base", "3s", "--backoff-cap", "3s"])
+        .args(["--max-retry-after", "3s", "--reclaim-min-idle", "10s"]);
+    // Failed attempts are logged at debug level.
+    cmd.env("RUST_LOG", "taskhub=debug");
+    let mut p = Proc::spawn(cmd);
+    let event_id = unique("e");
+    let entry = xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", &event_id), ("payload", "p")],
+    );
+    assert!(
+        p.wait_for("retrying in", Duration::from_secs(20)),
+        "no failed attempt\n{}",
+        p.stderr()
+    );
+    // A producer's MAXLEN (or XDEL) removes the entry while it waits.
+    let _: i64 = redis::cmd("XDEL")
+        .arg(&stream)
+        .arg(&entry)
+        .query(&mut conn)
+        .unwrap();
+    let found = wait_until(Duration::from_secs(20), || {
+        !dead_letters(&mut conn, &stream).is_empty()
+    });
+    p.signal("TERM");
+    p.wait(RUN_TIMEOUT);
+    assert!(found, "no dead letter\n{}", p.stderr());
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    let l = &letters[0];
+    assert_eq!(l.kind.as_str(), "trimmed");
+    assert_eq!(l.event_id.as_deref(), Some(event_id.as_str()));
+    assert_eq!(l.original_id, entry);
+    assert!(l.attempts >= 1, "{l:?}");
+    assert!(l.reason.contains("deleted"), "{}", l.reason);
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
+#[test]
+fn an_event_that_kills_its_backend_ends_as_a_crash_loop() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let stream = unique("killer");
+    let group = stream.clone(); // run_on names the group after the stream
+                                // 'kill' terminates its own PostgreSQL backend (as an out-of-memory kill
+                                // or a crashing extension would); anything else is inserted.
+    let sql = "INSERT INTO notifications (event_id, payload) SELECT $1, $2 \
+               WHERE CASE WHEN $2 = 'kill' THEN pg_terminate_backend(pg_backend_pid()) ELSE true END";
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.args(["--sql", sql, "--workers", "2"])
+        .args(["--max-attempts", "3", "--backoff-cap", "1s"])
+        .args(["--max-retry-after", "1s", "--reclaim-min-idle", "30s"]);
+    let mut p = Proc::spawn(cmd);
+    let killer = unique("killer");
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", &killer), ("payload", "kill")],
+    );
+    // Other events keep succeeding meanwhile.
+    let mut others = Vec::new();
+    let found = wait_until(Duration::from_secs(40), || {
+        let id = unique("other");
+        xadd(&mut conn, &stream, &[("event_id", &id), ("payload", "ok")]);
+        others.push(id);
+        std::thread::sleep(Duration::from_millis(100));
+        !dead_letters(&mut conn, &stream).is_empty()
+    });
+    assert!(wait_until(Duration::from_secs(20), || pending(
+        &mut conn, &stream, &group
+    ) == 0));
+    p.signal("TERM");
+    let status = p.wait(RUN_TIMEOUT);
+    assert!(found, "the killer was never dead-lettered\n{}", p.stderr());
+    assert!(status.success(), "{status}");
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].kind, DeadLetterKind::CrashLoop);
+    assert_eq!(letters[0].event_id.as_deref(), Some(killer.as_str()));
+    for id in &others {
+        assert_eq!(db.effects(id), 1, "{id}");
+    }
+}
+
+/// Ends the transaction itself for payload `rollback` (and `commit`), the
+/// way a handler calling `batch_execute("ROLLBACK")` would.
+struct EndsTransaction;
+
+impl Handler for EndsTransaction {
+    fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        tx.execute(
+            "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)",
+            &[&event.event_id(), &event.payload()],
+        )?;
+        match event.payload() {
+            Some("rollback") => tx.batch_execute("ROLLBACK")?,
+            Some("commit") => tx.batch_execute("COMMIT")?,
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_handler_that_ends_the_transaction_fails_its_event() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("ends"), unique("g"));
+    let good = ids("good", 6);
+    add_events(&mut conn, &stream, &good[..3], "ok");
+    let rolled_back = unique("rollback");
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", &rolled_back), ("payload", "rollback")],
+    );
+    add_events(&mut conn, &stream, &good[3..], "ok");
+    let builder = fast_builder(&redis_url(), &db.url, &stream, &group).until_idle(true);
+    let summary = Running::start(builder, EndsTransaction).join(RUN_TIMEOUT);
+    assert_eq!(summary.applied, 6, "{summary}");
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].event_id.as_deref(), Some(rolled_back.as_str()));
+    assert_eq!(letters[0].kind, DeadLetterKind::Permanent);
+    assert!(
+        letters[0].reason.contains("ended the transaction"),
+        "{}",
+        letters[0].reason
+    );
+    for id in &good {
+        assert_eq!(db.effects(id), 1, "{id}");
+    }
+    assert_eq!(db.effects(&rolled_back), 0);
+}
+
+#[test]
+fn a_handler_that_commits_itself_fails_its_event() {
+    // One event per transaction (a batch's COMMIT would commit its
+    // neighbours' work too, which then counts as applied).
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("commits"), unique("g"));
+    let committed = unique("commit");
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", &committed), ("payload", "commit")],
+    );
+    let builder = fast_builder(&redis_url(), &db.url, &stream, &group)
+        .mode(taskhub::Mode::PerEvent)
+        .until_idle(true);
+    let summary = Running::start(builder, EndsTransaction).join(RUN_TIMEOUT);
+    assert_eq!(summary.applied, 0, "{summary}");
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].kind, DeadLetterKind::Permanent);
+    assert!(
+        letters[0].reason.contains("ended the transaction"),
+        "{}",
+        letters[0].reason
+    );
+}
+
+#[test]
+fn a_hung_statement_is_cancelled_by_the_handler_timeout() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("hung"), unique("g"));
+    let sql = "INSERT INTO notifications (event_id, payload) SELECT $1, $2 \
+               FROM (SELECT pg_sleep(CASE WHEN $2 = 'hang' THEN 600 ELSE 0 END)) s";
+    let good = ids("good", 5);
+    add_events(&mut conn, &stream, &good, "ok");
+    let hung = unique("hung");
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", &hung), ("payload", "hang")],
+    );
+    let summary = run_idle(
+        &db.url,
+        &stream,
+        &[
+            "--group",
+            &group,
+            "--sql",
+            sql,
+            "--handler-timeout",
+            "1s",
+            "--max-attempts",
+            "2",
+            "--backoff-base",
+            "10ms",
+            "--backoff-cap",
+            "100ms",
+        ],
+    );
+    assert_eq!(summary["applied"], 5, "{summary:?}");
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].kind, DeadLetterKind::Exhausted);
+    assert!(
+        letters[0].reason.contains("statement timeout"),
+        "{}",
+        letters[0].reason
+    );
+}
+
+#[test]
+fn a_group_started_at_dollar_is_created_again_where_it_stopped() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let stream = unique("dollar");
+    let group = stream.clone(); // run_on names the group after the stream
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.args(["--start-id", "$"]);
+    let mut p = Proc::spawn(cmd);
+    assert!(p.wait_for("created consumer group", RUN_TIMEOUT));
+    let before = ids("before", 3);
+    add_events(&mut conn, &stream, &before, "p");
+    assert!(wait_until(Duration::from_secs(20), || db
+        .effect_counts()
+        .len()
+        == 3));
+
+    // The group vanishes and events arrive before any reader notices.
+    let between = ids("between", 3);
+    let mut multi = redis::pipe();
+    multi
+        .atomic()
+        .cmd("XGROUP")
+        .arg("DESTROY")
+        .arg(&stream)
+        .arg(&group)
+        .ignore();
+    for id in &between {
+        multi
+            .cmd("XADD")
+            .arg(&stream)
+            .arg("*")
+            .arg("event_id")
+            .arg(id)
+            .arg("payload")
+            .arg("p")
+            .ignore();
+    }
+    let () = multi.query(&mut conn).unwrap();
+    let after = ids("after", 1);
+    assert!(
+        p.wait_for("creating it again", RUN_TIMEOUT),
+        "{}",
+        p.stderr()
+    );
+    add_events(&mut conn, &stream, &after, "p");
+    let all = wait_until(Duration::from_secs(20), || db.effect_counts().len() == 7);
+    p.signal("TERM");
+    p.wait(RUN_TIMEOUT);
+    assert!(
+        all,
+        "events added while the group was gone were skipped: {:?}",
+        db.effect_counts()
+    );
+    assert!(db.effect_counts().values().all(|n| *n == 1));
+}
