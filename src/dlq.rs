@@ -231,7 +231,7 @@ pub fn parse_time(text: &str, now: SystemTime) -> Result<SystemTime, Error> {
 
 /// Whether `id` looks like a stream entry id (`1700000000000-0` or
 /// `1700000000000`).
-fn valid_id(id: &str) -> bool {
+pub(crate) fn valid_id(id: &str) -> bool {
     let mut parts = id.splitn(2, '-');
     let digits = |s: &str| !s.is_empty() && s.len() <= 20 && s.bytes().all(|b| b.is_ascii_digit());
     parts.next().is_some_and(digits) && parts.next().is_none_or(digits)
