@@ -39,6 +39,7 @@ pub struct Config {
     pub(crate) http: Option<String>,
     pub(crate) alert_webhook: Option<String>,
     pub(crate) admin_token: Option<String>,
+    pub(crate) read_token: Option<String>,
     pub(crate) alert_interval: Duration,
     pub(crate) alert_age: Duration,
     pub(crate) alert_min_gap: Duration,
@@ -124,6 +125,7 @@ impl fmt::Debug for Config {
             .field("http", &self.http)
             .field("alert_webhook", &self.alert_webhook.as_deref().map(redact))
             .field("admin_token", &self.admin_token.as_ref().map(|_| "***"))
+            .field("read_token", &self.read_token.as_ref().map(|_| "***"))
             .field("alert_interval", &self.alert_interval)
             .field("alert_age", &self.alert_age)
             .field("alert_min_gap", &self.alert_min_gap)
@@ -179,6 +181,7 @@ impl Default for Builder {
                 http: None,
                 alert_webhook: None,
                 admin_token: None,
+                read_token: None,
                 alert_interval: Duration::from_secs(10),
                 alert_age: Duration::from_secs(3600),
                 alert_min_gap: Duration::from_secs(60),
@@ -349,6 +352,16 @@ impl Builder {
         self
     }
 
+    /// The token that lets a browser or script read the `/dlq` page, as
+    /// `Authorization: Bearer <token>` or through the page's login form (the
+    /// admin token works too). Required to see the page when the `http`
+    /// address is not loopback; when set, required on loopback too. At
+    /// least 12 characters. Defaults to none.
+    pub fn read_token(mut self, token: &str) -> Builder {
+        self.config.read_token = Some(token.to_owned());
+        self
+    }
+
     /// The idempotency scope: events are applied once per scope. Defaults to
     /// the group name, so two groups reading one stream each apply their own
     /// effect once.
@@ -423,6 +436,9 @@ impl Builder {
         if c.admin_token.as_ref().is_some_and(|t| t.len() < 12) {
             return err("the admin token must be at least 12 characters".into());
         }
+        if c.read_token.as_ref().is_some_and(|t| t.len() < 12) {
+            return err("the read token must be at least 12 characters".into());
+        }
         if c.alert_interval.is_zero() {
             return err("alert interval must be positive".into());
         }
@@ -488,6 +504,7 @@ mod tests {
             (b().stream("s"), "twice"),
             (b().start_id("7"), "start id"),
             (b().admin_token("short"), "12 characters"),
+            (b().read_token("short"), "read token"),
         ] {
             let e = builder.validate().unwrap_err();
             assert!(
@@ -503,11 +520,13 @@ mod tests {
             .stream("s")
             .database_url("postgres://u:secret@h/db")
             .redis_url("redis://:hunter2@h:6379")
+            .admin_token("admin-token-42")
+            .read_token("read-token-42")
             .validate()
             .unwrap();
         let text = format!("{c:?}");
         assert!(
-            !text.contains("secret") && !text.contains("hunter2"),
+            !text.contains("secret") && !text.contains("hunter2") && !text.contains("token-42"),
             "{text}"
         );
     }

@@ -272,6 +272,20 @@ pub(crate) fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// Every byte but `A-Z a-z 0-9 - _ . ~` as `%XX` (for a URL query value or
+/// a cookie value).
+pub(crate) fn percent_encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// The connection settings and the TLS connector for `url`.
 ///
 /// Like libpq: `prefer` (rust-postgres' default) and `require` encrypt

@@ -230,7 +230,7 @@ pub fn parse_time(text: &str, now: SystemTime) -> Result<SystemTime, Error> {
 
 /// Whether `id` looks like a stream entry id (`1700000000000-0` or
 /// `1700000000000`).
-fn valid_id(id: &str) -> bool {
+pub(crate) fn valid_id(id: &str) -> bool {
     let mut parts = id.splitn(2, '-');
     let digits = |s: &str| !s.is_empty() && s.len() <= 20 && s.bytes().all(|b| b.is_ascii_digit());
     parts.next().is_some_and(digits) && parts.next().is_none_or(digits)
@@ -1265,19 +1265,41 @@ fn file_error<'a>(path: &'a Path, what: &str) -> impl Fn(std::io::Error) -> Erro
     }
 }
 
+/// Opens the archive file, to append (created with mode 0600: dead letters
+/// carry payloads) or to read back. A symbolic link at `path` is refused
+/// (`O_NOFOLLOW`): whoever can write the directory must not be able to
+/// point the archive at another file.
+fn open_archive(path: &Path, append: bool) -> Result<File, Error> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut options = OpenOptions::new();
+    options.read(true).custom_flags(libc::O_NOFOLLOW);
+    if append {
+        options.create(true).append(true).mode(0o600);
+    }
+    options.open(path).map_err(|e| {
+        if e.raw_os_error() == Some(libc::ELOOP) {
+            Error::with_source(
+                ErrorKind::Config,
+                format!(
+                    "archive file {}: is a symbolic link; refusing to follow it (give the real path)",
+                    path.display()
+                ),
+                e,
+            )
+        } else {
+            file_error(path, if append { "cannot open" } else { "cannot reopen" })(e)
+        }
+    })
+}
+
 /// Appends the records as JSON lines, fsyncs, then reads what was appended
 /// back: `true` for each record found with exactly its fields.
 fn copy_to_file(path: &Path, stream: &str, records: &[Record]) -> Result<Vec<bool>, Error> {
     if records.is_empty() {
         return Ok(Vec::new());
     }
-    let created = !path.exists();
-    let mut file = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .read(true)
-        .open(path)
-        .map_err(file_error(path, "cannot open"))?;
+    let created = std::fs::symlink_metadata(path).is_err();
+    let mut file = open_archive(path, true)?;
     let start = file
         .metadata()
         .map_err(file_error(path, "cannot stat"))?
@@ -1311,7 +1333,7 @@ fn copy_to_file(path: &Path, stream: &str, records: &[Record]) -> Result<Vec<boo
     }
     // Read back through a fresh handle, from where this write began.
     let mut back = String::new();
-    let mut reader = File::open(path).map_err(file_error(path, "cannot reopen"))?;
+    let mut reader = open_archive(path, false)?;
     reader
         .seek(SeekFrom::Start(start))
         .and_then(|_| reader.read_to_string(&mut back))

@@ -1,24 +1,31 @@
 //! The dead-letter web page of `--http`: a list with filters and pages, a
 //! detail view, and, only when an admin token is configured, replay and
-//! delete buttons (POST with the token; a GET never changes anything).
+//! delete buttons (POST with the token; a GET never changes anything). Who
+//! may see and change it is `http_access.rs`'s business.
 //!
 //! Payloads are untrusted input: every byte that reaches the page goes
 //! through [`escape`], and a strict Content-Security-Policy forbids scripts
-//! altogether, so even a missed escape could not run anything.
+//! altogether, so even a missed escape could not run anything. The URL
+//! never puts words on the page: the message box after an action shows one
+//! of a fixed set of texts, chosen by a code (see [`message`]).
 
 use std::fmt::Write as _;
-use std::io::Read as _;
 use std::time::Duration;
 
+use crate::config::Config;
+use crate::connect::percent_encode as encode;
 use crate::dead_letter::{DeadLetter, Kind};
 use crate::dlq::{self, Filter, ReasonMatch, ReplayOptions, Selection};
+use crate::http_access::{cross_site, Access, Denied};
 use crate::http_server::text;
+use crate::http_wire::{Request, Response};
 use crate::run::Shared;
 
 const PAGE_SIZE: usize = 50;
 const CSP: &str = "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'";
 
-type Response = tiny_http::Response<std::io::Cursor<Vec<u8>>>;
+/// Largest form a POST may carry (login, replay, delete).
+const MAX_FORM: usize = 64 * 1024;
 
 /// HTML-escapes text for element content and quoted attributes.
 pub(crate) fn escape(text: &str) -> String {
@@ -43,19 +50,6 @@ pub(crate) fn escape(text: &str) -> String {
 fn decode(text: &str) -> String {
     // `+` first: an encoded `%2B` must stay a plus sign.
     crate::connect::percent_decode(&text.replace('+', " "))
-}
-
-/// Encodes a query parameter value.
-fn encode(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for b in text.bytes() {
-        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
-            out.push(b as char);
-        } else {
-            let _ = write!(out, "%{b:02X}");
-        }
-    }
-    out
 }
 
 fn params(query: &str) -> Vec<(String, String)> {
@@ -87,9 +81,7 @@ fn html(status: u16, title: &str, body: &str) -> Response {
          </style></head><body>{body}</body></html>",
         escape(title)
     );
-    text(status, "text/html; charset=utf-8", page).with_header(
-        tiny_http::Header::from_bytes("Content-Security-Policy", CSP).expect("valid header"),
-    )
+    text(status, "text/html; charset=utf-8", page).with_header("Content-Security-Policy", CSP)
 }
 
 fn time(ms: u64) -> String {
@@ -106,37 +98,227 @@ fn field_text(value: &[u8]) -> String {
     }
 }
 
-/// Serves `/dlq...`; `None` when the path is not the page's.
-pub(crate) fn route(shared: &Shared, request: &mut tiny_http::Request) -> Option<Response> {
-    let url = request.url().to_owned();
-    let (path, query) = url.split_once('?').unwrap_or((url.as_str(), ""));
-    let query = params(query);
-    let response = match (request.method(), path) {
-        (tiny_http::Method::Get, "/dlq") => list_page(shared, &query),
-        (tiny_http::Method::Get, "/dlq/show") => show_page(shared, &query),
-        (tiny_http::Method::Post, "/dlq/replay" | "/dlq/delete") => {
-            if request.body_length().is_none_or(|n| n > 64 * 1024) {
-                return Some(html(
-                    413,
-                    "Too large",
-                    "<p>form too large or without a length</p>",
-                ));
-            }
-            let mut body = String::new();
-            if std::io::Read::take(request.as_reader(), 64 * 1024)
-                .read_to_string(&mut body)
-                .is_err()
-            {
-                return Some(html(400, "Bad request", "<p>unreadable form</p>"));
-            }
-            action(shared, path, &params(&body))
+/// The page's routes and who may use them.
+pub(crate) struct Page {
+    access: Access,
+}
+
+impl Page {
+    pub fn new(config: &Config) -> Page {
+        Page {
+            access: Access::new(config),
         }
-        (_, p) if p == "/dlq" || p.starts_with("/dlq/") => {
-            html(405, "Not allowed", "<p>method not allowed</p>")
+    }
+
+    /// The largest body a POST to `path` may carry: a form for the page's
+    /// forms, nothing elsewhere.
+    pub fn form_limit(&self, path: &str) -> usize {
+        match path {
+            "/dlq/login" | "/dlq/replay" | "/dlq/delete" => MAX_FORM,
+            _ => 0,
         }
-        _ => return None,
+    }
+
+    /// Serves `/dlq...`; `None` when the path is not the page's.
+    pub fn route(&self, shared: &Shared, request: &Request) -> Option<Response> {
+        let path = request.path();
+        if path != "/dlq" && !path.starts_with("/dlq/") {
+            return None;
+        }
+        let response = match (request.method(), path) {
+            ("GET" | "HEAD", "/dlq" | "/dlq/show") => {
+                match self.access.may_read(request, &shared.shutdown) {
+                    Err(denied) => login_page(denied),
+                    Ok(()) if path == "/dlq" => list_page(shared, &params(request.query())),
+                    Ok(()) => show_page(shared, &self.access, &params(request.query())),
+                }
+            }
+            ("POST", "/dlq/login" | "/dlq/replay" | "/dlq/delete") => {
+                if cross_site(request) {
+                    log::warn!("http: {path} refused: sent from another site");
+                    return Some(html(
+                        403,
+                        "Refused",
+                        "<p>refused: this form was sent from another site</p>",
+                    ));
+                }
+                let Ok(body) = std::str::from_utf8(request.body()) else {
+                    return Some(html(400, "Bad request", "<p>unreadable form</p>"));
+                };
+                let form = params(body);
+                if path == "/dlq/login" {
+                    self.login(shared, &form)
+                } else {
+                    self.action(shared, path, &form)
+                }
+            }
+            _ => html(405, "Not allowed", "<p>method not allowed</p>"),
+        };
+        Some(response)
+    }
+
+    fn login(&self, shared: &Shared, form: &[(String, String)]) -> Response {
+        match self.access.login(param(form, "token"), &shared.shutdown) {
+            Ok(cookie) => text(303, "text/plain", "logged in\n".into())
+                .with_header("Location", "/dlq")
+                .with_header("Set-Cookie", cookie),
+            Err(denied) => login_page(denied),
+        }
+    }
+
+    fn action(&self, shared: &Shared, path: &str, form: &[(String, String)]) -> Response {
+        match self
+            .access
+            .may_change(param(form, "token"), &shared.shutdown)
+        {
+            Ok(()) => {}
+            Err(Denied::NotConfigured) => {
+                return html(
+                    403,
+                    "Refused",
+                    "<p>refused: no admin token is configured, the page is read-only</p>",
+                )
+            }
+            Err(_) => {
+                log::warn!("http: {path} refused: wrong or missing admin token");
+                return html(
+                    403,
+                    "Refused",
+                    "<p>refused: wrong or missing admin token</p>",
+                );
+            }
+        }
+        let stream = match stream_param(shared, form) {
+            Ok(s) => s.to_owned(),
+            Err(r) => return r,
+        };
+        let Some(id) = param(form, "id") else {
+            return html(400, "Bad request", "<p>missing id</p>");
+        };
+        if !dlq::valid_id(id) {
+            return not_found(&stream, id);
+        }
+        let mut conn = match redis(shared) {
+            Ok(c) => c,
+            Err(r) => return r,
+        };
+        let selection = Selection::Ids(vec![id.to_owned()]);
+        let (code, message) = if path == "/dlq/replay" {
+            let mut pg = shared.pg.get_timeout(Duration::from_secs(2)).ok();
+            let report = dlq::replay(
+                &mut conn,
+                pg.as_deref_mut().map(|c| &mut **c),
+                &stream,
+                &selection,
+                &ReplayOptions::default(),
+                &mut |_, _| {},
+            );
+            match report {
+                Ok(r) if !r.not_found.is_empty() => return not_found(&stream, id),
+                Ok(r) => {
+                    let message = format!(
+                        "replayed {} (already processed: {}, failed: {})",
+                        r.replayed(),
+                        r.already_processed(),
+                        r.failed()
+                    );
+                    let code = if r.failed() > 0 {
+                        for item in &r.items {
+                            if let Some(e) = &item.error {
+                                log::warn!("http: replay of {stream}/{}: {e}", item.id);
+                            }
+                        }
+                        "replay_failed".to_owned()
+                    } else {
+                        format!(
+                            "replayed&n={}&skipped={}",
+                            r.replayed(),
+                            r.already_processed()
+                        )
+                    };
+                    (code, message)
+                }
+                Err(e) => ("replay_failed".to_owned(), format!("replay failed: {e}")),
+            }
+        } else {
+            match dlq::purge(&mut conn, &stream, &selection, false) {
+                Ok(r) if r.removed == 0 => return not_found(&stream, id),
+                Ok(_) => ("deleted".to_owned(), format!("deleted {id}")),
+                Err(e) => ("delete_failed".to_owned(), format!("delete failed: {e}")),
+            }
+        };
+        log::info!("http: {path} {stream}/{id}: {message}");
+        let location = format!("/dlq?stream={}&msg={code}", encode(&stream));
+        text(303, "text/plain", message + "\n").with_header("Location", location)
+    }
+}
+
+/// The answer to a replay or delete of an id the dead-letter stream does
+/// not hold.
+fn not_found(stream: &str, id: &str) -> Response {
+    html(
+        404,
+        "Not found",
+        &format!(
+            "<p class=\"msg\" id=\"msg\">not found: no dead letter {} in {} (replayed, deleted or archived already?)</p>\
+             <p><a href=\"/dlq?stream={}\">&larr; all dead letters</a></p>",
+            escape(id),
+            escape(&crate::dead_letter::dead_letter_stream(stream)),
+            encode(stream)
+        ),
+    )
+}
+
+/// What a reader without a good token sees (status 403).
+fn login_page(denied: Denied) -> Response {
+    let why = match denied {
+        Denied::NotConfigured => {
+            return html(
+                403,
+                "Read token needed",
+                "<h1>Read token needed</h1><p>No read token is configured. Dead letters carry \
+                 payloads, so on an address other than loopback this page needs one: start \
+                 taskhub with <code>--read-token TOKEN</code> (or the environment variable \
+                 <code>TASKHUB_READ_TOKEN</code>; the admin token works too), then log in here \
+                 or send <code>Authorization: Bearer TOKEN</code>.</p>",
+            )
+        }
+        Denied::Missing => "A read token is needed to see the dead letters.",
+        Denied::Wrong => "Wrong token.",
     };
-    Some(response)
+    html(
+        403,
+        "Log in",
+        &format!(
+            "<h1>taskhub dead letters</h1><p class=\"msg\" id=\"msg\">{why}</p>\
+             <form method=\"post\" action=\"/dlq/login\" id=\"login-form\">Token \
+             <input type=\"password\" name=\"token\" autocomplete=\"off\"> \
+             <button type=\"submit\">Log in</button></form>"
+        ),
+    )
+}
+
+/// The message box's text for the code an action put in the URL
+/// (`/dlq?msg=replayed&n=3&skipped=1`). Only these texts can appear: the
+/// URL picks one and gives numbers, never words, so a link cannot put an
+/// attacker's sentence in the page's own box. Unknown codes show nothing.
+fn message(query: &[(String, String)]) -> Option<String> {
+    let number = |name: &str| {
+        param(query, name)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    Some(match param(query, "msg")? {
+        "replayed" => format!(
+            "Replayed {} dead letter(s) to the stream ({} already processed: the worker will skip them).",
+            number("n"),
+            number("skipped")
+        ),
+        "replay_failed" => "The replay failed; the worker's log says why.".to_owned(),
+        "deleted" => "Deleted the dead letter.".to_owned(),
+        "delete_failed" => "The delete failed; the worker's log says why.".to_owned(),
+        _ => return None,
+    })
 }
 
 fn stream_param<'a>(
@@ -191,8 +373,8 @@ fn list_page(shared: &Shared, query: &[(String, String)]) -> Response {
         .query(&mut *conn)
         .unwrap_or(0);
     let mut body = format!("<h1>Dead letters of {}</h1>", escape(stream));
-    if let Some(msg) = param(query, "msg") {
-        let _ = write!(body, "<p class=\"msg\" id=\"msg\">{}</p>", escape(msg));
+    if let Some(msg) = message(query) {
+        let _ = write!(body, "<p class=\"msg\" id=\"msg\">{}</p>", escape(&msg));
     }
     let _ = write!(
         body,
@@ -259,7 +441,7 @@ fn list_page(shared: &Shared, query: &[(String, String)]) -> Response {
     html(200, "taskhub dead letters", &body)
 }
 
-fn show_page(shared: &Shared, query: &[(String, String)]) -> Response {
+fn show_page(shared: &Shared, access: &Access, query: &[(String, String)]) -> Response {
     let stream = match stream_param(shared, query) {
         Ok(s) => s,
         Err(r) => return r,
@@ -285,11 +467,11 @@ fn show_page(shared: &Shared, query: &[(String, String)]) -> Response {
     html(
         200,
         "taskhub dead letter",
-        &detail(shared, stream, id, &letter),
+        &detail(access.can_change(), stream, id, &letter),
     )
 }
 
-fn detail(shared: &Shared, stream: &str, id: &str, l: &DeadLetter) -> String {
+fn detail(can_change: bool, stream: &str, id: &str, l: &DeadLetter) -> String {
     let mut body = format!(
         "<p><a href=\"/dlq?stream={}\">&larr; all dead letters</a></p><h1>Dead letter {}</h1><table id=\"meta\">",
         encode(stream),
@@ -343,7 +525,7 @@ fn detail(shared: &Shared, stream: &str, id: &str, l: &DeadLetter) -> String {
         );
     }
     body.push_str("</table>");
-    if shared.config.admin_token.is_some() {
+    if can_change {
         for (action, label) in [("replay", "Replay"), ("delete", "Delete")] {
             let _ = write!(
                 body,
@@ -357,75 +539,6 @@ fn detail(shared: &Shared, stream: &str, id: &str, l: &DeadLetter) -> String {
         }
     }
     body
-}
-
-/// Compares without an early exit, so timing says nothing about the token.
-fn same(a: &str, b: &str) -> bool {
-    a.len() == b.len()
-        && a.bytes()
-            .zip(b.bytes())
-            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-            == 0
-}
-
-fn action(shared: &Shared, path: &str, form: &[(String, String)]) -> Response {
-    let Some(expected) = &shared.config.admin_token else {
-        return html(
-            403,
-            "Refused",
-            "<p>refused: no admin token is configured, the page is read-only</p>",
-        );
-    };
-    if !param(form, "token").is_some_and(|t| same(t, expected)) {
-        log::warn!("http: {path} refused: wrong or missing admin token");
-        return html(
-            403,
-            "Refused",
-            "<p>refused: wrong or missing admin token</p>",
-        );
-    }
-    let stream = match stream_param(shared, form) {
-        Ok(s) => s.to_owned(),
-        Err(r) => return r,
-    };
-    let Some(id) = param(form, "id") else {
-        return html(400, "Bad request", "<p>missing id</p>");
-    };
-    let mut conn = match redis(shared) {
-        Ok(c) => c,
-        Err(r) => return r,
-    };
-    let selection = Selection::Ids(vec![id.to_owned()]);
-    let message = if path == "/dlq/replay" {
-        let mut pg = shared.pg.get_timeout(Duration::from_secs(2)).ok();
-        let report = dlq::replay(
-            &mut conn,
-            pg.as_deref_mut().map(|c| &mut **c),
-            &stream,
-            &selection,
-            &ReplayOptions::default(),
-            &mut |_, _| {},
-        );
-        match report {
-            Ok(r) => format!(
-                "replayed {} (already processed: {}, failed: {})",
-                r.replayed(),
-                r.already_processed(),
-                r.failed()
-            ),
-            Err(e) => format!("replay failed: {e}"),
-        }
-    } else {
-        match dlq::purge(&mut conn, &stream, &selection, false) {
-            Ok(_) => format!("deleted {id}"),
-            Err(e) => format!("delete failed: {e}"),
-        }
-    };
-    log::info!("http: {path} {stream}/{id}: {message}");
-    let location = format!("/dlq?stream={}&msg={}", encode(&stream), encode(&message));
-    text(303, "text/plain", message).with_header(
-        tiny_http::Header::from_bytes("Location", location.as_bytes()).expect("valid header"),
-    )
 }
 
 #[cfg(test)]
@@ -443,6 +556,24 @@ mod tests {
         assert_eq!(decode("100%"), "100%");
         assert_eq!(encode("a b/é"), "a%20b%2F%C3%A9");
         assert_eq!(decode("%e9%"), "\u{fffd}%");
-        assert!(same("secret", "secret") && !same("secret", "secreT") && !same("s", "secret"));
+    }
+
+    #[test]
+    fn the_message_box_shows_fixed_texts_only() {
+        let shown = |query: &str| message(&params(query));
+        assert_eq!(
+            shown("msg=replayed&n=3&skipped=1").as_deref(),
+            Some("Replayed 3 dead letter(s) to the stream (1 already processed: the worker will skip them).")
+        );
+        assert_eq!(
+            shown("msg=replayed&n=Call+us+now&skipped=-1").as_deref(),
+            Some("Replayed 0 dead letter(s) to the stream (0 already processed: the worker will skip them).")
+        );
+        assert_eq!(
+            shown("msg=deleted").as_deref(),
+            Some("Deleted the dead letter.")
+        );
+        assert_eq!(shown("msg=Your+session+expired%2C+call+555"), None);
+        assert_eq!(shown("stream=s"), None);
     }
 }

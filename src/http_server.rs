@@ -1,19 +1,26 @@
-//! The operator's HTTP endpoint (`--http ADDR`, off by default): a small
-//! synchronous server (tiny_http) on its own thread, `taskhub-http`.
+//! The operator's HTTP endpoint (`--http ADDR`, off by default): the routes,
+//! served by our own small server (`http_wire.rs`) from the thread
+//! `taskhub-http`, one `taskhub-http-conn` thread per connection.
 //!
 //! - `/metrics`: Prometheus text format;
 //! - `/healthz`: the process is alive;
 //! - `/readyz`: Redis and PostgreSQL answer and every thread runs;
-//! - `/dlq`: the dead-letter page (see `dlq_page.rs`).
+//! - `/dlq`: the dead-letter page (see `dlq_page.rs`; who may see and change
+//!   it: `http_access.rs`).
 //!
 //! A scrape costs a few Redis commands (pending count, lag and dead-letter
-//! length per stream); nothing is added to the path of an event.
+//! length per stream); nothing is added to the path of an event. No request
+//! can stop the worker or delay its shutdown: `http_wire.rs` bounds every
+//! connection in number, size and time.
 
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::dlq_page::Page;
+use crate::http_access::is_loopback;
+use crate::http_wire::{self, Request, Response, Service, Settings};
 use crate::run::Shared;
 use crate::stats::DURATION_BUCKETS;
 
@@ -28,80 +35,57 @@ pub(crate) fn bind_address(addr: &str) -> String {
     }
 }
 
-/// Requests answered at once, each on its own short-lived thread: a client
-/// that sends its body slowly, or never reads the answer, holds one of these
-/// and never the server (tiny_http sets no socket timeouts).
-const MAX_CONCURRENT: usize = 8;
-
-/// Serves until shutdown.
-pub(crate) fn http_thread(shared: &Arc<Shared>, server: &tiny_http::Server) {
-    let busy = Arc::new(AtomicUsize::new(0));
-    while !shared.shutdown.is_shutdown() {
-        let request = match server.recv_timeout(Duration::from_millis(100)) {
-            Ok(Some(r)) => r,
-            Ok(None) => continue,
-            Err(e) => {
-                log::error!("http: {e}");
-                shared.shutdown.sleep(Duration::from_millis(100));
-                continue;
-            }
-        };
-        if busy.fetch_add(1, Ordering::SeqCst) >= MAX_CONCURRENT {
-            busy.fetch_sub(1, Ordering::SeqCst);
-            let _ = request.respond(text(503, "text/plain", "busy\n".into()));
-            continue;
-        }
-        let (s, b) = (shared.clone(), busy.clone());
-        let spawned = std::thread::Builder::new()
-            .name("taskhub-http-request".into())
-            .spawn(move || {
-                answer(&s, request);
-                b.fetch_sub(1, Ordering::SeqCst);
-            });
-        if let Err(e) = spawned {
-            busy.fetch_sub(1, Ordering::SeqCst);
-            log::error!("http: cannot start a request thread: {e}");
-        }
-    }
+/// Serves `listener` (from `http_wire::bind`) until shutdown.
+pub(crate) fn http_thread(shared: &Arc<Shared>, listener: &TcpListener) {
+    let endpoint: Arc<dyn Service> = Arc::new(Endpoint {
+        page: Page::new(&shared.config),
+        shared: shared.clone(),
+    });
+    let settings = Settings {
+        thread_name: "taskhub-http-conn",
+        ..Settings::default()
+    };
+    http_wire::serve(listener, &settings, &endpoint, &|| {
+        shared.shutdown.is_shutdown()
+    });
 }
 
-/// Answers one request; a panic (a bug) costs that request only.
-fn answer(shared: &Shared, mut request: tiny_http::Request) {
-    if !host_allowed(shared, &request) {
-        let _ = request.respond(text(421, "text/plain", "unexpected Host header\n".into()));
-        return;
+/// The routes of the endpoint.
+struct Endpoint {
+    shared: Arc<Shared>,
+    page: Page,
+}
+
+impl Service for Endpoint {
+    fn body_limit(&self, head: &Request) -> usize {
+        match head.method() {
+            "POST" => self.page.form_limit(head.path()),
+            _ => 0,
+        }
     }
-    let routed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        crate::dlq_page::route(shared, &mut request).unwrap_or_else(|| route(shared, &request))
-    }));
-    let response = routed.unwrap_or_else(|_| {
-        log::error!("http: {} {} panicked", request.method(), request.url());
-        text(500, "text/plain", "internal error\n".into())
-    });
-    if let Err(e) = request.respond(response) {
-        log::debug!("http: cannot answer: {e}");
+
+    fn respond(&self, request: &Request) -> Response {
+        if !host_allowed(&self.shared, request) {
+            return text(421, "text/plain", "unexpected Host header\n".into());
+        }
+        self.page
+            .route(&self.shared, request)
+            .unwrap_or_else(|| route(&self.shared, request))
     }
 }
 
 /// On a loopback address, only requests naming this server in their Host
 /// header are served: a web page the operator visits cannot rebind its own
 /// name to 127.0.0.1 and read the dead letters (DNS rebinding).
-fn host_allowed(shared: &Shared, request: &tiny_http::Request) -> bool {
+fn host_allowed(shared: &Shared, request: &Request) -> bool {
     let Some(addr) = &shared.config.http else {
         return true;
     };
-    let loopback =
-        addr.starts_with("127.") || addr.starts_with("[::1]") || addr.starts_with("localhost");
-    if !loopback {
+    if !is_loopback(addr) {
         return true;
     }
     let port = addr.rsplit(':').next().unwrap_or("");
-    let Some(host) = request
-        .headers()
-        .iter()
-        .find(|h| h.field.equiv("Host"))
-        .map(|h| h.value.as_str().to_ascii_lowercase())
-    else {
+    let Some(host) = request.header("host").map(str::to_ascii_lowercase) else {
         return true; // HTTP/1.0 clients (curl -0, probes) send none
     };
     ["127.0.0.1", "localhost", "[::1]"]
@@ -109,21 +93,14 @@ fn host_allowed(shared: &Shared, request: &tiny_http::Request) -> bool {
         .any(|name| host == format!("{name}:{port}") || (port == "80" && host == *name))
 }
 
-type Response = tiny_http::Response<std::io::Cursor<Vec<u8>>>;
-
 pub(crate) fn text(status: u16, content_type: &str, body: String) -> Response {
-    tiny_http::Response::from_data(body.into_bytes())
-        .with_status_code(status)
-        .with_header(
-            tiny_http::Header::from_bytes("Content-Type", content_type).expect("valid header"),
-        )
+    Response::new(status, content_type, body)
 }
 
-fn route(shared: &Shared, request: &tiny_http::Request) -> Response {
-    let path = request.url().split('?').next().unwrap_or("");
-    match (request.method(), path) {
-        (tiny_http::Method::Get, "/healthz") => text(200, "text/plain", "ok\n".into()),
-        (tiny_http::Method::Get, "/readyz") => {
+fn route(shared: &Shared, request: &Request) -> Response {
+    match (request.method(), request.path()) {
+        ("GET" | "HEAD", "/healthz") => text(200, "text/plain", "ok\n".into()),
+        ("GET" | "HEAD", "/readyz") => {
             let problems = readiness(shared);
             if problems.is_empty() {
                 text(200, "text/plain", "ready\n".into())
@@ -131,9 +108,7 @@ fn route(shared: &Shared, request: &tiny_http::Request) -> Response {
                 text(503, "text/plain", problems.join("\n") + "\n")
             }
         }
-        (tiny_http::Method::Get, "/metrics") => {
-            text(200, "text/plain; version=0.0.4", metrics(shared))
-        }
+        ("GET" | "HEAD", "/metrics") => text(200, "text/plain; version=0.0.4", metrics(shared)),
         _ => text(404, "text/plain", "not found\n".into()),
     }
 }
@@ -248,6 +223,7 @@ fn metrics(shared: &Shared) -> String {
         ("exhausted", s.dead_exhausted),
         ("crash_loop", s.dead_crash_loop),
         ("invalid", s.dead_invalid),
+        ("trimmed", s.dead_trimmed),
     ] {
         let _ = writeln!(out, "taskhub_dead_lettered_total{{kind=\"{kind}\"}} {n}");
     }

@@ -27,7 +27,7 @@ use crate::keys::Namespace;
 use crate::redis_conn::RedisClient;
 use crate::shutdown::Shutdown;
 use crate::stats::{Health, Stats, Summary};
-use crate::{alert, dead_letter, http_server, pool, reader, reclaim, retry, streams};
+use crate::{alert, dead_letter, http_server, http_wire, pool, reader, reclaim, retry, streams};
 
 /// A configured worker: reads its streams and applies each event exactly once
 /// until its [`Shutdown`] fires.
@@ -250,16 +250,13 @@ fn start_and_run(shared: &Arc<Shared>) -> Result<Summary, Error> {
     let config = &shared.config;
     let http = match &config.http {
         Some(addr) => {
-            let server = tiny_http::Server::http(addr.as_str()).map_err(|e| {
-                Error::new(
-                    ErrorKind::Config,
-                    format!("cannot serve HTTP on {addr}: {e}"),
-                )
+            let listener = http_wire::bind(addr).map_err(|e| {
+                Error::with_source(ErrorKind::Config, format!("cannot serve HTTP on {addr}"), e)
             })?;
             log::info!("http: serving /metrics, /healthz, /readyz and /dlq on http://{addr}");
             let s = shared.clone();
             Some(spawn("taskhub-http".into(), move || {
-                http_server::http_thread(&s, &server)
+                http_server::http_thread(&s, &listener)
             })?)
         }
         None => None,

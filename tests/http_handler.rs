@@ -1,11 +1,13 @@
 //! `taskhub run --http-url`: events are POSTed to a downstream (here a local
-//! tiny_http server run by the test) and its answers decide what happens.
+//! server run by the test, `support::downstream`) and its answers decide what
+//! happens.
 
 mod support;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use support::downstream::Answer;
 use support::*;
 
 /// What the downstream saw: (time, Idempotency-Key, body, fields header).
@@ -15,47 +17,32 @@ type Seen = Arc<Mutex<Vec<(Instant, String, Vec<u8>, String)>>>;
 /// `script(event_id, n)` (n = how many requests that event_id has made);
 /// status 0 answers 200 after 1.5 s.
 fn downstream(script: fn(&str, usize) -> (u16, Option<&'static str>)) -> (String, Seen) {
-    let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
-    let url = format!("http://{}/hook", server.server_addr().to_ip().unwrap());
     let seen: Seen = Arc::default();
     let log = seen.clone();
-    std::thread::spawn(move || {
-        for mut request in server.incoming_requests() {
-            let header = |name: &str| {
-                request
-                    .headers()
-                    .iter()
-                    .find(|h| h.field.as_str().as_str().eq_ignore_ascii_case(name))
-                    .map(|h| h.value.to_string())
-                    .unwrap_or_default()
+    let addr = support::downstream::start(move |request| {
+        let key = request.header("Idempotency-Key");
+        let fields = request.header("X-Taskhub-Fields");
+        let n = {
+            let mut seen = log.lock().unwrap();
+            seen.push((Instant::now(), key.clone(), request.body, fields));
+            seen.iter().filter(|s| s.1 == key).count()
+        };
+        let (status, retry_after) = script(&key, n);
+        if status == 0 {
+            // "Hang": answer only after the client's timeout (on this
+            // request's own thread, so the next requests are not held up).
+            return Answer {
+                delay: Duration::from_millis(1500),
+                ..Answer::status(200)
             };
-            let key = header("Idempotency-Key");
-            let fields = header("X-Taskhub-Fields");
-            let mut body = Vec::new();
-            request.as_reader().read_to_end(&mut body).unwrap();
-            let n = {
-                let mut seen = log.lock().unwrap();
-                seen.push((Instant::now(), key.clone(), body, fields));
-                seen.iter().filter(|s| s.1 == key).count()
-            };
-            let (status, retry_after) = script(&key, n);
-            if status == 0 {
-                // "Hang": answer only after the client's timeout, without
-                // holding up the next requests.
-                std::thread::spawn(move || {
-                    std::thread::sleep(Duration::from_millis(1500));
-                    let _ = request.respond(tiny_http::Response::from_string(""));
-                });
-                continue;
-            }
-            let mut response = tiny_http::Response::from_string("").with_status_code(status);
-            if let Some(v) = retry_after {
-                response.add_header(tiny_http::Header::from_bytes("Retry-After", v).unwrap());
-            }
-            let _ = request.respond(response);
         }
+        let mut answer = Answer::status(status);
+        if let Some(v) = retry_after {
+            answer.headers.push(("Retry-After", v.to_owned()));
+        }
+        answer
     });
-    (url, seen)
+    (format!("http://{addr}/hook"), seen)
 }
 
 /// Runs the binary on `stream` with a group named after it, so the Redis

@@ -280,24 +280,17 @@ type Posts = Arc<Mutex<Vec<serde_json::Value>>>;
 /// A webhook receiver that answers HTTP 500 to its first `failures`
 /// requests, then 200; returns its URL and every body it received.
 fn receiver(failures: usize) -> (String, Posts) {
-    let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
-    let hook = format!("http://{}/alert", server.server_addr().to_ip().unwrap());
     let posts: Posts = Arc::default();
     let seen = posts.clone();
-    std::thread::spawn(move || {
-        for mut request in server.incoming_requests() {
-            let mut body = String::new();
-            request.as_reader().read_to_string(&mut body).unwrap();
-            let n = {
-                let mut seen = seen.lock().unwrap();
-                seen.push(serde_json::from_str(&body).unwrap());
-                seen.len()
-            };
-            let status = if n <= failures { 500 } else { 200 };
-            let _ = request.respond(tiny_http::Response::from_string("").with_status_code(status));
-        }
+    let addr = support::downstream::start(move |request| {
+        let n = {
+            let mut seen = seen.lock().unwrap();
+            seen.push(serde_json::from_slice(&request.body).unwrap());
+            seen.len()
+        };
+        support::downstream::Answer::status(if n <= failures { 500 } else { 200 })
     });
-    (hook, posts)
+    (format!("http://{addr}/alert"), posts)
 }
 
 #[test]

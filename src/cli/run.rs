@@ -86,6 +86,10 @@ pub struct RunArgs {
     /// Token that enables the replay and delete buttons of the /dlq page (prefer the environment).
     #[arg(long, env = "TASKHUB_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Token needed to read the /dlq page (Authorization: Bearer, or its login
+    /// form); required when --http is not loopback (the admin token works too).
+    #[arg(long, env = "TASKHUB_READ_TOKEN", hide_env_values = true)]
+    pub read_token: Option<String>,
     /// POST a JSON alert here when a dead-letter stream becomes non-empty, grows or gets old.
     #[arg(long, value_name = "URL")]
     pub alert_webhook: Option<String>,
@@ -138,6 +142,9 @@ pub fn run(servers: &Servers, args: RunArgs) -> Result<(), String> {
     }
     if let Some(token) = &args.admin_token {
         builder = builder.admin_token(token);
+    }
+    if let Some(token) = &args.read_token {
+        builder = builder.read_token(token);
     }
     if let Some(url) = &args.alert_webhook {
         builder = builder.alert_webhook(url);

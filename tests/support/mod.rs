@@ -10,6 +10,7 @@
 
 pub mod certs;
 pub mod cluster;
+pub mod downstream;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
