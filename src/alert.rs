@@ -190,10 +190,15 @@ fn post(shared: &Shared, agent: &ureq::Agent, url: &str, body: &serde_json::Valu
         match sent {
             Ok(r) if r.status().is_success() => return true,
             Ok(r) => log::warn!(
-                "alert: webhook {url} answered HTTP {} (try {attempt}/3)",
+                "alert: webhook {} answered HTTP {} (try {attempt}/3)",
+                crate::redact::redact_webhook(url),
                 r.status()
             ),
-            Err(e) => log::warn!("alert: webhook {url}: {e} (try {attempt}/3)"),
+            Err(e) => log::warn!(
+                "alert: webhook {}: {} (try {attempt}/3)",
+                crate::redact::redact_webhook(url),
+                crate::redact::scrub(&e.to_string(), url)
+            ),
         }
         if shared
             .shutdown

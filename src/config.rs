@@ -5,9 +5,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::connect::redact;
 use crate::error::Error;
 use crate::handler::Handler;
+use crate::redact::redact;
 use crate::run::Worker;
 
 /// The validated settings of a [`Worker`]. Build one with [`Worker::builder`].
@@ -123,7 +123,13 @@ impl fmt::Debug for Config {
             .field("handler_timeout", &self.handler_timeout)
             .field("mode", &self.mode)
             .field("http", &self.http)
-            .field("alert_webhook", &self.alert_webhook.as_deref().map(redact))
+            .field(
+                "alert_webhook",
+                &self
+                    .alert_webhook
+                    .as_deref()
+                    .map(crate::redact::redact_webhook),
+            )
             .field("admin_token", &self.admin_token.as_ref().map(|_| "***"))
             .field("read_token", &self.read_token.as_ref().map(|_| "***"))
             .field("alert_interval", &self.alert_interval)

@@ -40,6 +40,16 @@ pub trait Handler: Send + Sync + 'static {
         Ok(())
     }
 
+    /// Checks an event before it is applied, before it joins a batch: an
+    /// event this handler can never apply (a payload PostgreSQL cannot
+    /// store, fields that cannot become an HTTP header) fails here, alone,
+    /// instead of failing a batch and taking attempts. Return an
+    /// [`HandlerError::invalid`] (or permanent) error to dead-letter it.
+    /// Accepts every event by default.
+    fn validate(&self, _event: &Event) -> Result<(), HandlerError> {
+        Ok(())
+    }
+
     /// Called once when the worker starts, with a database connection, to
     /// check the handler's configuration (for example, that its SQL
     /// prepares). An error stops the start-up: a statement that cannot work
@@ -146,6 +156,10 @@ macro_rules! forward_handler {
 
             fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
                 (**self).handle_batch(events, tx)
+            }
+
+            fn validate(&self, event: &Event) -> Result<(), HandlerError> {
+                (**self).validate(event)
             }
 
             fn on_start(

@@ -10,17 +10,38 @@
 //! the commit, the event is sent again with the same `Idempotency-Key`, which
 //! the downstream must use to deduplicate.
 
+use std::fmt;
 use std::time::{Duration, SystemTime};
 
-use crate::error::HandlerError;
+use crate::error::{Error, HandlerError};
 use crate::event::Event;
 use crate::handler::{Handler, Tx};
+use crate::redact::{redact, scrub};
+
+/// Largest `X-Taskhub-Fields` header, in bytes: an event whose other fields
+/// take more is invalid for this handler (no downstream takes headers of
+/// any size, and a request that can never be sent must not be retried).
+const MAX_FIELDS_HEADER: usize = 8 * 1024;
 
 /// POSTs each event to one URL.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct HttpHandler {
     url: String,
+    /// `url` as it may be shown (see `redact.rs`).
+    shown: String,
+    /// Extra headers for every request (downstream authentication).
+    headers: Vec<(String, String)>,
     agent: ureq::Agent,
+}
+
+impl fmt::Debug for HttpHandler {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<&str> = self.headers.iter().map(|(n, _)| n.as_str()).collect();
+        f.debug_struct("HttpHandler")
+            .field("url", &self.shown)
+            .field("headers", &names)
+            .finish()
+    }
 }
 
 impl HttpHandler {
@@ -34,16 +55,83 @@ impl HttpHandler {
             .build();
         HttpHandler {
             url: url.to_owned(),
+            shown: redact(url),
+            headers: Vec::new(),
             agent: config.into(),
         }
     }
+
+    /// Adds a header to every request, such as `Authorization: Bearer ...`
+    /// (its value is never logged). Fails for a name or value that cannot
+    /// be an HTTP header.
+    pub fn header(mut self, name: &str, value: &str) -> Result<HttpHandler, Error> {
+        let name_ok = !name.is_empty()
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+        if !name_ok {
+            return Err(Error::config(format!("bad HTTP header name {name:?}")));
+        }
+        if !value
+            .bytes()
+            .all(|b| b == b'\t' || (0x20..0x7f).contains(&b))
+        {
+            return Err(Error::config(format!(
+                "the value of HTTP header {name} has characters a header cannot carry"
+            )));
+        }
+        self.headers
+            .push((name.to_owned(), value.trim().to_owned()));
+        Ok(self)
+    }
+
+    /// The other fields of `event` as the `X-Taskhub-Fields` header.
+    fn fields_header(event: &Event) -> Result<String, HandlerError> {
+        let mut others = serde_json::Map::new();
+        for (k, v) in event.fields() {
+            if k.as_slice() == b"payload" {
+                continue;
+            }
+            let (Ok(k), Ok(v)) = (std::str::from_utf8(k), std::str::from_utf8(v)) else {
+                return Err(HandlerError::invalid(
+                    "a field other than payload is not UTF-8, so it cannot be sent as a header",
+                ));
+            };
+            others.insert(k.to_owned(), v.into());
+        }
+        let header = ascii_json(&serde_json::Value::Object(others).to_string());
+        if header.len() > MAX_FIELDS_HEADER {
+            return Err(HandlerError::invalid(format!(
+                "the fields other than payload take {} bytes as a header, over the limit of {MAX_FIELDS_HEADER}",
+                header.len()
+            )));
+        }
+        Ok(header)
+    }
 }
 
-/// JSON with every non-ASCII character escaped, so it fits in a header.
+/// `text` with every byte a header value cannot carry percent-encoded.
+fn header_safe(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.bytes().all(|b| (0x21..0x7f).contains(&b) && b != b'%') {
+        return text.into();
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for b in text.bytes() {
+        if (0x21..0x7f).contains(&b) && b != b'%' {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out.into()
+}
+
+/// JSON with every non-ASCII character (and DEL) escaped, so it fits in a
+/// header (serde_json escapes the other control characters).
 fn ascii_json(value: &str) -> String {
     let mut out = String::with_capacity(value.len());
     for c in value.chars() {
-        if c.is_ascii() {
+        if c.is_ascii() && c != '\u{7f}' {
             out.push(c);
         } else {
             let mut buf = [0u16; 2];
@@ -67,32 +155,28 @@ pub(crate) fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration
 
 impl Handler for HttpHandler {
     fn handle(&self, event: &Event, _tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-        let mut others = serde_json::Map::new();
-        for (k, v) in event.fields() {
-            if k.as_slice() == b"payload" {
-                continue;
-            }
-            let (Ok(k), Ok(v)) = (std::str::from_utf8(k), std::str::from_utf8(v)) else {
-                return Err(HandlerError::invalid(
-                    "a field other than payload is not UTF-8",
-                ));
-            };
-            others.insert(k.to_owned(), v.into());
-        }
-        let fields = serde_json::Value::Object(others).to_string();
+        let fields = HttpHandler::fields_header(event)?;
         let body = event.field("payload").unwrap_or_default();
-        let sent = self
+        let mut request = self
             .agent
             .post(&self.url)
-            .header("Idempotency-Key", event.event_id())
-            .header("X-Taskhub-Fields", ascii_json(&fields))
-            .header("X-Taskhub-Stream", event.stream())
-            .header("X-Taskhub-Entry-Id", event.entry_id())
-            .content_type("application/octet-stream")
-            .send(body);
+            .header("Idempotency-Key", header_safe(event.event_id()).as_ref())
+            .header("X-Taskhub-Fields", fields)
+            .header("X-Taskhub-Stream", header_safe(event.stream()).as_ref())
+            .header("X-Taskhub-Entry-Id", event.entry_id());
+        for (name, value) in &self.headers {
+            request = request.header(name, value);
+        }
+        let sent = request.content_type("application/octet-stream").send(body);
         let response = match sent {
             Ok(r) => r,
-            Err(e) => return Err(HandlerError::retryable(format!("POST {}: {e}", self.url))),
+            Err(e) => {
+                let why = scrub(&e.to_string(), &self.url);
+                return Err(HandlerError::retryable(format!(
+                    "POST {}: {why}",
+                    self.shown
+                )));
+            }
         };
         let status = response.status().as_u16();
         if (200..300).contains(&status) {
@@ -103,7 +187,7 @@ impl Handler for HttpHandler {
             .get("retry-after")
             .and_then(|v| v.to_str().ok())
             .and_then(|v| parse_retry_after(v, SystemTime::now()));
-        let message = format!("POST {}: HTTP {status}", self.url);
+        let message = format!("POST {}: HTTP {status}", self.shown);
         if status == 408 || status == 429 || status >= 500 {
             let error = HandlerError::retryable(message);
             Err(match retry_after {
@@ -113,6 +197,12 @@ impl Handler for HttpHandler {
         } else {
             Err(HandlerError::permanent(message))
         }
+    }
+
+    /// An event whose other fields cannot become a header is invalid here,
+    /// before any request is made.
+    fn validate(&self, event: &Event) -> Result<(), HandlerError> {
+        HttpHandler::fields_header(event).map(|_| ())
     }
 
     /// A POST cannot be rolled back: one event per transaction, so a
@@ -143,6 +233,31 @@ mod tests {
             Some(Duration::ZERO)
         );
         assert_eq!(parse_retry_after("soon", now), None);
+    }
+
+    #[test]
+    fn header_values_are_made_safe() {
+        assert_eq!(header_safe("order-42"), "order-42");
+        assert_eq!(header_safe("é 1%"), "%C3%A9%201%25");
+        assert_eq!(ascii_json("a\u{7f}"), "a\\u007f");
+        assert!(HttpHandler::new("http://h/", Duration::from_secs(1))
+            .header("Authorization", "Bearer x")
+            .is_ok());
+        assert!(HttpHandler::new("http://h/", Duration::from_secs(1))
+            .header("Bad Name", "x")
+            .is_err());
+        assert!(HttpHandler::new("http://h/", Duration::from_secs(1))
+            .header("X-Key", "a\nb")
+            .is_err());
+        let debug = format!(
+            "{:?}",
+            HttpHandler::new("https://u:PASS@h/p?k=SECRET", Duration::from_secs(1))
+                .header("Authorization", "Bearer TOKEN")
+                .unwrap()
+        );
+        for secret in ["PASS", "SECRET", "TOKEN"] {
+            assert!(!debug.contains(secret), "{debug}");
+        }
     }
 
     #[test]

@@ -115,7 +115,16 @@ impl Processor {
         let mut valid = Vec::with_capacity(job.len());
         for delivery in job {
             match &delivery.body {
-                Ok(_) => valid.push(delivery),
+                Ok(event) => match self.shared.handler.validate(event) {
+                    Ok(()) => valid.push(delivery),
+                    Err(e) => {
+                        let kind = match e.class() {
+                            FailureClass::Permanent => Kind::Permanent,
+                            _ => Kind::Invalid,
+                        };
+                        self.dead_letter(delivery, kind, e.to_string());
+                    }
+                },
                 Err((_, why)) => {
                     let kind = if delivery.trimmed {
                         Kind::Trimmed

@@ -19,8 +19,9 @@ use std::time::Duration;
 use redis::cluster::{ClusterClient, ClusterConnection, ClusterPipeline};
 use redis::{Cmd, ConnectionLike, FromRedisValue, RedisResult, ToRedisArgs, Value};
 
-use crate::connect::{redact, CONNECT_TIMEOUT, REDIS_CA_FILE_ENV, REDIS_COMMAND_TIMEOUT};
+use crate::connect::{CONNECT_TIMEOUT, REDIS_CA_FILE_ENV, REDIS_COMMAND_TIMEOUT};
 use crate::error::{Error, ErrorKind};
+use crate::redact::redact;
 
 /// A connection to one Redis server or to a Redis Cluster.
 pub enum RedisConn {

@@ -54,7 +54,38 @@ fn is_json(ty: &Type) -> bool {
     *ty == Type::JSON || *ty == Type::JSONB
 }
 
+/// Why PostgreSQL's `text` cannot store `value`, if it cannot.
+fn unstorable(value: &[u8]) -> Option<&'static str> {
+    match std::str::from_utf8(value) {
+        Err(_) => Some("is not UTF-8"),
+        Ok(text) if text.contains('\0') => {
+            Some("contains a NUL byte, which PostgreSQL text cannot store")
+        }
+        Ok(_) => None,
+    }
+}
+
 impl Handler for SqlHandler {
+    /// Refuses, as invalid, a payload (or, when the statement takes `$3`,
+    /// any field) that PostgreSQL text cannot store, before it can fail a
+    /// batch.
+    fn validate(&self, event: &Event) -> Result<(), HandlerError> {
+        if let Some(why) = event.field("payload").and_then(unstorable) {
+            return Err(invalid(format!("payload {why}")));
+        }
+        if self.statement.contains("$3") {
+            for (k, v) in event.fields() {
+                if let Some(why) = unstorable(k).or_else(|| unstorable(v)) {
+                    return Err(invalid(format!(
+                        "field {:?} {why}",
+                        String::from_utf8_lossy(k)
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
         let statement = tx.prepare_cached(&self.statement)?;
         let types = statement.params();

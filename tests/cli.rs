@@ -387,7 +387,10 @@ fn postgres_down_fails_fast_naming_postgres_and_the_url() {
     let url = format!("postgres://postgres@127.0.0.1:{port}/taskhub");
     let line = run_fails(&redis_url(), &url);
     assert!(line.contains("PostgreSQL"), "{line}");
-    assert!(line.contains(&url), "{line}");
+    assert!(
+        line.contains(&format!("postgres://127.0.0.1:{port}/taskhub")),
+        "{line}"
+    );
 
     let port = free_port();
     let url = format!("postgres://postgres:Sup3rS3cretPw@127.0.0.1:{port}/taskhub");
@@ -395,7 +398,8 @@ fn postgres_down_fails_fast_naming_postgres_and_the_url() {
     assert!(line.contains("PostgreSQL"), "{line}");
     assert!(!line.contains("Sup3rS3cretPw"), "password leaked: {line}");
     assert!(
-        line.contains(&format!("postgres://postgres:***@127.0.0.1:{port}/taskhub")),
+        line.contains(&format!("postgres://127.0.0.1:{port}/taskhub"))
+            && !line.contains("postgres:postgres"),
         "{line}"
     );
 }

@@ -161,7 +161,7 @@ fn urls_can_come_from_files() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
-        stderr.contains("***") && !stderr.contains("s3cret-pw"),
+        stderr.contains("redis://127.0.0.1:1/") && !stderr.contains("s3cret-pw"),
         "{stderr}"
     );
     // The PostgreSQL URL too: DATABASE_URL points nowhere, the file wins.

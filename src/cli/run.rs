@@ -38,9 +38,36 @@ pub struct RunArgs {
     #[arg(long, default_value = taskhub::DEFAULT_STATEMENT)]
     pub sql: String,
     /// POST each event to this URL instead of running SQL (body: the payload;
-    /// header Idempotency-Key: the event_id).
-    #[arg(long, conflicts_with = "sql")]
+    /// header Idempotency-Key: the event_id). Only scheme://host:port/path
+    /// is ever shown of it.
+    #[arg(
+        long,
+        env = "TASKHUB_HTTP_URL",
+        hide_env_values = true,
+        conflicts_with = "sql"
+    )]
     pub http_url: Option<String>,
+    /// Read --http-url from this file (keeps its credentials out of argv).
+    #[arg(
+        long,
+        env = "TASKHUB_HTTP_URL_FILE",
+        value_name = "PATH",
+        conflicts_with = "sql"
+    )]
+    pub http_url_file: Option<std::path::PathBuf>,
+    /// A header sent with every --http-url request, such as
+    /// 'Authorization: Bearer ...' (repeatable; values are never shown).
+    #[arg(
+        long,
+        value_name = "NAME: VALUE",
+        env = "TASKHUB_HTTP_HEADERS",
+        value_delimiter = '\n',
+        hide_env_values = true
+    )]
+    pub http_header: Vec<String>,
+    /// Read --http-header lines from this file, one header per line.
+    #[arg(long, env = "TASKHUB_HTTP_HEADER_FILE", value_name = "PATH")]
+    pub http_header_file: Option<std::path::PathBuf>,
     /// Longest a handler's SQL statement (or --http-url request) may run;
     /// one cut short is a retryable failure.
     #[arg(long, default_value = "60s", value_parser = duration, allow_hyphen_values = true)]
@@ -90,9 +117,18 @@ pub struct RunArgs {
     /// form); required when --http is not loopback (the admin token works too).
     #[arg(long, env = "TASKHUB_READ_TOKEN", hide_env_values = true)]
     pub read_token: Option<String>,
-    /// POST a JSON alert here when a dead-letter stream becomes non-empty, grows or gets old.
-    #[arg(long, value_name = "URL")]
+    /// POST a JSON alert here when a dead-letter stream becomes non-empty,
+    /// grows or gets old (only its scheme, host and port are ever shown).
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "TASKHUB_ALERT_WEBHOOK",
+        hide_env_values = true
+    )]
     pub alert_webhook: Option<String>,
+    /// Read --alert-webhook from this file.
+    #[arg(long, env = "TASKHUB_ALERT_WEBHOOK_FILE", value_name = "PATH")]
+    pub alert_webhook_file: Option<std::path::PathBuf>,
     /// How often the dead-letter streams are checked for alerts.
     #[arg(long, default_value = "10s", value_parser = duration, allow_hyphen_values = true)]
     pub alert_interval: Duration,
@@ -107,7 +143,46 @@ pub struct RunArgs {
     pub start_id: String,
 }
 
-pub fn run(servers: &Servers, args: RunArgs) -> Result<(), String> {
+/// The contents of a secret's file, trimmed.
+fn read_secret(path: &std::path::Path) -> Result<String, String> {
+    std::fs::read_to_string(path)
+        .map(|text| text.trim().to_owned())
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))
+}
+
+/// `Name: value` lines as (name, value) pairs; blank lines and `#` comments
+/// skipped.
+fn header_lines(lines: &[String]) -> Result<Vec<(String, String)>, String> {
+    lines
+        .iter()
+        .map(|l| l.trim())
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(|l| {
+            l.split_once(':')
+                .map(|(n, v)| (n.trim().to_owned(), v.trim().to_owned()))
+                .ok_or_else(|| {
+                    let name = l.split_whitespace().next().unwrap_or_default();
+                    format!("--http-header {name}...: expected 'Name: value'")
+                })
+        })
+        .collect()
+}
+
+pub fn run(servers: &Servers, mut args: RunArgs) -> Result<(), String> {
+    if let Some(path) = &args.http_url_file {
+        args.http_url = Some(read_secret(path)?);
+    }
+    if let Some(path) = &args.alert_webhook_file {
+        args.alert_webhook = Some(read_secret(path)?);
+    }
+    if let Some(path) = &args.http_header_file {
+        args.http_header
+            .extend(read_secret(path)?.lines().map(str::to_owned));
+    }
+    let headers = header_lines(&args.http_header)?;
+    if !headers.is_empty() && args.http_url.is_none() {
+        return Err("--http-header needs --http-url".into());
+    }
     let mut builder = Worker::builder()
         .redis_url(&servers.redis_url)
         .database_url(&servers.database_url)
@@ -154,10 +229,13 @@ pub fn run(servers: &Servers, args: RunArgs) -> Result<(), String> {
         .alert_age(args.alert_age)
         .alert_min_gap(args.alert_min_gap);
     let worker = match &args.http_url {
-        Some(url) => builder.build(HttpHandler::new(
-            url,
-            args.http_timeout.min(args.handler_timeout),
-        )),
+        Some(url) => {
+            let mut handler = HttpHandler::new(url, args.http_timeout.min(args.handler_timeout));
+            for (name, value) in &headers {
+                handler = handler.header(name, value).map_err(|e| e.to_string())?;
+            }
+            builder.build(handler)
+        }
         None => builder.build(SqlHandler::new(args.sql)),
     }
     .map_err(|e| e.to_string())?;
