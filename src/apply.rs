@@ -269,7 +269,7 @@ fn ownership<'a>(
                 &config.consumer,
                 &d.entry_id,
                 d.fence().unwrap_or(0),
-                false,
+                None,
             ));
         }
         let replies: Vec<redis::Value> = pipe.query(conn)?;

@@ -94,6 +94,13 @@ impl Config {
     pub(crate) fn max_in_flight(&self) -> usize {
         self.workers * self.count * 2
     }
+
+    /// About this many bytes of entry fields are held at once (one read
+    /// more at worst): a full read of entries at the size limit, and no
+    /// less than 8 MiB.
+    pub(crate) fn max_in_flight_bytes(&self) -> usize {
+        (self.count.saturating_mul(self.max_entry_bytes)).max(8 << 20)
+    }
 }
 
 impl fmt::Debug for Config {

@@ -40,22 +40,84 @@ pub(crate) struct Limits {
     pub max_entry_bytes: usize,
 }
 
+/// Bytes of each name and value that an oversize entry's dead letter keeps.
+pub(crate) const PREFIX: usize = 256;
+/// Fields that an oversize entry's dead letter keeps.
+pub(crate) const MOST_FIELDS: usize = 64;
+
+/// What Redis did not send of an entry over the size limit: the reads cut
+/// such entries down on the server (see `streams.rs`), so they never take
+/// more memory here than their kept prefixes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Cut {
+    /// Size of the whole entry (names and values).
+    pub bytes: u64,
+    /// Number of its fields.
+    pub fields: u64,
+    /// Size of each kept field's value.
+    pub sizes: Vec<u64>,
+}
+
+impl Cut {
+    /// Cuts `fields` down in place, as the server-side reads do, and
+    /// returns what was cut. For an entry that arrived whole.
+    fn apply(fields: &mut Fields) -> Cut {
+        let bytes = fields.iter().map(|(k, v)| (k.len() + v.len()) as u64).sum();
+        let count = fields.len() as u64;
+        fields.truncate(MOST_FIELDS);
+        let mut sizes = Vec::with_capacity(fields.len());
+        for (k, v) in fields.iter_mut() {
+            sizes.push(v.len() as u64);
+            for part in [k, v] {
+                part.truncate(PREFIX);
+                part.shrink_to_fit();
+            }
+        }
+        fields.shrink_to_fit();
+        Cut {
+            bytes,
+            fields: count,
+            sizes,
+        }
+    }
+
+    /// Why the entry is invalid, with the sizes of its first fields.
+    fn reason(&self, kept: &Fields, limit: usize) -> Invalid {
+        let sizes: Vec<String> = kept
+            .iter()
+            .zip(&self.sizes)
+            .take(16)
+            .map(|((k, _), n)| format!("{} {n}", String::from_utf8_lossy(k)))
+            .collect();
+        Invalid(format!(
+            "entry is {} bytes in {} fields, over the limit of {limit} bytes; the dead letter keeps the name and first {PREFIX} bytes of its first {MOST_FIELDS} fields (value sizes: {})",
+            self.bytes,
+            self.fields,
+            sizes.join(", ")
+        ))
+    }
+}
+
 impl Event {
-    /// Checks the contract and builds an event from a raw entry.
+    /// Checks the contract and builds an event from a raw entry. `cut`
+    /// says the server already cut the entry down for being over the size
+    /// limit; an entry that arrived whole and is over it is cut down here,
+    /// at once.
     pub(crate) fn parse(
         stream: Arc<str>,
         entry_id: String,
-        fields: Fields,
+        mut fields: Fields,
+        cut: Option<Cut>,
         delivery_count: u64,
         limits: Limits,
     ) -> Result<Event, (Fields, Invalid)> {
-        let size: usize = fields.iter().map(|(k, v)| k.len() + v.len()).sum();
-        if size > limits.max_entry_bytes {
-            let why = format!(
-                "entry is {size} bytes, over the limit of {} bytes",
-                limits.max_entry_bytes
-            );
-            return Err((fields, Invalid(why)));
+        let cut = cut.or_else(|| {
+            let size: usize = fields.iter().map(|(k, v)| k.len() + v.len()).sum();
+            (size > limits.max_entry_bytes).then(|| Cut::apply(&mut fields))
+        });
+        if let Some(cut) = cut {
+            let why = cut.reason(&fields, limits.max_entry_bytes);
+            return Err((fields, why));
         }
         let event_id = match check_event_id(&fields, limits.max_event_id_bytes) {
             Ok(id) => id,
@@ -157,11 +219,22 @@ fn check_event_id(fields: &Fields, max: usize) -> Result<String, Invalid> {
 
 /// A stream entry as Redis returned it: id and fields. `fields` is `None` for
 /// an entry deleted while it was pending (XREADGROUP history reads return it
-/// with a nil body).
+/// with a nil body); `cut` is set for an entry over the size limit that the
+/// server cut down.
 #[derive(Debug)]
 pub(crate) struct RawEntry {
     pub id: String,
     pub fields: Option<Fields>,
+    pub cut: Option<Cut>,
+}
+
+impl RawEntry {
+    /// Bytes of the fields held.
+    pub fn bytes(&self) -> usize {
+        self.fields
+            .as_ref()
+            .map_or(0, |f| f.iter().map(|(k, v)| k.len() + v.len()).sum())
+    }
 }
 
 /// Parses the `[[id, [k, v, ...]], ...]` part of XREADGROUP, XRANGE and
@@ -175,21 +248,29 @@ pub(crate) fn parse_entries(value: redis::Value) -> Result<Vec<RawEntry>, String
     };
     let mut entries = Vec::with_capacity(items.len());
     for item in items {
-        let redis::Value::Array(mut pair) = item else {
+        let redis::Value::Array(parts) = item else {
             return Err("expected [id, fields]".into());
         };
-        if pair.len() != 2 {
+        if !(parts.len() == 2 || parts.len() == 5) {
             return Err("expected [id, fields]".into());
         }
-        let body = pair.pop().unwrap_or(redis::Value::Nil);
-        let id = bytes(pair.pop().unwrap_or(redis::Value::Nil))
+        let mut parts = parts.into_iter();
+        let id = bytes(parts.next().unwrap_or(redis::Value::Nil))
             .and_then(|b| String::from_utf8(b).ok())
             .ok_or("entry id is not a string")?;
-        let fields = match body {
+        let fields = match parts.next().unwrap_or(redis::Value::Nil) {
             redis::Value::Nil => None,
             body => Some(parse_fields(body)?),
         };
-        entries.push(RawEntry { id, fields });
+        let cut = match (parts.next(), parts.next(), parts.next()) {
+            (Some(bytes), Some(count), Some(redis::Value::Array(sizes))) => Some(Cut {
+                bytes: int(bytes).ok_or("entry size is not a number")?,
+                fields: int(count).ok_or("field count is not a number")?,
+                sizes: sizes.into_iter().filter_map(int).collect(),
+            }),
+            _ => None,
+        };
+        entries.push(RawEntry { id, fields, cut });
     }
     Ok(entries)
 }
@@ -254,6 +335,13 @@ pub(crate) fn parse_read_reply(
         .collect()
 }
 
+fn int(value: redis::Value) -> Option<u64> {
+    match value {
+        redis::Value::Int(n) => u64::try_from(n).ok(),
+        _ => None,
+    }
+}
+
 pub(crate) fn bytes(value: redis::Value) -> Option<Vec<u8>> {
     match value {
         redis::Value::BulkString(b) => Some(b),
@@ -278,7 +366,7 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_vec(), v.to_vec()))
             .collect();
-        Event::parse("s".into(), "1-0".into(), fields, 1, LIMITS).map_err(|(_, why)| why)
+        Event::parse("s".into(), "1-0".into(), fields, None, 1, LIMITS).map_err(|(_, why)| why)
     }
 
     #[test]
@@ -317,6 +405,24 @@ mod tests {
             e.fields_json().unwrap(),
             r#"{"event_id":"'; DROP TABLE x;--<b>\""}"#
         );
+    }
+
+    #[test]
+    fn an_oversize_entry_is_cut_down_at_once() {
+        let fields: Fields = vec![
+            (b"event_id".to_vec(), b"e".to_vec()),
+            (b"payload".to_vec(), vec![b'x'; 10_000]),
+        ];
+        let limits = Limits {
+            max_event_id_bytes: 32,
+            max_entry_bytes: 1_000,
+        };
+        let (kept, why) =
+            Event::parse("s".into(), "1-0".into(), fields, None, 1, limits).unwrap_err();
+        assert_eq!(kept[1].1.len(), PREFIX);
+        assert!(kept[1].1.capacity() <= PREFIX, "memory given back");
+        assert!(why.0.contains("10016 bytes in 2 fields"), "{why}");
+        assert!(why.0.contains("payload 10000"), "{why}");
     }
 
     #[test]

@@ -33,6 +33,9 @@ struct Inner {
     state: Mutex<State>,
     changed: Condvar,
     capacity: usize,
+    /// Bytes of entry fields held at most, past which readers wait (the
+    /// read that crosses it is let through: one read over at worst).
+    byte_budget: usize,
 }
 
 #[derive(Debug, Default)]
@@ -42,6 +45,8 @@ struct State {
     entries: HashMap<String, Option<u64>>,
     reserved: usize,
     parked: usize,
+    /// Bytes of the fields held by tickets that are not parked.
+    bytes: usize,
 }
 
 /// At most this many parked entries (about 200 bytes each) before readers
@@ -63,12 +68,15 @@ impl Inner {
 }
 
 impl InFlight {
-    pub fn new(capacity: usize) -> InFlight {
+    /// At most `capacity` entries and (about) `byte_budget` bytes of their
+    /// fields held at once.
+    pub fn new(capacity: usize, byte_budget: usize) -> InFlight {
         InFlight {
             inner: Arc::new(Inner {
                 state: Mutex::new(State::default()),
                 changed: Condvar::new(),
                 capacity: capacity.max(1),
+                byte_budget: byte_budget.max(1),
             }),
         }
     }
@@ -83,7 +91,8 @@ impl InFlight {
                 return None;
             }
             let used = state.entries.len().saturating_sub(state.parked) + state.reserved;
-            if used < inner.capacity && state.parked < MAX_PARKED {
+            let bytes_left = state.bytes < inner.byte_budget || used == 0;
+            if used < inner.capacity && state.parked < MAX_PARKED && bytes_left {
                 let places = want.min(inner.capacity - used);
                 state.reserved += places;
                 return Some(Reservation {
@@ -129,20 +138,21 @@ impl Reservation {
     }
 
     /// Turns the reservation into tickets for the entries of `stream`
-    /// actually read, by id, each with the delivery count Redis gave it:
-    /// `None` for an entry this process holds already (skip it; its holder's
-    /// ticket takes the new count, since this process is still its owner).
+    /// actually read: (id, the delivery count Redis gave it, the bytes of
+    /// its fields). `None` for an entry this process holds already (skip it;
+    /// its holder's ticket takes the new count, since this process is still
+    /// its owner).
     pub fn admit<'a>(
         mut self,
         stream: &str,
-        entries: impl IntoIterator<Item = (&'a str, Option<u64>)>,
+        entries: impl IntoIterator<Item = (&'a str, Option<u64>, usize)>,
     ) -> Vec<Option<Ticket>> {
         let mut state = self.inner.lock();
         state.reserved = state.reserved.saturating_sub(self.places);
         self.places = 0;
         let tickets = entries
             .into_iter()
-            .map(|(id, count)| {
+            .map(|(id, count, bytes)| {
                 let key = key(stream, id);
                 match state.entries.get_mut(&key) {
                     Some(held) => {
@@ -153,10 +163,12 @@ impl Reservation {
                     }
                     None => {
                         state.entries.insert(key.clone(), count);
+                        state.bytes += bytes;
                         Some(Ticket {
                             inner: Some(self.inner.clone()),
                             key,
                             parked: false,
+                            bytes,
                         })
                     }
                 }
@@ -184,6 +196,8 @@ pub(crate) struct Ticket {
     inner: Option<Arc<Inner>>,
     key: String,
     parked: bool,
+    /// Bytes of the entry's fields it holds (0 while parked).
+    bytes: usize,
 }
 
 impl Ticket {
@@ -200,17 +214,23 @@ impl Ticket {
     /// room (it still keeps other readers from admitting it).
     pub fn park(&mut self) {
         if let Some(inner) = self.inner.as_ref().filter(|_| !self.parked) {
-            inner.lock().parked += 1;
+            let mut state = inner.lock();
+            state.parked += 1;
+            state.bytes = state.bytes.saturating_sub(self.bytes);
+            self.bytes = 0;
             inner.changed.notify_all();
             self.parked = true;
         }
     }
 
-    /// The entry is back from its wait and takes room again.
-    pub fn unpark(&mut self) {
+    /// The entry is back from its wait, with `bytes` of fields read again,
+    /// and takes room again.
+    pub fn unpark(&mut self, bytes: usize) {
         if let Some(inner) = self.inner.as_ref().filter(|_| self.parked) {
             let mut state = inner.lock();
             state.parked = state.parked.saturating_sub(1);
+            state.bytes += bytes;
+            self.bytes = bytes;
             self.parked = false;
         }
     }
@@ -218,6 +238,7 @@ impl Ticket {
     fn release(&mut self, state: &mut State) {
         if self.inner.take().is_some() {
             state.entries.remove(&self.key);
+            state.bytes = state.bytes.saturating_sub(self.bytes);
             if self.parked {
                 state.parked = state.parked.saturating_sub(1);
             }
@@ -241,16 +262,16 @@ mod tests {
 
     #[test]
     fn reservations_become_tickets_released_on_drop() {
-        let f = InFlight::new(3);
+        let f = InFlight::new(3, usize::MAX);
         let s = Shutdown::new();
         let r = f.reserve(2, &s).unwrap();
         assert_eq!(r.places(), 2);
         assert_eq!(f.reserve(5, &s).unwrap().places(), 1); // dropped: given back
-        let tickets = r.admit("s", [("a", Some(1)), ("b", Some(1))]);
+        let tickets = r.admit("s", [("a", Some(1), 0), ("b", Some(1), 0)]);
         assert!(tickets.iter().all(Option::is_some));
         // Held already: not admitted twice, but this process delivered it
         // again, so the holder's token follows.
-        let again = f.reserve(1, &s).unwrap().admit("s", [("a", Some(2))]);
+        let again = f.reserve(1, &s).unwrap().admit("s", [("a", Some(2), 0)]);
         assert!(again[0].is_none());
         assert_eq!(f.len(), 2);
         let mut tickets: Vec<Ticket> = tickets.into_iter().flatten().collect();
@@ -260,7 +281,7 @@ mod tests {
         assert_eq!(f.reserve(5, &s).unwrap().places(), 1);
         tickets[0].park();
         assert_eq!(f.reserve(5, &s).unwrap().places(), 2);
-        tickets[0].unpark();
+        tickets[0].unpark(0);
         let b = tickets.pop().unwrap();
         drop(tickets); // "a" released by drop
         assert_eq!(f.len(), 1);
@@ -271,13 +292,35 @@ mod tests {
     }
 
     #[test]
+    fn readers_wait_while_the_fields_held_pass_the_byte_budget() {
+        let f = InFlight::new(100, 1000);
+        let s = Shutdown::new();
+        // The read that crosses the budget is let through...
+        let mut held = f.reserve(10, &s).unwrap().admit("s", [("a", None, 1500)]);
+        // ...then readers wait until bytes are given back.
+        let waiting = {
+            let f = f.clone();
+            let s = s.clone();
+            std::thread::spawn(move || f.reserve(10, &s).map(|r| r.places()))
+        };
+        std::thread::sleep(Duration::from_millis(150));
+        assert!(!waiting.is_finished());
+        // A parked entry's fields are dropped: its bytes are given back.
+        held[0].as_mut().unwrap().park();
+        assert_eq!(waiting.join().unwrap(), Some(10));
+        held[0].as_mut().unwrap().unpark(1500);
+        drop(held);
+        assert_eq!(f.inner.lock().bytes, 0);
+    }
+
+    #[test]
     fn a_parked_ticket_dropped_frees_its_parked_count() {
-        let f = InFlight::new(1);
+        let f = InFlight::new(1, usize::MAX);
         let s = Shutdown::new();
         let mut t = f
             .reserve(1, &s)
             .unwrap()
-            .admit("s", [("a", None)])
+            .admit("s", [("a", None, 0)])
             .remove(0)
             .unwrap();
         t.park();
@@ -292,12 +335,12 @@ mod tests {
         // The bug this type closes: a worker that panicked released every
         // key of its job, including one it had already handed to the retry
         // thread, so that entry could be admitted (and run) twice.
-        let f = InFlight::new(4);
+        let f = InFlight::new(4, usize::MAX);
         let s = Shutdown::new();
         let mut tickets = f
             .reserve(2, &s)
             .unwrap()
-            .admit("s", [("a", None), ("b", None)]);
+            .admit("s", [("a", None, 0), ("b", None, 0)]);
         let (tx, rx) = std::sync::mpsc::channel();
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let handed_over = tickets[0].take().unwrap();
@@ -307,8 +350,8 @@ mod tests {
         }));
         assert!(result.is_err());
         let held = rx.recv().unwrap();
-        assert!(f.reserve(1, &s).unwrap().admit("s", [("a", None)])[0].is_none());
-        assert!(f.reserve(1, &s).unwrap().admit("s", [("b", None)])[0].is_some());
+        assert!(f.reserve(1, &s).unwrap().admit("s", [("a", None, 0)])[0].is_none());
+        assert!(f.reserve(1, &s).unwrap().admit("s", [("b", None, 0)])[0].is_some());
         drop(held);
     }
 }

@@ -65,21 +65,8 @@ pub(crate) fn reader_thread(shared: &Shared, index: usize, jobs: &Sender<Job>) {
         let Some(room) = shared.in_flight.reserve(config.count, &shared.shutdown) else {
             break;
         };
-        let (block, from) = match &position {
-            Position::Pending(after) => (None, after.as_str()),
-            Position::New => (Some(config.block.as_millis() as u64), ">"),
-        };
         let sent_at = Instant::now();
-        let read = streams::read_group(
-            c,
-            &stream,
-            &config.group,
-            &config.consumer,
-            room.places(),
-            block,
-            from,
-        )
-        .and_then(|entries| {
+        let read = read(shared, c, &stream, &position, room.places()).and_then(|entries| {
             let counts = match (&position, entries.first(), entries.last()) {
                 // This consumer's own pending entries from `first` to
                 // `last` are exactly the ones just re-read.
@@ -122,7 +109,9 @@ pub(crate) fn reader_thread(shared: &Shared, index: usize, jobs: &Sender<Job>) {
                 };
                 let tickets = room.admit(
                     &stream,
-                    entries.iter().map(|e| (e.id.as_str(), Some(count(&e.id)))),
+                    entries
+                        .iter()
+                        .map(|e| (e.id.as_str(), Some(count(&e.id)), e.bytes())),
                 );
                 let job = deliveries(shared, &stream, entries, tickets, sent_at, count);
                 if !job.is_empty() && jobs.send(job).is_err() {
@@ -168,6 +157,40 @@ pub(crate) fn reader_thread(shared: &Shared, index: usize, jobs: &Sender<Job>) {
     log::debug!("{stream}: reader stopped");
 }
 
+/// One read at `position`: pending entries, or new ones without blocking
+/// (both cut down to the size limit in Redis), or, when there are none,
+/// one new entry blocking up to BLOCK (which arrives whole, once, and is
+/// cut down as it is parsed).
+fn read(
+    shared: &Shared,
+    c: &mut RedisConn,
+    stream: &str,
+    position: &Position,
+    room: usize,
+) -> redis::RedisResult<Vec<RawEntry>> {
+    let config = &shared.config;
+    let from = match position {
+        Position::Pending(after) => after.as_str(),
+        Position::New => ">",
+    };
+    let max = shared.limits.max_entry_bytes;
+    let entries =
+        streams::read_group_bounded(c, stream, &config.group, &config.consumer, room, from, max)?;
+    if !entries.is_empty() || matches!(position, Position::Pending(_)) {
+        return Ok(entries);
+    }
+    let block = config.block.as_millis() as u64;
+    streams::read_group(
+        c,
+        stream,
+        &config.group,
+        &config.consumer,
+        1,
+        Some(block),
+        ">",
+    )
+}
+
 /// Whether stream entry id `a` comes after `b` (`<ms>-<seq>`).
 fn newer(a: &str, b: &str) -> bool {
     let parse = |id: &str| -> (u64, u64) {
@@ -200,6 +223,7 @@ pub(crate) fn deliveries(
                     stream.clone(),
                     entry.id.clone(),
                     fields,
+                    entry.cut,
                     count,
                     shared.limits,
                 ),

@@ -48,7 +48,9 @@ pub(crate) struct Claim {
 }
 
 /// Claims up to `count` entries of `stream` idle for `min_idle_ms`, from
-/// `cursor`, and looks up each one's delivery count.
+/// `cursor` (cut down to `max_entry_bytes` in Redis), and looks up each
+/// one's delivery count.
+#[allow(clippy::too_many_arguments)] // the command's own arguments
 pub(crate) fn claim(
     conn: &mut RedisConn,
     stream: &str,
@@ -57,8 +59,18 @@ pub(crate) fn claim(
     min_idle_ms: u64,
     cursor: &str,
     count: usize,
+    max_entry_bytes: usize,
 ) -> redis::RedisResult<Claim> {
-    let claimed = streams::autoclaim(conn, stream, group, consumer, min_idle_ms, cursor, count)?;
+    let claimed = streams::autoclaim(
+        conn,
+        stream,
+        group,
+        consumer,
+        min_idle_ms,
+        cursor,
+        count,
+        max_entry_bytes,
+    )?;
     let ids: Vec<&str> = claimed.entries.iter().map(|e| e.id.as_str()).collect();
     let counts = streams::owners(conn, stream, group, &ids)?
         .into_iter()
@@ -92,13 +104,14 @@ fn reclaim_stream(
             config.reclaim_min_idle.as_millis() as u64,
             &cursor,
             room.places(),
+            shared.limits.max_entry_bytes,
         )?;
         let ids = claimed
             .entries
             .iter()
             .zip(&counts)
-            .map(|(e, n)| (e.id.as_str(), Some(*n)))
-            .chain(claimed.deleted.iter().map(|id| (id.as_str(), None)));
+            .map(|(e, n)| (e.id.as_str(), Some(*n), e.bytes()))
+            .chain(claimed.deleted.iter().map(|id| (id.as_str(), None, 0)));
         let mut tickets = room.admit(stream, ids);
         let deleted_tickets = tickets.split_off(claimed.entries.len());
         let n = tickets.iter().filter(|t| t.is_some()).count();
@@ -232,7 +245,7 @@ mod tests {
             ],
         );
         let Claim { claimed, counts } =
-            claim(&mut c, &stream, "g", "claimer", 20, "0-0", 10).unwrap();
+            claim(&mut c, &stream, "g", "claimer", 20, "0-0", 10, 1 << 20).unwrap();
         let ids: Vec<&str> = claimed.entries.iter().map(|e| e.id.as_str()).collect();
         assert_eq!(ids, [dead.as_str(), dead_too.as_str()]);
         // 1 read + 4 XCLAIMs + this claim.

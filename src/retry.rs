@@ -160,7 +160,7 @@ fn fetch(shared: &Shared, due: &[Retry]) -> redis::RedisResult<Vec<Owned>> {
                 .and_then(Ticket::token)
                 .or(retry.token)
                 .unwrap_or(0),
-            true,
+            Some(shared.limits.max_entry_bytes),
         ));
     }
     let replies: Vec<redis::Value> = pipe.query(&mut conn)?;
@@ -168,17 +168,24 @@ fn fetch(shared: &Shared, due: &[Retry]) -> redis::RedisResult<Vec<Owned>> {
 }
 
 fn hand_back(shared: &Shared, jobs: &Sender<Job>, mut retry: Retry, owned: Owned, at: Instant) {
+    let mut bytes = 0;
     let (body, trimmed) = match owned {
-        Owned::Yes(Some(fields)) => (
-            Event::parse(
+        Owned::Yes(Some(crate::event::RawEntry {
+            fields: Some(fields),
+            cut,
+            ..
+        })) => {
+            bytes = fields.iter().map(|(k, v)| k.len() + v.len()).sum();
+            let event = Event::parse(
                 retry.stream.clone(),
                 retry.entry_id.clone(),
                 fields,
+                cut,
                 retry.delivery_count,
                 shared.limits,
-            ),
-            false,
-        ),
+            );
+            (event, false)
+        }
         Owned::Lost | Owned::Yes(None) => {
             // Claimed by another consumer while it waited (its wait plus
             // its runs outlasted reclaim_min_idle), or finished by one: the
@@ -191,7 +198,7 @@ fn hand_back(shared: &Shared, jobs: &Sender<Job>, mut retry: Retry, owned: Owned
             Stats::add(&shared.stats.lost_ownership, 1);
             return;
         }
-        Owned::Trimmed { .. } => {
+        Owned::Trimmed { .. } | Owned::Yes(Some(_)) => {
             let known = retry
                 .event_id
                 .take()
@@ -201,7 +208,7 @@ fn hand_back(shared: &Shared, jobs: &Sender<Job>, mut retry: Retry, owned: Owned
         }
     };
     if let Some(ticket) = &mut retry.ticket {
-        ticket.unpark();
+        ticket.unpark(bytes);
     }
     let job = vec![Delivery {
         stream: retry.stream,

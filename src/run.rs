@@ -160,7 +160,7 @@ impl Worker {
             pg,
             stats: Stats::default(),
             health: Health::default(),
-            in_flight: InFlight::new(config.max_in_flight()),
+            in_flight: InFlight::new(config.max_in_flight(), config.max_in_flight_bytes()),
             namespace,
             shutdown: self.shutdown.clone(),
             backoff: Backoff {

@@ -1,5 +1,12 @@
 //! The Redis Streams commands the threads use, in one place: create the group,
 //! read new or pending entries, look up delivery counts, claim idle entries.
+//!
+//! Every read that can return many entries runs inside a Lua script that
+//! cuts entries over `--max-entry-bytes` down to the names and first bytes
+//! of their first fields before they leave Redis ([`BOUND`]): a producer's
+//! 4 MiB entries cost this process a few hundred bytes each, however many
+//! arrive. Only the blocking read a reader makes when its stream is idle
+//! (one entry at most) can bring one entry whole; it is cut down at once.
 
 use std::collections::HashMap;
 
@@ -7,7 +14,7 @@ use redis::RedisResult;
 
 use crate::redis_conn::RedisConn;
 
-use crate::event::{parse_entries, parse_read_reply, Fields, RawEntry};
+use crate::event::{parse_entries, parse_read_reply, RawEntry, MOST_FIELDS, PREFIX};
 
 fn protocol_error(what: String) -> redis::RedisError {
     redis::RedisError::from((redis::ErrorKind::Parse, "unexpected reply", what))
@@ -41,6 +48,74 @@ pub(crate) fn ensure_group(
 /// Whether an error means the group (or the stream) is gone.
 pub(crate) fn is_nogroup(e: &redis::RedisError) -> bool {
     e.code() == Some("NOGROUP")
+}
+
+/// A Lua function, `bound(entries)`, that cuts each entry larger than
+/// ARGV[1] bytes down to the names and first ARGV[2] bytes of its first
+/// ARGV[3] fields, in place, and appends what it cut: such an entry becomes
+/// `{id, fields, bytes, field count, {value sizes}}`. Scripts that use it
+/// take those three arguments first.
+const BOUND: &str = r"
+local function bound(entries)
+    local max, keep, most = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+    for _, e in ipairs(entries) do
+        local f = e[2]
+        if type(f) == 'table' then
+            local size = 0
+            for i = 1, #f do size = size + #f[i] end
+            if size > max then
+                local cut, sizes = {}, {}
+                for i = 1, math.min(#f, most * 2), 2 do
+                    cut[#cut + 1] = string.sub(f[i], 1, keep)
+                    cut[#cut + 1] = string.sub(f[i + 1], 1, keep)
+                    sizes[#sizes + 1] = #f[i + 1]
+                end
+                e[2], e[3], e[4], e[5] = cut, size, #f / 2, sizes
+            end
+        end
+    end
+    return entries
+end
+";
+
+/// A script call whose script starts with [`BOUND`].
+fn bounded(script: &str, key: &str, max_entry_bytes: usize) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(format!("{BOUND}{script}"))
+        .arg(1)
+        .arg(key)
+        .arg(max_entry_bytes)
+        .arg(PREFIX)
+        .arg(MOST_FIELDS);
+    cmd
+}
+
+/// XREADGROUP (no BLOCK) of new (`>`) or pending entries, cut down by
+/// [`BOUND`]. ARGV[4..]: group, consumer, count, from.
+const READ_BOUNDED: &str = r"
+local r = redis.call('XREADGROUP', 'GROUP', ARGV[4], ARGV[5], 'COUNT', ARGV[6],
+    'STREAMS', KEYS[1], ARGV[7])
+if not r then return {} end
+return bound(r[1][2])
+";
+
+/// XREADGROUP of one stream without blocking, entries over
+/// `max_entry_bytes` cut down in Redis: `from` is `>` for new entries or
+/// an id for this consumer's pending entries after it.
+#[allow(clippy::too_many_arguments)] // the command's own arguments
+pub(crate) fn read_group_bounded(
+    conn: &mut RedisConn,
+    stream: &str,
+    group: &str,
+    consumer: &str,
+    count: usize,
+    from: &str,
+    max_entry_bytes: usize,
+) -> RedisResult<Vec<RawEntry>> {
+    let mut cmd = bounded(READ_BOUNDED, stream, max_entry_bytes);
+    cmd.arg(group).arg(consumer).arg(count).arg(from);
+    let reply: redis::Value = cmd.query(conn)?;
+    parse_entries(reply).map_err(protocol_error)
 }
 
 /// XREADGROUP of one stream: `from` is `>` for new entries (blocking up to
@@ -133,8 +208,8 @@ pub(crate) fn owners(
 pub(crate) enum Owned {
     /// Pending for this consumer with the count it holds it with; its idle
     /// time is reset to 0 (so no claim can take it for `reclaim_min_idle`),
-    /// and its fields, when asked for.
-    Yes(Option<Fields>),
+    /// and the entry (cut down if over the size limit), when asked for.
+    Yes(Option<RawEntry>),
     /// Pending for this consumer, but deleted from the stream (a producer's
     /// MAXLEN): it cannot be refreshed (XCLAIM would drop it from the
     /// pending list). Idle for this many milliseconds.
@@ -145,18 +220,19 @@ pub(crate) enum Owned {
 
 /// Checks that `id` is pending for `consumer` with delivery count `count`,
 /// and if so resets its idle time (XCLAIM JUSTID, which keeps the count)
-/// and returns its fields when `fields` is set. KEYS: stream. ARGV: group,
-/// entry id, consumer, delivery count, `fields` or `check`.
+/// and returns the entry (cut down by [`BOUND`]) when asked for. KEYS:
+/// stream. ARGV[4..]: group, entry id, consumer, delivery count, `fields` or
+/// `check`.
 const CLAIM_IF_OWNED: &str = r"
-local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
-if type(p) ~= 'table' or #p == 0 or p[1][2] ~= ARGV[3]
-    or p[1][4] ~= tonumber(ARGV[4]) then
+local p = redis.pcall('XPENDING', KEYS[1], ARGV[4], ARGV[5], ARGV[5], 1)
+if type(p) ~= 'table' or #p == 0 or p[1][2] ~= ARGV[6]
+    or p[1][4] ~= tonumber(ARGV[7]) then
     return {0}
 end
-local e = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
+local e = redis.call('XRANGE', KEYS[1], ARGV[5], ARGV[5])
 if #e == 0 then return {2, p[1][3]} end
-redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[2], 'JUSTID')
-if ARGV[5] == 'fields' then return {1, e[1][2]} end
+redis.call('XCLAIM', KEYS[1], ARGV[4], ARGV[6], 0, ARGV[5], 'JUSTID')
+if ARGV[8] == 'fields' then return {1, bound(e)} end
 return {1}
 ";
 
@@ -167,17 +243,14 @@ pub(crate) fn claim_if_owned(
     consumer: &str,
     id: &str,
     count: u64,
-    fields: bool,
+    fields: Option<usize>,
 ) -> redis::Cmd {
-    let mut cmd = redis::cmd("EVAL");
-    cmd.arg(CLAIM_IF_OWNED)
-        .arg(1)
-        .arg(stream)
-        .arg(group)
+    let mut cmd = bounded(CLAIM_IF_OWNED, stream, fields.unwrap_or(usize::MAX));
+    cmd.arg(group)
         .arg(id)
         .arg(consumer)
         .arg(count)
-        .arg(if fields { "fields" } else { "check" });
+        .arg(if fields.is_some() { "fields" } else { "check" });
     cmd
 }
 
@@ -192,9 +265,8 @@ pub(crate) fn parse_owned(reply: redis::Value) -> RedisResult<Owned> {
     };
     Ok(match status {
         1 if parts.len() > 1 => {
-            let flat = parts.swap_remove(1);
-            let fields = crate::event::parse_fields(flat).map_err(protocol_error)?;
-            Owned::Yes(Some(fields))
+            let entries = parse_entries(parts.swap_remove(1)).map_err(protocol_error)?;
+            Owned::Yes(entries.into_iter().next())
         }
         1 => Owned::Yes(None),
         2 => Owned::Trimmed {
@@ -226,8 +298,19 @@ pub(crate) struct Claimed {
     pub deleted: Vec<String>,
 }
 
+/// XAUTOCLAIM, its entries cut down by [`BOUND`]. ARGV[4..]: group,
+/// consumer, min idle, start, count.
+const AUTOCLAIM_BOUNDED: &str = r"
+local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[4], ARGV[5], ARGV[6], ARGV[7],
+    'COUNT', ARGV[8])
+r[2] = bound(r[2])
+return r
+";
+
 /// XAUTOCLAIM: takes over up to `count` entries idle for at least
-/// `min_idle_ms`, scanning from `start`.
+/// `min_idle_ms`, scanning from `start`; entries over `max_entry_bytes` cut
+/// down in Redis.
+#[allow(clippy::too_many_arguments)] // the command's own arguments
 pub(crate) fn autoclaim(
     conn: &mut RedisConn,
     stream: &str,
@@ -236,16 +319,15 @@ pub(crate) fn autoclaim(
     min_idle_ms: u64,
     start: &str,
     count: usize,
+    max_entry_bytes: usize,
 ) -> RedisResult<Claimed> {
-    let reply: redis::Value = redis::cmd("XAUTOCLAIM")
-        .arg(stream)
-        .arg(group)
+    let mut cmd = bounded(AUTOCLAIM_BOUNDED, stream, max_entry_bytes);
+    cmd.arg(group)
         .arg(consumer)
         .arg(min_idle_ms)
         .arg(start)
-        .arg("COUNT")
-        .arg(count)
-        .query(conn)?;
+        .arg(count);
+    let reply: redis::Value = cmd.query(conn)?;
     let redis::Value::Array(mut parts) = reply else {
         return Err(protocol_error("XAUTOCLAIM reply is not an array".into()));
     };
