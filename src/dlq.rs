@@ -46,7 +46,19 @@ use crate::event::{parse_entries, Fields};
 use crate::fault::{self, Point};
 
 /// Entries read per XREVRANGE page.
-const PAGE: usize = 500;
+/// Dead letters read per round trip, at most.
+const PAGE: usize = 100;
+
+/// A dead letter larger than this (written by an older version, which kept
+/// whole payloads) is read cut down, keeping [`LETTER_KEEP`] bytes of each
+/// field, by the scans that list and filter; `show` reads it whole.
+const LETTER_READ_MAX: usize = 256 * 1024;
+const LETTER_KEEP: usize = 4096;
+
+/// How far one listing scans before it stops and says where it got (a
+/// filter that matches nothing must not read a whole stream per request).
+const LIST_BUDGET_ENTRIES: usize = 10_000;
+const LIST_BUDGET_TIME: Duration = Duration::from_secs(2);
 /// Entries fetched, checked and replayed or removed per round trip.
 const CHUNK: usize = 100;
 
@@ -249,44 +261,72 @@ fn check_ids(ids: &[String]) -> Result<(), Error> {
 // Reading
 // ---------------------------------------------------------------------------
 
+/// Where a scan stopped.
+#[derive(Debug, Default)]
+struct Scanned {
+    /// Entries read.
+    entries: usize,
+    /// The last id read, when the scan stopped because of its budget with
+    /// more entries left.
+    stopped_at: Option<String>,
+}
+
+/// XREVRANGE, cut down by `streams::BOUND`. ARGV[4..]: end, count.
+const REVRANGE_BOUNDED: &str = r"
+return bound(redis.call('XREVRANGE', KEYS[1], ARGV[4], '-', 'COUNT', ARGV[5]))
+";
+
 /// Walks the dead-letter stream newest first, from `before` (exclusive) or
-/// the end, a page per round trip, until `visit` returns false.
+/// the end, until `visit` returns false, in pages of `first_page` entries
+/// growing to [`PAGE`] (a listing of 20 reads about 20). With a `budget`
+/// (entries, time), it stops there and says where.
 fn scan(
     conn: &mut RedisConn,
     dlq: &str,
     before: Option<&str>,
+    first_page: usize,
+    budget: Option<(usize, Duration)>,
     mut visit: impl FnMut(String, Fields) -> bool,
-) -> Result<(), Error> {
+) -> Result<Scanned, Error> {
     if let Some(id) = before {
         check_ids(std::slice::from_ref(&id.to_owned()))?;
     }
+    let started = Instant::now();
+    let mut scanned = Scanned::default();
     let mut end = before.map_or_else(|| "+".to_owned(), |id| format!("({id}"));
+    let mut page = first_page.clamp(1, PAGE);
     loop {
-        let value: redis::Value = redis::cmd("XREVRANGE")
-            .arg(dlq)
-            .arg(&end)
-            .arg("-")
-            .arg("COUNT")
-            .arg(PAGE)
-            .query(conn)
-            .map_err(redis_error(dlq))?;
+        let mut cmd =
+            crate::streams::bounded_keeping(REVRANGE_BOUNDED, dlq, LETTER_READ_MAX, LETTER_KEEP);
+        cmd.arg(&end).arg(page);
+        let value: redis::Value = cmd.query(conn).map_err(redis_error(dlq))?;
         let entries = parse_entries(value)
             .map_err(|e| Error::new(ErrorKind::Redis, format!("{dlq}: {e}")))?;
         let n = entries.len();
         let Some(last) = entries.last() else {
-            return Ok(());
+            return Ok(scanned);
         };
         end = format!("({}", last.id);
         for entry in entries {
+            scanned.entries += 1;
+            let id = entry.id;
             if let Some(fields) = entry.fields {
-                if !visit(entry.id, fields) {
-                    return Ok(());
+                if !visit(id.clone(), fields) {
+                    return Ok(scanned);
                 }
             }
+            let spent = budget.is_some_and(|(entries, time)| {
+                scanned.entries >= entries || started.elapsed() >= time
+            });
+            if spent {
+                scanned.stopped_at = Some(id);
+                return Ok(scanned);
+            }
         }
-        if n < PAGE {
-            return Ok(());
+        if n < page {
+            return Ok(scanned);
         }
+        page = (page * 4).min(PAGE);
     }
 }
 
@@ -300,16 +340,55 @@ fn decode(id: String, fields: &Fields, dlq: &str) -> Option<DeadLetter> {
     }
 }
 
+/// What a listing found.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct Listing {
+    /// The dead letters that matched, newest first.
+    pub letters: Vec<DeadLetter>,
+    /// Entries read to find them.
+    pub scanned: usize,
+    /// Set when the scan stopped at its budget (10,000 entries or 2 s)
+    /// before the limit was reached: list again `before` this id to go on.
+    pub stopped_at: Option<String>,
+}
+
 /// The dead letters of `stream` (in `<stream>:dlq`) that `filter` matches,
-/// newest first. Entries that cannot be decoded are skipped with a warning.
-pub fn list(conn: &mut RedisConn, stream: &str, filter: &Filter) -> Result<Vec<DeadLetter>, Error> {
-    let mut out = Vec::new();
-    each_match(conn, stream, filter, |letter| out.push(letter))?;
-    Ok(out)
+/// newest first, reading about as many entries as it returns (or, with
+/// filters, at most 10,000 or for 2 s: then it says where it stopped).
+/// Entries that cannot be decoded are skipped with a warning.
+pub fn list(conn: &mut RedisConn, stream: &str, filter: &Filter) -> Result<Listing, Error> {
+    let dlq = dead_letter_stream(stream);
+    let mut letters = Vec::new();
+    if filter.limit == Some(0) {
+        return Ok(Listing::default());
+    }
+    let first_page = filter.limit.map_or(PAGE, |n| n + 1);
+    let budget = Some((LIST_BUDGET_ENTRIES, LIST_BUDGET_TIME));
+    let scanned = scan(
+        conn,
+        &dlq,
+        filter.before.as_deref(),
+        first_page,
+        budget,
+        |id, fields| {
+            if let Some(letter) = decode(id, &fields, &dlq) {
+                if filter.matches(&letter) {
+                    letters.push(letter);
+                }
+            }
+            filter.limit.is_none_or(|limit| letters.len() < limit)
+        },
+    )?;
+    Ok(Listing {
+        letters,
+        scanned: scanned.entries,
+        stopped_at: scanned.stopped_at,
+    })
 }
 
 /// Calls `f` with each dead letter `filter` matches, newest first, up to its
-/// limit.
+/// limit, however many entries that takes.
 fn each_match(
     conn: &mut RedisConn,
     stream: &str,
@@ -321,15 +400,23 @@ fn each_match(
         return Ok(());
     }
     let mut n = 0;
-    scan(conn, &dlq, filter.before.as_deref(), |id, fields| {
-        if let Some(letter) = decode(id, &fields, &dlq) {
-            if filter.matches(&letter) {
-                f(letter);
-                n += 1;
+    scan(
+        conn,
+        &dlq,
+        filter.before.as_deref(),
+        PAGE,
+        None,
+        |id, fields| {
+            if let Some(letter) = decode(id, &fields, &dlq) {
+                if filter.matches(&letter) {
+                    f(letter);
+                    n += 1;
+                }
             }
-        }
-        filter.limit.is_none_or(|limit| n < limit)
-    })
+            filter.limit.is_none_or(|limit| n < limit)
+        },
+    )?;
+    Ok(())
 }
 
 /// Ids of the entries `filter` matches, newest first (only the ids are kept,
@@ -424,36 +511,43 @@ pub fn stats(conn: &mut RedisConn, stream: &str, filter: &Filter) -> Result<Stat
     let mut stats = Stats::default();
     let mut kinds: HashMap<Kind, u64> = HashMap::new();
     let mut reasons: HashMap<String, (u64, String, usize)> = HashMap::new();
-    scan(conn, &dlq, filter.before.as_deref(), |id, fields| {
-        let Ok(letter) = DeadLetter::from_fields(Some(id), &fields) else {
-            stats.undecodable += 1;
-            return true;
-        };
-        if !filter.matches(&letter) {
-            return true;
-        }
-        stats.count += 1;
-        *kinds.entry(letter.kind).or_default() += 1;
-        let order = reasons.len();
-        reasons
-            .entry(fingerprint(&letter.reason))
-            .or_insert_with(|| (0, letter.reason.clone(), order))
-            .0 += 1;
-        stats.oldest_dead_at = Some(
-            stats
-                .oldest_dead_at
-                .map_or(letter.dead_at, |t| t.min(letter.dead_at)),
-        );
-        stats.newest_dead_at = Some(
-            stats
-                .newest_dead_at
-                .map_or(letter.dead_at, |t| t.max(letter.dead_at)),
-        );
-        if stats.latest_reason.is_none() {
-            stats.latest_reason = Some(letter.reason);
-        }
-        filter.limit.is_none_or(|n| stats.count < n as u64)
-    })?;
+    scan(
+        conn,
+        &dlq,
+        filter.before.as_deref(),
+        PAGE,
+        None,
+        |id, fields| {
+            let Ok(letter) = DeadLetter::from_fields(Some(id), &fields) else {
+                stats.undecodable += 1;
+                return true;
+            };
+            if !filter.matches(&letter) {
+                return true;
+            }
+            stats.count += 1;
+            *kinds.entry(letter.kind).or_default() += 1;
+            let order = reasons.len();
+            reasons
+                .entry(fingerprint(&letter.reason))
+                .or_insert_with(|| (0, letter.reason.clone(), order))
+                .0 += 1;
+            stats.oldest_dead_at = Some(
+                stats
+                    .oldest_dead_at
+                    .map_or(letter.dead_at, |t| t.min(letter.dead_at)),
+            );
+            stats.newest_dead_at = Some(
+                stats
+                    .newest_dead_at
+                    .map_or(letter.dead_at, |t| t.max(letter.dead_at)),
+            );
+            if stats.latest_reason.is_none() {
+                stats.latest_reason = Some(letter.reason);
+            }
+            filter.limit.is_none_or(|n| stats.count < n as u64)
+        },
+    )?;
     stats.by_kind = kinds.into_iter().collect();
     stats
         .by_kind

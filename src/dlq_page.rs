@@ -363,10 +363,11 @@ fn list_page(shared: &Shared, query: &[(String, String)]) -> Response {
         Ok(c) => c,
         Err(r) => return r,
     };
-    let letters = match dlq::list(&mut conn, stream, &filter) {
+    let listing = match dlq::list(&mut conn, stream, &filter) {
         Ok(l) => l,
         Err(e) => return html(400, "Error", &format!("<p>{}</p>", escape(&e.to_string()))),
     };
+    let letters = &listing.letters;
     let dlq_name = crate::dead_letter::dead_letter_stream(stream);
     let total: u64 = redis::cmd("XLEN")
         .arg(&dlq_name)
@@ -409,7 +410,7 @@ fn list_page(shared: &Shared, query: &[(String, String)]) -> Response {
     body.push_str(
         "<table id=\"letters\"><tr><th>dead at</th><th>kind</th><th>event_id</th><th>attempts</th><th>reason</th><th>entry</th></tr>",
     );
-    for l in &letters {
+    for l in letters {
         let id = l.id.as_deref().unwrap_or("");
         let _ = write!(
             body,
@@ -426,8 +427,21 @@ fn list_page(shared: &Shared, query: &[(String, String)]) -> Response {
         );
     }
     body.push_str("</table>");
-    if letters.len() == PAGE_SIZE {
-        if let Some(last) = letters.last().and_then(|l| l.id.as_deref()) {
+    let next = match &listing.stopped_at {
+        // The scan stopped at its budget: say so, and offer to go on.
+        Some(at) => {
+            let _ = write!(
+                body,
+                "<p id=\"stopped\">Looked at {} dead letters without filling the page; older ones may match.</p>",
+                listing.scanned
+            );
+            Some(at.as_str())
+        }
+        None if letters.len() == PAGE_SIZE => letters.last().and_then(|l| l.id.as_deref()),
+        None => None,
+    };
+    {
+        if let Some(last) = next {
             let _ = write!(
                 body,
                 "<p><a id=\"next\" href=\"/dlq?stream={}&amp;kind={}&amp;reason={}&amp;before={}\">Older &rarr;</a></p>",

@@ -78,14 +78,25 @@ local function bound(entries)
 end
 ";
 
-/// A script call whose script starts with [`BOUND`].
+/// A script call whose script starts with [`BOUND`], keeping [`PREFIX`]
+/// bytes of each field of an entry over `max_entry_bytes`.
 fn bounded(script: &str, key: &str, max_entry_bytes: usize) -> redis::Cmd {
+    bounded_keeping(script, key, max_entry_bytes, PREFIX)
+}
+
+/// [`bounded`], keeping `keep` bytes of each field.
+pub(crate) fn bounded_keeping(
+    script: &str,
+    key: &str,
+    max_entry_bytes: usize,
+    keep: usize,
+) -> redis::Cmd {
     let mut cmd = redis::cmd("EVAL");
     cmd.arg(format!("{BOUND}{script}"))
         .arg(1)
         .arg(key)
         .arg(max_entry_bytes)
-        .arg(PREFIX)
+        .arg(keep)
         .arg(MOST_FIELDS);
     cmd
 }

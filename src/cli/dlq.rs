@@ -396,7 +396,21 @@ impl Ctx {
     fn list(&self, conn: &mut RedisConn, a: &ListArgs) -> Result<ExitCode, String> {
         // One more than shown, to know whether there are more.
         let limit = (a.limit > 0).then_some(a.limit + 1);
-        let mut letters = dlq::list(conn, &self.stream, &a.filter.build(limit)?).map_err(err)?;
+        let mut filter = a.filter.build(limit)?;
+        let mut letters = Vec::new();
+        // A listing stops after a budget of entries read; a command-line
+        // user is happy to wait: go on from where it stopped.
+        loop {
+            let listing = dlq::list(conn, &self.stream, &filter).map_err(err)?;
+            letters.extend(listing.letters);
+            match listing.stopped_at {
+                Some(at) if limit.is_none_or(|n| letters.len() < n) => {
+                    filter.before = Some(at);
+                    filter.limit = limit.map(|n| n - letters.len());
+                }
+                _ => break,
+            }
+        }
         let more = a.limit > 0 && letters.len() > a.limit;
         letters.truncate(if a.limit > 0 { a.limit } else { usize::MAX });
         if self.json {
