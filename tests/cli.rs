@@ -583,3 +583,62 @@ fn a_bad_sql_statement_fails_at_start_up_and_dead_letters_nothing() {
     assert_eq!(xlen(&mut r, &taskhub::dead_letter_stream(&stream)), 0);
     assert_eq!(db.count("SELECT count(*) FROM notifications"), 0);
 }
+
+/// The deployment the README describes: `migrate` as the role that owns the
+/// schema, `run` as a role that only reads and writes rows (it must not be
+/// able to change the schema, and needs no superuser power to find out
+/// which database history its markers belong to).
+#[test]
+fn a_worker_role_with_only_row_grants_runs() {
+    let db = TestDb::new(); // migrated by the owner (postgres)
+    let role = unique("worker_role").to_lowercase();
+    db.client()
+        .batch_execute(&format!(
+            "CREATE ROLE {role} LOGIN;
+             GRANT USAGE ON SCHEMA public TO {role};
+             GRANT SELECT, INSERT, DELETE ON processed_events TO {role};
+             GRANT SELECT, INSERT ON notifications TO {role};
+             GRANT USAGE ON SEQUENCE notifications_id_seq TO {role};"
+        ))
+        .unwrap();
+    let worker_url = db.url.replacen("postgres://postgres", &format!("postgres://{role}"), 1);
+    assert_ne!(worker_url, db.url, "{}", db.url);
+    let mut conn = redis(&redis_url());
+    let stream = unique("roles");
+    xadd(&mut conn, &stream, &[("event_id", "r-1"), ("payload", "p")]);
+    let out = output(
+        {
+            let mut cmd = run_on(&worker_url, &stream);
+            cmd.arg("--until-idle");
+            cmd
+        },
+        None,
+        Duration::from_secs(60),
+    );
+    assert!(out.status.success(), "{}", out.stderr);
+    assert_eq!(db.effects("r-1"), 1);
+    let refused = output(
+        {
+            let mut cmd = taskhub(&redis_url(), &worker_url);
+            cmd.arg("migrate");
+            cmd
+        },
+        None,
+        Duration::from_secs(30),
+    );
+    // Migrations are the owner's job: this role cannot even create the
+    // migrations table, and says so.
+    assert_eq!(refused.code(), Some(1), "{}", refused.stderr);
+    assert!(refused.stderr.contains("permission denied"), "{}", refused.stderr);
+    let mut c = postgres::Client::connect(&worker_url, postgres::NoTls).unwrap();
+    assert!(c.batch_execute("CREATE TABLE intruder (x int)").is_err());
+    db.client()
+        .batch_execute(&format!(
+            "REVOKE ALL ON ALL TABLES IN SCHEMA public FROM {role};
+             REVOKE ALL ON ALL SEQUENCES IN SCHEMA public FROM {role};
+             REVOKE ALL ON SCHEMA public FROM {role};"
+        ))
+        .unwrap();
+    drop(c);
+    db.admin(&format!("DROP OWNED BY {role}; DROP ROLE {role}"));
+}
