@@ -111,8 +111,11 @@ impl Processor {
         let xid: i64 = row.get(0);
         self.reached_database = true;
         if delivery.delivery_count > 1 && delivery.failures.is_empty() {
-            let started = count_start(&shared, delivery).ok_or_else(stopped)?;
-            delivery.delivery_count = delivery.delivery_count.min(started.saturating_add(1));
+            if !delivery.start_counted {
+                let started = count_start(&shared, delivery).ok_or_else(stopped)?;
+                delivery.delivery_count = delivery.delivery_count.min(started.saturating_add(1));
+                delivery.start_counted = true;
+            }
             if delivery.prior_attempts() >= shared.config.max_attempts {
                 return Ok(Applied::CrashLoop);
             }

@@ -52,6 +52,9 @@ pub(crate) struct Delivery {
     /// Connections lost while this event ran and other events committed:
     /// an event that kills its database session is a crash loop too.
     pub strikes: u32,
+    /// Whether this delivery's start was counted already (an attempt that
+    /// waits out an outage and runs again is still one start).
+    pub start_counted: bool,
     /// Its place in the in-flight set, released when the delivery is
     /// dropped.
     pub ticket: Option<Ticket>,

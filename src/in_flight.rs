@@ -108,6 +108,14 @@ impl InFlight {
         }
     }
 
+    /// Whether this process holds each of `ids` of `stream`.
+    pub fn holds<'a>(&self, stream: &str, ids: impl IntoIterator<Item = &'a str>) -> Vec<bool> {
+        let state = self.inner.lock();
+        ids.into_iter()
+            .map(|id| state.entries.contains_key(&key(stream, id)))
+            .collect()
+    }
+
     /// Entries held now, parked ones included (reservations not counted).
     pub fn len(&self) -> usize {
         self.inner.lock().entries.len()

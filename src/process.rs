@@ -390,7 +390,14 @@ impl Processor {
                     if let Some(mut conn) = self.pg.take() {
                         conn.discard();
                     }
-                    self.shared.health.down(Server::Postgres, &e);
+                    let from_redis = std::error::Error::source(&e)
+                        .is_some_and(|cause| cause.is::<redis::RedisError>());
+                    let server = if from_redis {
+                        Server::Redis
+                    } else {
+                        Server::Postgres
+                    };
+                    self.shared.health.down(server, &e);
                     let commits = self
                         .shared
                         .stats

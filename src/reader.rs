@@ -32,7 +32,8 @@ use crate::streams;
 
 /// Where the reader is in its stream.
 enum Position {
-    /// Re-reading this consumer's pending entries after the given id.
+    /// Re-reading this consumer's pending entries after the given id (`-`
+    /// for the start).
     Pending(String),
     /// Reading new entries.
     New,
@@ -44,7 +45,7 @@ pub(crate) fn reader_thread(shared: &Shared, index: usize, jobs: &Sender<Job>) {
     let config = &shared.config;
     let read_timeout = config.block + Duration::from_secs(5);
     let mut conn: Option<RedisConn> = None;
-    let mut position = Position::Pending("0".into());
+    let mut position = Position::Pending("-".into());
     // The newest entry id this reader saw, where a `$` group is created
     // again.
     let mut last_seen: Option<String> = None;
@@ -65,63 +66,51 @@ pub(crate) fn reader_thread(shared: &Shared, index: usize, jobs: &Sender<Job>) {
         let Some(room) = shared.in_flight.reserve(config.count, &shared.shutdown) else {
             break;
         };
-        let sent_at = Instant::now();
-        let read = read(shared, c, &stream, &position, room.places()).and_then(|entries| {
-            let counts = match (&position, entries.first(), entries.last()) {
-                // This consumer's own pending entries from `first` to
-                // `last` are exactly the ones just re-read.
-                (Position::Pending(_), Some(first), Some(last)) => Some(streams::delivery_counts(
-                    c,
-                    &stream,
-                    &config.group,
-                    &config.consumer,
-                    &first.id,
-                    &last.id,
-                    entries.len(),
-                )?),
-                _ => None,
-            };
-            Ok((entries, counts))
-        });
+        let read = match &position {
+            // This consumer's own pending entries (after a start or a
+            // reconnect), but not those this process holds already.
+            Position::Pending(after) => crate::reclaim::take(shared, c, &stream, 0, after, room)
+                .map(|taken| {
+                    position = match taken.last {
+                        Some(last) => Position::Pending(last),
+                        None => Position::New,
+                    };
+                    (taken.job, false)
+                }),
+            Position::New => {
+                let sent_at = Instant::now();
+                read_new(shared, c, &stream, room.places()).map(|entries| {
+                    let idle = entries.is_empty();
+                    if let Some(last) = entries.last() {
+                        if last_seen.as_deref().is_none_or(|l| newer(&last.id, l)) {
+                            last_seen = Some(last.id.clone());
+                        }
+                    }
+                    let tickets = room.admit(
+                        &stream,
+                        entries.iter().map(|e| (e.id.as_str(), Some(1), e.bytes())),
+                    );
+                    let job = deliveries(shared, &stream, entries, tickets, sent_at, |_| 1);
+                    (job, idle)
+                })
+            }
+        };
         match read {
-            Ok((entries, counts)) => {
+            Ok((job, idle)) => {
                 if failures > 0 {
                     shared.health.up(Server::Redis);
                     failures = 0;
                 }
-                if let Some(last) = entries.last() {
-                    if last_seen.as_deref().is_none_or(|l| newer(&last.id, l)) {
-                        last_seen = Some(last.id.clone());
-                    }
-                }
-                if let Position::Pending(after) = &mut position {
-                    match entries.last() {
-                        Some(last) => *after = last.id.clone(),
-                        None => position = Position::New,
-                    }
-                }
-                let idle = entries.is_empty() && matches!(position, Position::New);
-                let count = |id: &str| {
-                    counts
-                        .as_ref()
-                        .and_then(|c| c.get(id).copied())
-                        .unwrap_or(1)
-                };
-                let tickets = room.admit(
-                    &stream,
-                    entries
-                        .iter()
-                        .map(|e| (e.id.as_str(), Some(count(&e.id)), e.bytes())),
-                );
-                let job = deliveries(shared, &stream, entries, tickets, sent_at, count);
                 if !job.is_empty() && jobs.send(job).is_err() {
                     break;
                 }
                 shared.reader_idle[index].store(idle, Ordering::SeqCst);
             }
             Err(e) => {
-                drop(room);
                 shared.reader_idle[index].store(false, Ordering::SeqCst);
+                // Whatever went wrong, what this consumer may have been given
+                // is pending for it: re-read that first.
+                position = Position::Pending("-".into());
                 if streams::is_nogroup(&e) {
                     let start = match (config.start_id.as_str(), &last_seen) {
                         ("$", Some(last)) => last.clone(),
@@ -135,48 +124,36 @@ pub(crate) fn reader_thread(shared: &Shared, index: usize, jobs: &Sender<Job>) {
                         log::error!("{stream}: cannot create group {}: {e}", config.group);
                         shared.shutdown.sleep(Duration::from_secs(1));
                     }
-                    position = Position::Pending("0".into());
-                } else if crate::error::redis_is_outage(&e) {
-                    shared.health.down(Server::Redis, &e);
-                    conn = None;
-                    position = Position::Pending("0".into());
-                    failures += 1;
-                    shared.shutdown.sleep(shared.outage_backoff(failures));
-                } else {
-                    log::error!("{stream}: XREADGROUP failed: {e}");
-                    conn = None;
-                    // The reply may have carried entries we never saw: they
-                    // are pending for us, so re-read them first.
-                    position = Position::Pending("0".into());
-                    failures += 1;
-                    shared.shutdown.sleep(shared.outage_backoff(failures));
+                    continue;
                 }
+                if crate::error::redis_is_outage(&e) {
+                    shared.health.down(Server::Redis, &e);
+                } else {
+                    log::error!("{stream}: reading failed: {e}");
+                }
+                conn = None;
+                failures += 1;
+                shared.shutdown.sleep(shared.outage_backoff(failures));
             }
         }
     }
     log::debug!("{stream}: reader stopped");
 }
 
-/// One read at `position`: pending entries, or new ones without blocking
-/// (both cut down to the size limit in Redis), or, when there are none,
-/// one new entry blocking up to BLOCK (which arrives whole, once, and is
-/// cut down as it is parsed).
-fn read(
+/// New entries: without blocking (cut down to the size limit in Redis), or,
+/// when there are none, one entry blocking up to BLOCK (which arrives
+/// whole, once, and is cut down as it is parsed).
+fn read_new(
     shared: &Shared,
     c: &mut RedisConn,
     stream: &str,
-    position: &Position,
     room: usize,
 ) -> redis::RedisResult<Vec<RawEntry>> {
     let config = &shared.config;
-    let from = match position {
-        Position::Pending(after) => after.as_str(),
-        Position::New => ">",
-    };
     let max = shared.limits.max_entry_bytes;
     let entries =
-        streams::read_group_bounded(c, stream, &config.group, &config.consumer, room, from, max)?;
-    if !entries.is_empty() || matches!(position, Position::Pending(_)) {
+        streams::read_group_bounded(c, stream, &config.group, &config.consumer, room, ">", max)?;
+    if !entries.is_empty() {
         return Ok(entries);
     }
     let block = config.block.as_millis() as u64;
@@ -241,6 +218,7 @@ pub(crate) fn deliveries(
             held_since: sent_at,
             failures: Vec::new(),
             strikes: 0,
+            start_counted: false,
             ticket: Some(ticket),
         });
     }

@@ -1,17 +1,23 @@
 //! The reclaimer thread: takes over entries that other consumers left pending.
 //!
-//! Every `reclaim_interval` it runs XAUTOCLAIM on each stream with
-//! `reclaim_min_idle`: entries unacknowledged for that long belong to a
-//! consumer that died (or hangs). Claimed entries take the normal path through
-//! the worker pool with their own delivery counts (looked up one by one), so
-//! an entry that kills every consumer still ends as a `crash_loop` dead
-//! letter. Entries deleted from the stream while pending (Redis 7 drops them
-//! from the pending list and reports them) become `trimmed` dead letters.
+//! Every `reclaim_interval` it lists, with XPENDING, the entries of each
+//! stream idle for `reclaim_min_idle` (they belong to a consumer that died,
+//! or hangs), leaves out those this process holds itself, and claims the
+//! rest with XCLAIM, which checks the idle time again, atomically. Claimed
+//! entries take the normal path through the worker pool with their own
+//! delivery counts, so an entry that kills every consumer still ends as a
+//! `crash_loop` dead letter. Entries deleted from the stream while pending
+//! become `trimmed` dead letters.
 //!
 //! If the original owner was only slow, it finds out before it commits (an
 //! entry held for over a second is checked with Redis first) and stops
 //! working on it; and if both still run the event, only one effect commits:
 //! the `processed_events` key decides.
+//!
+//! The same [`take`] re-reads this consumer's own pending entries when a
+//! reader starts or reconnects: listing them first changes nothing in Redis
+//! for the ones this process still holds (their holders' ownership checks
+//! stay valid), which XREADGROUP of the history would not.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -20,6 +26,7 @@ use crossbeam_channel::Sender;
 
 use crate::delivery::{Delivery, Job};
 use crate::event::Invalid;
+use crate::in_flight::Reservation;
 use crate::reader::{deliveries, TRIMMED};
 use crate::redis_conn::RedisConn;
 use crate::run::Shared;
@@ -34,51 +41,11 @@ pub(crate) fn reclaim_thread(shared: &Shared, jobs: &Sender<Job>) {
                 if crate::error::redis_is_outage(&e) {
                     shared.health.down(Server::Redis, &e);
                 } else if !streams::is_nogroup(&e) {
-                    log::error!("{stream}: XAUTOCLAIM failed: {e}");
+                    log::error!("{stream}: reclaiming failed: {e}");
                 }
             }
         }
     }
-}
-
-/// One XAUTOCLAIM call with the delivery count of every entry claimed.
-pub(crate) struct Claim {
-    pub claimed: streams::Claimed,
-    pub counts: Vec<u64>,
-}
-
-/// Claims up to `count` entries of `stream` idle for `min_idle_ms`, from
-/// `cursor` (cut down to `max_entry_bytes` in Redis), and looks up each
-/// one's delivery count.
-#[allow(clippy::too_many_arguments)] // the command's own arguments
-pub(crate) fn claim(
-    conn: &mut RedisConn,
-    stream: &str,
-    group: &str,
-    consumer: &str,
-    min_idle_ms: u64,
-    cursor: &str,
-    count: usize,
-    max_entry_bytes: usize,
-) -> redis::RedisResult<Claim> {
-    let claimed = streams::autoclaim(
-        conn,
-        stream,
-        group,
-        consumer,
-        min_idle_ms,
-        cursor,
-        count,
-        max_entry_bytes,
-    )?;
-    let ids: Vec<&str> = claimed.entries.iter().map(|e| e.id.as_str()).collect();
-    let counts = streams::owners(conn, stream, group, &ids)?
-        .into_iter()
-        // Not pending any more (acked meanwhile): it is dropped later, by
-        // the ownership checks, whatever count it carries.
-        .map(|owner| owner.map_or(1, |(_, count)| count))
-        .collect();
-    Ok(Claim { claimed, counts })
 }
 
 /// Claims every idle entry of one stream, in batches that fit the in-flight
@@ -90,166 +57,133 @@ fn reclaim_stream(
 ) -> redis::RedisResult<()> {
     let config = &shared.config;
     let mut conn = shared.redis_conn()?;
-    let mut cursor = "0-0".to_string();
+    let min_idle = config.reclaim_min_idle.as_millis() as u64;
+    let mut after = "-".to_string();
     loop {
         let Some(room) = shared.in_flight.reserve(config.count, &shared.shutdown) else {
             return Ok(());
         };
-        let sent_at = Instant::now();
-        let Claim { claimed, counts } = claim(
-            &mut conn,
-            stream,
-            &config.group,
-            &config.consumer,
-            config.reclaim_min_idle.as_millis() as u64,
-            &cursor,
-            room.places(),
-            shared.limits.max_entry_bytes,
-        )?;
-        let ids = claimed
-            .entries
-            .iter()
-            .zip(&counts)
-            .map(|(e, n)| (e.id.as_str(), Some(*n), e.bytes()))
-            .chain(claimed.deleted.iter().map(|id| (id.as_str(), None, 0)));
-        let mut tickets = room.admit(stream, ids);
-        let deleted_tickets = tickets.split_off(claimed.entries.len());
-        let n = tickets.iter().filter(|t| t.is_some()).count();
-        if n > 0 {
+        let taken = take(shared, &mut conn, stream, min_idle, &after, room)?;
+        if taken.claimed > 0 {
             log::info!(
-                "{stream}: reclaimed {n} entries idle for over {:?}",
+                "{stream}: reclaimed {} entries idle for over {:?}",
+                taken.claimed,
                 config.reclaim_min_idle
             );
-            Stats::add(&shared.stats.reclaimed, n as u64);
+            Stats::add(&shared.stats.reclaimed, taken.claimed as u64);
         }
-        let counts: std::collections::HashMap<String, u64> = claimed
-            .entries
-            .iter()
-            .map(|e| e.id.clone())
-            .zip(counts.iter().copied())
-            .collect();
-        let mut job = deliveries(shared, stream, claimed.entries, tickets, sent_at, |id| {
-            counts.get(id).copied().unwrap_or(1)
-        });
-        job.extend(trimmed(stream, claimed.deleted, deleted_tickets, sent_at));
-        if !job.is_empty() && jobs.send(job).is_err() {
+        if !taken.job.is_empty() && jobs.send(taken.job).is_err() {
             return Ok(());
         }
         shared.health.up(Server::Redis);
-        if claimed.next == "0-0" || shared.shutdown.is_shutdown() {
-            return Ok(());
+        match taken.last {
+            Some(last) if !shared.shutdown.is_shutdown() => after = last,
+            _ => return Ok(()),
         }
-        cursor = claimed.next;
     }
 }
 
-/// Deliveries for entries XAUTOCLAIM reported deleted (and dropped from the
-/// pending list): `trimmed` dead letters with nothing but their ids. One
-/// this process still holds is left to its holder, which knows more.
+/// What one [`take`] found.
+pub(crate) struct Taken {
+    /// The deliveries to process.
+    pub job: Job,
+    /// How many entries were claimed (not counting trimmed ones).
+    pub claimed: usize,
+    /// The last pending id listed, to go on after; `None` when the list was
+    /// shorter than the room (nothing more to list).
+    pub last: Option<String>,
+}
+
+/// Lists up to `room` pending entries after `after` that have been idle for
+/// `min_idle_ms` (of this consumer only, when `min_idle_ms` is 0: a re-read
+/// of its own), claims those this process does not hold, and turns them into
+/// deliveries: entries cut down to the size limit, and `trimmed` deliveries
+/// for entries deleted from the stream meanwhile.
+pub(crate) fn take(
+    shared: &Shared,
+    conn: &mut RedisConn,
+    stream: &Arc<str>,
+    min_idle_ms: u64,
+    after: &str,
+    room: Reservation,
+) -> redis::RedisResult<Taken> {
+    let config = &shared.config;
+    let own = (min_idle_ms == 0).then_some(config.consumer.as_str());
+    let places = room.places();
+    let sent_at = Instant::now();
+    let rows = streams::pending_rows(conn, stream, &config.group, min_idle_ms, after, places, own)?;
+    let last = (rows.len() == places)
+        .then(|| rows.last().map(|r| r.id.clone()))
+        .flatten();
+    let held = shared
+        .in_flight
+        .holds(stream, rows.iter().map(|r| r.id.as_str()));
+    let free: Vec<streams::PendingRow> = rows
+        .into_iter()
+        .zip(held)
+        .filter_map(|(row, held)| (!held).then_some(row))
+        .collect();
+    let claimed = streams::claim(
+        conn,
+        stream,
+        &config.group,
+        &config.consumer,
+        min_idle_ms,
+        &free,
+        shared.limits.max_entry_bytes,
+    )?;
+    let (entries, counts): (Vec<_>, Vec<u64>) = claimed.entries.into_iter().unzip();
+    let admitted = entries
+        .iter()
+        .zip(&counts)
+        .map(|(e, n)| (e.id.as_str(), Some(*n), e.bytes()))
+        .chain(
+            claimed
+                .deleted
+                .iter()
+                .map(|(id, fence)| (id.as_str(), *fence, 0)),
+        );
+    let mut tickets = room.admit(stream, admitted);
+    let deleted_tickets = tickets.split_off(entries.len());
+    let n = tickets.iter().filter(|t| t.is_some()).count();
+    let counts: std::collections::HashMap<String, u64> =
+        entries.iter().map(|e| e.id.clone()).zip(counts).collect();
+    let mut job = deliveries(shared, stream, entries, tickets, sent_at, |id| {
+        counts.get(id).copied().unwrap_or(1)
+    });
+    job.extend(trimmed(stream, claimed.deleted, deleted_tickets, sent_at));
+    Ok(Taken {
+        job,
+        claimed: n,
+        last,
+    })
+}
+
+/// Deliveries for entries deleted from the stream while pending: `trimmed`
+/// dead letters with nothing but their ids (what was known). One this
+/// process still holds is left to its holder, which knows more.
 fn trimmed(
     stream: &Arc<str>,
-    ids: Vec<String>,
+    ids: Vec<(String, Option<u64>)>,
     tickets: Vec<Option<crate::in_flight::Ticket>>,
     sent_at: Instant,
 ) -> impl Iterator<Item = Delivery> + '_ {
     ids.into_iter()
         .zip(tickets)
-        .filter_map(move |(entry_id, ticket)| {
+        .filter_map(move |((entry_id, fence), ticket)| {
             let ticket = ticket?;
             Some(Delivery {
                 stream: stream.clone(),
                 entry_id,
                 body: Err((Vec::new(), Invalid(TRIMMED.into()))),
                 delivery_count: 1,
-                token: None,
+                token: fence,
                 trimmed: true,
                 held_since: sent_at,
                 failures: Vec::new(),
                 strikes: 0,
+                start_counted: false,
                 ticket: Some(ticket),
             })
         })
-}
-
-#[cfg(test)]
-mod tests {
-    //! Against the Redis at `TASKHUB_TEST_REDIS_URL` (default
-    //! `redis://127.0.0.1:6379`), like the integration tests.
-
-    use super::*;
-
-    fn conn() -> RedisConn {
-        let url = std::env::var("TASKHUB_TEST_REDIS_URL")
-            .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-        crate::redis_conn::connect(&url).expect("the test Redis answers")
-    }
-
-    fn cmd(conn: &mut RedisConn, args: &[&str]) -> redis::Value {
-        let mut c = redis::cmd(args[0]);
-        for a in &args[1..] {
-            c.arg(*a);
-        }
-        c.query(conn).unwrap()
-    }
-
-    #[test]
-    fn claimed_entries_get_their_own_delivery_counts() {
-        // The claimer's own pending entries sit between the claimed ones.
-        // One `XPENDING first last n claimer` over the claimed range returned
-        // them too, so the last claimed ids fell off and counted 1: they ran
-        // batched, with a fresh attempt budget, past the crash-loop check.
-        let mut c = conn();
-        let stream = format!("reclaim-counts-{}", uuid::Uuid::new_v4());
-        cmd(&mut c, &["XGROUP", "CREATE", &stream, "g", "0", "MKSTREAM"]);
-        let add = |c: &mut RedisConn| -> String {
-            redis::cmd("XADD")
-                .arg(&stream)
-                .arg("*")
-                .arg("event_id")
-                .arg("e")
-                .query(c)
-                .unwrap()
-        };
-        let dead = add(&mut c);
-        let own: Vec<String> = (0..3).map(|_| add(&mut c)).collect();
-        let dead_too = add(&mut c);
-        for (consumer, n) in [("dead", "1"), ("claimer", "3"), ("dead", "1")] {
-            cmd(
-                &mut c,
-                &[
-                    "XREADGROUP",
-                    "GROUP",
-                    "g",
-                    consumer,
-                    "COUNT",
-                    n,
-                    "STREAMS",
-                    &stream,
-                    ">",
-                ],
-            );
-        }
-        // The dead consumer's entries were delivered several times.
-        for _ in 0..4 {
-            cmd(
-                &mut c,
-                &["XCLAIM", &stream, "g", "dead", "0", &dead, &dead_too],
-            );
-        }
-        std::thread::sleep(std::time::Duration::from_millis(30));
-        // Only the dead consumer's entries are idle enough.
-        cmd(
-            &mut c,
-            &[
-                "XCLAIM", &stream, "g", "claimer", "0", &own[0], &own[1], &own[2], "JUSTID",
-            ],
-        );
-        let Claim { claimed, counts } =
-            claim(&mut c, &stream, "g", "claimer", 20, "0-0", 10, 1 << 20).unwrap();
-        let ids: Vec<&str> = claimed.entries.iter().map(|e| e.id.as_str()).collect();
-        assert_eq!(ids, [dead.as_str(), dead_too.as_str()]);
-        // 1 read + 4 XCLAIMs + this claim.
-        assert_eq!(counts, [6, 6]);
-        cmd(&mut c, &["DEL", &stream]);
-    }
 }

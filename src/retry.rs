@@ -220,6 +220,7 @@ fn hand_back(shared: &Shared, jobs: &Sender<Job>, mut retry: Retry, owned: Owned
         held_since: at,
         failures: retry.failures,
         strikes: retry.strikes,
+        start_counted: false,
         ticket: retry.ticket,
     }];
     let mut job = job;

@@ -8,8 +8,6 @@
 //! arrive. Only the blocking read a reader makes when its stream is idle
 //! (one entry at most) can bring one entry whole; it is cut down at once.
 
-use std::collections::HashMap;
-
 use redis::RedisResult;
 
 use crate::redis_conn::RedisConn;
@@ -158,62 +156,6 @@ pub(crate) fn read_group(
         .unwrap_or_default())
 }
 
-/// Delivery counts of pending entries between `first` and `last`, owned by
-/// `consumer`.
-pub(crate) fn delivery_counts(
-    conn: &mut RedisConn,
-    stream: &str,
-    group: &str,
-    consumer: &str,
-    first: &str,
-    last: &str,
-    count: usize,
-) -> RedisResult<HashMap<String, u64>> {
-    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-        .arg(stream)
-        .arg(group)
-        .arg(first)
-        .arg(last)
-        .arg(count)
-        .arg(consumer)
-        .query(conn)?;
-    Ok(rows
-        .into_iter()
-        .map(|(id, _, _, times)| (id, times))
-        .collect())
-}
-
-/// Who holds each of `ids` (consumer, delivery count), looked up one by one
-/// in one pipelined round trip; `None` for an id that is not pending. (One
-/// `XPENDING first last n consumer` over the ids' range would also return
-/// the consumer's other pending entries in between, and push some of these
-/// out of its `n` rows.)
-pub(crate) fn owners(
-    conn: &mut RedisConn,
-    stream: &str,
-    group: &str,
-    ids: &[&str],
-) -> RedisResult<Vec<Option<(String, u64)>>> {
-    let mut pipe = conn.pipe();
-    for id in ids {
-        pipe.cmd("XPENDING")
-            .arg(stream)
-            .arg(group)
-            .arg(*id)
-            .arg(*id)
-            .arg(1);
-    }
-    let replies: Vec<Vec<(String, String, u64, u64)>> = pipe.query(conn)?;
-    Ok(replies
-        .into_iter()
-        .map(|rows| {
-            rows.into_iter()
-                .next()
-                .map(|(_, consumer, _, count)| (consumer, count))
-        })
-        .collect())
-}
-
 /// Whether an entry is still this consumer's, refreshed if so.
 #[derive(Debug)]
 pub(crate) enum Owned {
@@ -302,70 +244,146 @@ pub(crate) fn pending_count(conn: &mut RedisConn, stream: &str, group: &str) -> 
     }
 }
 
-/// The result of one XAUTOCLAIM call.
-pub(crate) struct Claimed {
-    pub next: String,
-    pub entries: Vec<RawEntry>,
-    pub deleted: Vec<String>,
+/// One row of XPENDING's extended form.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PendingRow {
+    pub id: String,
+    pub consumer: String,
+    pub idle_ms: u64,
+    pub count: u64,
 }
 
-/// XAUTOCLAIM, its entries cut down by [`BOUND`]. ARGV[4..]: group,
-/// consumer, min idle, start, count.
-const AUTOCLAIM_BOUNDED: &str = r"
-local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[4], ARGV[5], ARGV[6], ARGV[7],
-    'COUNT', ARGV[8])
-r[2] = bound(r[2])
-return r
+/// Up to `count` pending entries of the group after `after` (exclusive;
+/// `-` for the start), idle for at least `min_idle_ms`, of `consumer` only
+/// when given. XPENDING changes nothing: no count is raised, no idle time
+/// reset.
+pub(crate) fn pending_rows(
+    conn: &mut RedisConn,
+    stream: &str,
+    group: &str,
+    min_idle_ms: u64,
+    after: &str,
+    count: usize,
+    consumer: Option<&str>,
+) -> RedisResult<Vec<PendingRow>> {
+    let start = if after == "-" {
+        "-".to_owned()
+    } else {
+        format!("({after}")
+    };
+    let mut cmd = redis::cmd("XPENDING");
+    cmd.arg(stream)
+        .arg(group)
+        .arg("IDLE")
+        .arg(min_idle_ms)
+        .arg(start)
+        .arg("+")
+        .arg(count);
+    if let Some(consumer) = consumer {
+        cmd.arg(consumer);
+    }
+    let rows: Vec<(String, String, u64, u64)> = cmd.query(conn)?;
+    Ok(rows
+        .into_iter()
+        .map(|(id, consumer, idle_ms, count)| PendingRow {
+            id,
+            consumer,
+            idle_ms,
+            count,
+        })
+        .collect())
+}
+
+/// What one [`claim`] took.
+#[derive(Debug, Default)]
+pub(crate) struct Claimed {
+    /// Entries now this consumer's, cut down by [`BOUND`], each with its
+    /// delivery count.
+    pub entries: Vec<(RawEntry, u64)>,
+    /// Entries deleted from the stream while pending (and still idle):
+    /// (id, the delivery count to fence their dead letter with, when this
+    /// consumer owns them; `None` for another consumer's).
+    pub deleted: Vec<(String, Option<u64>)>,
+}
+
+/// Claims the given pending entries for ARGV[5] if they are still idle for
+/// ARGV[6] ms, cut down by [`BOUND`]; reports those deleted from the stream
+/// (XCLAIM would silently drop them from the pending list, so they are
+/// left pending: their `trimmed` dead letter acks them). ARGV[4..]: group,
+/// consumer, min idle, then the ids. Returns `{entries, deleted ids}`.
+const CLAIM: &str = r"
+local claimed, deleted = {}, {}
+for i = 7, #ARGV do
+    local id = ARGV[i]
+    if #redis.call('XRANGE', KEYS[1], id, id) == 0 then
+        local p = redis.call('XPENDING', KEYS[1], ARGV[4], 'IDLE', ARGV[6], id, id, 1)
+        if #p > 0 then deleted[#deleted + 1] = id end
+    else
+        local c = redis.call('XCLAIM', KEYS[1], ARGV[4], ARGV[5], ARGV[6], id)
+        if #c > 0 then claimed[#claimed + 1] = c[1] end
+    end
+end
+return {bound(claimed), deleted}
 ";
 
-/// XAUTOCLAIM: takes over up to `count` entries idle for at least
-/// `min_idle_ms`, scanning from `start`; entries over `max_entry_bytes` cut
-/// down in Redis.
+/// Claims `rows` (found by [`pending_rows`]) for `consumer` if each is still
+/// idle for `min_idle_ms` (0: this consumer's own, re-read after a restart),
+/// entries over `max_entry_bytes` cut down in Redis. A claim raises an
+/// entry's delivery count by one, so each count is known without asking.
+/// Entries that someone touched since `rows` was read are not taken.
 #[allow(clippy::too_many_arguments)] // the command's own arguments
-pub(crate) fn autoclaim(
+pub(crate) fn claim(
     conn: &mut RedisConn,
     stream: &str,
     group: &str,
     consumer: &str,
     min_idle_ms: u64,
-    start: &str,
-    count: usize,
+    rows: &[PendingRow],
     max_entry_bytes: usize,
 ) -> RedisResult<Claimed> {
-    let mut cmd = bounded(AUTOCLAIM_BOUNDED, stream, max_entry_bytes);
-    cmd.arg(group)
-        .arg(consumer)
-        .arg(min_idle_ms)
-        .arg(start)
-        .arg(count);
+    if rows.is_empty() {
+        return Ok(Claimed::default());
+    }
+    let mut cmd = bounded(CLAIM, stream, max_entry_bytes);
+    cmd.arg(group).arg(consumer).arg(min_idle_ms);
+    for row in rows {
+        cmd.arg(&row.id);
+    }
     let reply: redis::Value = cmd.query(conn)?;
     let redis::Value::Array(mut parts) = reply else {
-        return Err(protocol_error("XAUTOCLAIM reply is not an array".into()));
+        return Err(protocol_error("claim reply is not an array".into()));
     };
-    if parts.len() < 2 {
-        return Err(protocol_error("XAUTOCLAIM reply too short".into()));
+    if parts.len() != 2 {
+        return Err(protocol_error("claim reply has not two parts".into()));
     }
-    // Redis 7 adds a third element: ids deleted while pending.
-    let deleted = if parts.len() >= 3 {
-        match parts.remove(2) {
-            redis::Value::Array(ids) => ids
-                .into_iter()
-                .filter_map(crate::event::bytes)
-                .filter_map(|b| String::from_utf8(b).ok())
-                .collect(),
-            _ => Vec::new(),
-        }
-    } else {
-        Vec::new()
+    let deleted_ids: Vec<String> = match parts.pop() {
+        Some(redis::Value::Array(ids)) => ids
+            .into_iter()
+            .filter_map(crate::event::bytes)
+            .filter_map(|b| String::from_utf8(b).ok())
+            .collect(),
+        _ => Vec::new(),
     };
-    let entries = parse_entries(parts.remove(1)).map_err(protocol_error)?;
-    let next = crate::event::bytes(parts.remove(0))
-        .and_then(|b| String::from_utf8(b).ok())
-        .ok_or_else(|| protocol_error("XAUTOCLAIM cursor".into()))?;
+    let entries =
+        parse_entries(parts.pop().unwrap_or(redis::Value::Nil)).map_err(protocol_error)?;
+    let row_of = |id: &str| rows.iter().find(|r| r.id == id);
     Ok(Claimed {
-        next,
-        entries,
-        deleted,
+        entries: entries
+            .into_iter()
+            .map(|e| {
+                let count = row_of(&e.id).map_or(1, |r| r.count + 1);
+                (e, count)
+            })
+            .collect(),
+        deleted: deleted_ids
+            .into_iter()
+            .map(|id| {
+                let fence = row_of(&id)
+                    .filter(|r| r.consumer == consumer)
+                    .map(|r| r.count);
+                (id, fence)
+            })
+            .collect(),
     })
 }
 
@@ -384,4 +402,104 @@ pub(crate) fn ack(
         .arg(group)
         .arg(ids)
         .query(conn)
+}
+
+#[cfg(test)]
+mod tests {
+    //! Against the Redis at `TASKHUB_TEST_REDIS_URL` (default
+    //! `redis://127.0.0.1:6379`), like the integration tests.
+
+    use super::*;
+
+    fn conn() -> RedisConn {
+        let url = std::env::var("TASKHUB_TEST_REDIS_URL")
+            .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        crate::redis_conn::connect(&url).expect("the test Redis answers")
+    }
+
+    fn cmd(conn: &mut RedisConn, args: &[&str]) -> redis::Value {
+        let mut c = redis::cmd(args[0]);
+        for a in &args[1..] {
+            c.arg(*a);
+        }
+        c.query(conn).unwrap()
+    }
+
+    #[test]
+    fn claimed_entries_get_their_own_delivery_counts() {
+        // The claimer's own pending entries sit between the claimed ones.
+        // One `XPENDING first last n claimer` over the claimed range (as
+        // the reclaimer used to look counts up) returned them too, so the
+        // last claimed ids fell off and counted 1: they ran batched, with a
+        // fresh attempt budget, past the crash-loop check.
+        let mut c = conn();
+        let stream = format!("claim-counts-{}", uuid::Uuid::new_v4());
+        cmd(&mut c, &["XGROUP", "CREATE", &stream, "g", "0", "MKSTREAM"]);
+        let add = |c: &mut RedisConn| -> String {
+            redis::cmd("XADD")
+                .arg(&stream)
+                .arg("*")
+                .arg("event_id")
+                .arg("e")
+                .query(c)
+                .unwrap()
+        };
+        let dead = add(&mut c);
+        let own: Vec<String> = (0..3).map(|_| add(&mut c)).collect();
+        let dead_too = add(&mut c);
+        let gone = add(&mut c);
+        for (consumer, n) in [("dead", "1"), ("claimer", "3"), ("dead", "2")] {
+            cmd(
+                &mut c,
+                &[
+                    "XREADGROUP",
+                    "GROUP",
+                    "g",
+                    consumer,
+                    "COUNT",
+                    n,
+                    "STREAMS",
+                    &stream,
+                    ">",
+                ],
+            );
+        }
+        // The dead consumer's entries were delivered several times.
+        for _ in 0..4 {
+            cmd(
+                &mut c,
+                &["XCLAIM", &stream, "g", "dead", "0", &dead, &dead_too, &gone],
+            );
+        }
+        cmd(&mut c, &["XDEL", &stream, &gone]);
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        // Only the dead consumer's entries are idle enough.
+        let mut own_ids = vec!["XCLAIM", &stream, "g", "claimer", "0"];
+        own_ids.extend(own.iter().map(String::as_str));
+        own_ids.push("JUSTID");
+        cmd(&mut c, &own_ids);
+        let rows = pending_rows(&mut c, &stream, "g", 20, "-", 10, None).unwrap();
+        let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
+        assert_eq!(ids, [dead.as_str(), dead_too.as_str(), gone.as_str()]);
+        let claimed = claim(&mut c, &stream, "g", "claimer", 20, &rows, 1 << 20).unwrap();
+        let got: Vec<(&str, u64)> = claimed
+            .entries
+            .iter()
+            .map(|(e, n)| (e.id.as_str(), *n))
+            .collect();
+        // 1 read + 4 XCLAIMs + this claim.
+        assert_eq!(got, [(dead.as_str(), 6), (dead_too.as_str(), 6)]);
+        // The deleted one is reported (not the claimer's: no fence), and
+        // left pending for its dead letter to ack.
+        assert_eq!(claimed.deleted, [(gone.clone(), None)]);
+        let still = pending_rows(&mut c, &stream, "g", 0, "-", 10, Some("dead")).unwrap();
+        assert_eq!(still.len(), 1);
+        // Nothing of this consumer's own is touched by listing it.
+        let mine = pending_rows(&mut c, &stream, "g", 0, "-", 10, Some("claimer")).unwrap();
+        assert!(mine
+            .iter()
+            .filter(|r| own.contains(&r.id))
+            .all(|r| r.count == 1));
+        cmd(&mut c, &["DEL", &stream]);
+    }
 }

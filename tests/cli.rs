@@ -601,7 +601,9 @@ fn a_worker_role_with_only_row_grants_runs() {
              GRANT USAGE ON SEQUENCE notifications_id_seq TO {role};"
         ))
         .unwrap();
-    let worker_url = db.url.replacen("postgres://postgres", &format!("postgres://{role}"), 1);
+    let worker_url = db
+        .url
+        .replacen("postgres://postgres", &format!("postgres://{role}"), 1);
     assert_ne!(worker_url, db.url, "{}", db.url);
     let mut conn = redis(&redis_url());
     let stream = unique("roles");
@@ -629,7 +631,11 @@ fn a_worker_role_with_only_row_grants_runs() {
     // Migrations are the owner's job: this role cannot even create the
     // migrations table, and says so.
     assert_eq!(refused.code(), Some(1), "{}", refused.stderr);
-    assert!(refused.stderr.contains("permission denied"), "{}", refused.stderr);
+    assert!(
+        refused.stderr.contains("permission denied"),
+        "{}",
+        refused.stderr
+    );
     let mut c = postgres::Client::connect(&worker_url, postgres::NoTls).unwrap();
     assert!(c.batch_execute("CREATE TABLE intruder (x int)").is_err());
     db.client()
