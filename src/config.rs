@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::error::Error;
 use crate::handler::Handler;
 use crate::redact::redact;
-use crate::run::Worker;
+use crate::worker::Worker;
 
 /// The validated settings of a [`Worker`]. Build one with [`Worker::builder`].
 #[derive(Clone)]
@@ -346,7 +346,7 @@ impl Builder {
     /// Serves `/metrics`, `/healthz`, `/readyz` and `/dlq` on this address
     /// (`9090` or `:9090` mean `127.0.0.1:9090`). Defaults to off.
     pub fn http(mut self, addr: &str) -> Builder {
-        self.config.http = Some(crate::http_server::bind_address(addr));
+        self.config.http = Some(crate::http::server::bind_address(addr));
         self
     }
 

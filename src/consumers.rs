@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use crate::error::{Error, ErrorKind};
-use crate::redis_conn;
+use crate::redis::connect as connect_redis;
 
 /// One consumer of a group, as `XINFO CONSUMERS` reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,7 +25,7 @@ fn redis_error(what: String, e: redis::RedisError) -> Error {
 
 /// The consumers of `group` on `stream`.
 pub fn consumers(redis_url: &str, stream: &str, group: &str) -> Result<Vec<ConsumerInfo>, Error> {
-    let mut conn = redis_conn::connect(redis_url)?;
+    let mut conn = connect_redis(redis_url)?;
     let rows: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
         .arg("CONSUMERS")
         .arg(stream)
@@ -70,7 +70,7 @@ pub fn remove_consumer(
     group: &str,
     consumer: &str,
 ) -> Result<(), Error> {
-    let mut conn = redis_conn::connect(redis_url)?;
+    let mut conn = connect_redis(redis_url)?;
     redis::cmd("EVAL")
         .arg(REMOVE_IF_IDLE)
         .arg(1)

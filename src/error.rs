@@ -296,7 +296,7 @@ pub(crate) fn redis_is_outage(err: &redis::RedisError) -> bool {
         )
         // A cluster's slot moved (failover, resharding): sent again on a
         // connection with a fresh slot map.
-        || crate::redis_conn::is_redirection(err)
+        || crate::redis::is_redirection(err)
 }
 
 impl From<postgres::Error> for HandlerError {

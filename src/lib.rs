@@ -55,61 +55,41 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
-mod ack;
-mod alert;
-mod apply;
 mod backoff;
 mod config;
-mod connect;
 mod consumers;
-mod dead_letter;
-mod delivery;
 pub mod dlq;
-mod dlq_page;
 mod error;
 mod event;
 mod fault;
 mod handler;
-mod http_access;
-mod http_handler;
-mod http_server;
-mod http_wire;
-mod in_flight;
-mod keys;
-mod migrate;
-mod pool;
-mod process;
+mod http;
+mod postgres;
 mod produce;
-mod reader;
-mod reclaim;
 mod redact;
-mod redis_conn;
-mod retry;
-mod run;
+mod redis;
 mod shutdown;
-mod sql_handler;
-mod stats;
-mod streams;
+mod worker;
 
 pub use backoff::Backoff;
 pub use config::{default_consumer_name, Builder, Config, Mode};
 pub use consumers::{consumers, remove_consumer, ConsumerInfo};
-pub use dead_letter::{dead_letter_stream, DeadLetter, Kind as DeadLetterKind};
-pub use delivery::Attempt;
 pub use error::{
     classify_postgres, classify_sqlstate, Error, ErrorKind, FailureClass, HandlerError,
 };
 pub use event::{Event, Fields, Invalid};
+pub use handler::http::HttpHandler;
+pub use handler::sql::{SqlHandler, DEFAULT_STATEMENT};
 pub use handler::{handler_fn, FnHandler, Handler, Tx};
-pub use http_handler::HttpHandler;
-pub use migrate::migrate;
+pub use postgres::migrate::migrate;
 pub use produce::Producer;
 pub use redact::redact;
-pub use redis_conn::{Pipe, RedisConn};
-pub use run::Worker;
+pub use redis::{Pipe, RedisConn};
 pub use shutdown::Shutdown;
-pub use sql_handler::{SqlHandler, DEFAULT_STATEMENT};
-pub use stats::Summary;
+pub use worker::dead_letter::{dead_letter_stream, DeadLetter, Kind as DeadLetterKind};
+pub use worker::delivery::Attempt;
+pub use worker::stats::Summary;
+pub use worker::Worker;
 
 // The README's code blocks are compiled as doc tests.
 #[cfg(doctest)]

@@ -1,9 +1,9 @@
 //! Adding events to a stream: what `taskhub produce` does, and a helper for
 //! programs and tests that publish events.
 
-use crate::connect::REDIS_COMMAND_TIMEOUT;
 use crate::error::{Error, ErrorKind};
-use crate::redis_conn::{RedisClient, RedisConn};
+use crate::postgres::connect::REDIS_COMMAND_TIMEOUT;
+use crate::redis::{RedisClient, RedisConn};
 
 /// Publishes events to one stream. A send that fails returns the error (the
 /// caller decides whether to try again); the next send reconnects if the
@@ -20,7 +20,7 @@ impl Producer {
         let client = RedisClient::open(redis_url)?;
         let conn = client
             .connect(REDIS_COMMAND_TIMEOUT)
-            .map_err(|e| crate::connect::redis_unreachable(redis_url, e))?;
+            .map_err(|e| crate::postgres::connect::redis_unreachable(redis_url, e))?;
         Ok(Producer {
             client,
             conn,

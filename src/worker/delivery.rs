@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::event::{Event, Fields, Invalid};
-use crate::in_flight::Ticket;
+use crate::worker::flow::Ticket;
 
 /// One failed attempt, kept for the dead-letter history.
 #[derive(Debug, Clone, PartialEq, Eq)]

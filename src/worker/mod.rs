@@ -18,16 +18,30 @@ use crossbeam_channel::{bounded, unbounded};
 
 use crate::backoff::Backoff;
 use crate::config::{Builder, Config};
-use crate::connect::{self, PgPool, RedisPool};
 use crate::error::{Error, ErrorKind};
 use crate::event::Limits;
 use crate::handler::Handler;
-use crate::in_flight::InFlight;
-use crate::keys::Namespace;
-use crate::redis_conn::RedisClient;
+use crate::http::{server as http_server, wire as http_wire};
+use crate::postgres::connect::{self, PgPool, RedisPool};
+use crate::redis::keys::Namespace;
+use crate::redis::streams;
+use crate::redis::RedisClient;
 use crate::shutdown::Shutdown;
-use crate::stats::{Health, Stats, Summary};
-use crate::{alert, dead_letter, http_server, http_wire, pool, reader, reclaim, retry, streams};
+use crate::worker::flow::InFlight;
+use crate::worker::stats::{Health, Stats, Summary};
+
+pub(crate) mod ack;
+pub(crate) mod alert;
+pub(crate) mod apply;
+pub(crate) mod dead_letter;
+pub(crate) mod delivery;
+pub(crate) mod flow;
+pub(crate) mod pool;
+pub(crate) mod process;
+pub(crate) mod read;
+pub(crate) mod reclaim;
+pub(crate) mod retry;
+pub(crate) mod stats;
 
 /// A configured worker: reads its streams and applies each event exactly once
 /// until its [`Shutdown`] fires.
@@ -126,7 +140,7 @@ impl Worker {
         let config = self.config;
         let redis_client = RedisClient::open(&config.redis_url)?;
         if redis_client.is_cluster() {
-            crate::redis_conn::check_slots(&config.streams)?;
+            crate::redis::check_slots(&config.streams)?;
             log::info!("redis: a Redis Cluster (hash slots checked for every stream)");
         }
         let redis =
@@ -306,7 +320,7 @@ fn start_and_run(shared: &Arc<Shared>) -> Result<Summary, Error> {
     for i in 0..config.streams.len() {
         let (s, tx) = (shared.clone(), jobs_tx.clone());
         readers.push(spawn(format!("taskhub-reader-{i}"), move || {
-            reader::reader_thread(&s, i, &tx)
+            read::reader_thread(&s, i, &tx)
         })?);
     }
     drop(jobs_tx);

@@ -14,13 +14,16 @@
 //!   slots: a pipeline of them is a [`Pipe`], which on a cluster sends one
 //!   pipeline per node (in parallel on the wire, one round trip each).
 
+pub(crate) mod keys;
+pub(crate) mod streams;
+
 use std::time::Duration;
 
 use redis::cluster::{ClusterClient, ClusterConnection, ClusterPipeline};
 use redis::{Cmd, ConnectionLike, FromRedisValue, RedisResult, ToRedisArgs, Value};
 
-use crate::connect::{CONNECT_TIMEOUT, REDIS_CA_FILE_ENV, REDIS_COMMAND_TIMEOUT};
 use crate::error::{Error, ErrorKind};
+use crate::postgres::connect::{CONNECT_TIMEOUT, REDIS_CA_FILE_ENV, REDIS_COMMAND_TIMEOUT};
 use crate::redact::redact;
 
 /// A connection to one Redis server or to a Redis Cluster.
@@ -323,14 +326,14 @@ impl RedisClient {
             [one] => *one,
             many => return cluster_client(url, many),
         };
-        let client = crate::connect::redis_client(first)?;
+        let client = crate::postgres::connect::redis_client(first)?;
         let mut conn = client
             .get_connection_with_timeout(CONNECT_TIMEOUT)
             .and_then(|c| {
                 c.set_read_timeout(Some(REDIS_COMMAND_TIMEOUT))?;
                 Ok(c)
             })
-            .map_err(|e| crate::connect::redis_unreachable(url, e))?;
+            .map_err(|e| crate::postgres::connect::redis_unreachable(url, e))?;
         let cluster = match redis::cmd("INFO").arg("cluster").query::<String>(&mut conn) {
             Ok(info) => info.contains("cluster_enabled:1"),
             // INFO (@dangerous) may be refused to an ACL user; CLUSTER INFO
@@ -339,7 +342,7 @@ impl RedisClient {
                 match redis::cmd("CLUSTER").arg("INFO").query::<String>(&mut conn) {
                     Ok(info) => info.contains("cluster_state"),
                     Err(e) if crate::error::redis_is_outage(&e) => {
-                        return Err(crate::connect::redis_unreachable(url, e))
+                        return Err(crate::postgres::connect::redis_unreachable(url, e))
                     }
                     Err(e) if e.code() == Some("NOPERM") => {
                         log::warn!(
@@ -353,7 +356,7 @@ impl RedisClient {
                     Err(_) => false,
                 }
             }
-            Err(e) => return Err(crate::connect::redis_unreachable(url, e)),
+            Err(e) => return Err(crate::postgres::connect::redis_unreachable(url, e)),
         };
         if !cluster {
             return Ok(RedisClient::Single(client));
@@ -438,7 +441,7 @@ fn with_address(url: &str, addr: &str) -> String {
 pub(crate) fn connect(url: &str) -> Result<RedisConn, Error> {
     RedisClient::open(url)?
         .connect(REDIS_COMMAND_TIMEOUT)
-        .map_err(|e| crate::connect::redis_unreachable(url, e))
+        .map_err(|e| crate::postgres::connect::redis_unreachable(url, e))
 }
 
 fn cluster_client(url: &str, nodes: &[&str]) -> Result<RedisClient, Error> {
@@ -471,10 +474,10 @@ fn cluster_client(url: &str, nodes: &[&str]) -> Result<RedisClient, Error> {
     // Connect once, so that a wrong address fails now with its cause.
     let mut conn = client
         .get_connection()
-        .map_err(|e| crate::connect::redis_unreachable(url, e))?;
+        .map_err(|e| crate::postgres::connect::redis_unreachable(url, e))?;
     redis::cmd("PING")
         .query::<()>(&mut conn)
-        .map_err(|e| crate::connect::redis_unreachable(url, e))?;
+        .map_err(|e| crate::postgres::connect::redis_unreachable(url, e))?;
     log::debug!("redis: cluster mode, {} seed nodes", nodes.len());
     Ok(RedisClient::Cluster(client))
 }
@@ -485,7 +488,7 @@ fn cluster_client(url: &str, nodes: &[&str]) -> Result<RedisClient, Error> {
 pub(crate) fn check_slots(streams: &[String]) -> Result<(), Error> {
     use redis::cluster_routing::Slot;
     for stream in streams {
-        let dlq = crate::dead_letter::dead_letter_stream(stream);
+        let dlq = crate::worker::dead_letter::dead_letter_stream(stream);
         if Slot::for_key(stream) != Slot::for_key(&dlq) {
             return Err(Error::new(
                 ErrorKind::Config,

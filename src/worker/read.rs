@@ -22,13 +22,13 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 
-use crate::delivery::{Delivery, Job};
 use crate::event::{Event, Invalid, RawEntry};
-use crate::in_flight::Ticket;
-use crate::redis_conn::RedisConn;
-use crate::run::Shared;
-use crate::stats::{Server, Stats};
-use crate::streams;
+use crate::redis::streams;
+use crate::redis::RedisConn;
+use crate::worker::delivery::{Delivery, Job};
+use crate::worker::flow::Ticket;
+use crate::worker::stats::{Server, Stats};
+use crate::worker::Shared;
 
 /// Where the reader is in its stream.
 enum Position {
@@ -69,14 +69,15 @@ pub(crate) fn reader_thread(shared: &Shared, index: usize, jobs: &Sender<Job>) {
         let read = match &position {
             // This consumer's own pending entries (after a start or a
             // reconnect), but not those this process holds already.
-            Position::Pending(after) => crate::reclaim::take(shared, c, &stream, 0, after, room)
-                .map(|taken| {
+            Position::Pending(after) => {
+                crate::worker::reclaim::take(shared, c, &stream, 0, after, room).map(|taken| {
                     position = match taken.last {
                         Some(last) => Position::Pending(last),
                         None => Position::New,
                     };
                     (taken.job, false)
-                }),
+                })
+            }
             Position::New => {
                 let sent_at = Instant::now();
                 read_new(shared, c, &stream, room.places()).map(|entries| {

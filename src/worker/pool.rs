@@ -14,11 +14,11 @@ use std::sync::Arc;
 
 use crossbeam_channel::{Receiver, Sender};
 
-use crate::dead_letter;
-use crate::delivery::Job;
-use crate::process::Processor;
-use crate::retry::Retry;
-use crate::run::Shared;
+use crate::worker::dead_letter;
+use crate::worker::delivery::Job;
+use crate::worker::process::Processor;
+use crate::worker::retry::Retry;
+use crate::worker::Shared;
 
 /// One worker thread: runs until every sender of `jobs` is gone and the
 /// channel is drained.

@@ -13,12 +13,12 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
     (
         1,
         "processed_events",
-        include_str!("../migrations/0001_processed_events.sql"),
+        include_str!("../../migrations/0001_processed_events.sql"),
     ),
     (
         2,
         "dead_letters_archive",
-        include_str!("../migrations/0002_dead_letters_archive.sql"),
+        include_str!("../../migrations/0002_dead_letters_archive.sql"),
     ),
 ];
 
@@ -28,7 +28,7 @@ const LOCK_KEY: i64 = 0x0074_6173_6b68_7562;
 /// Applies the migrations not applied yet to the database at `database_url`.
 /// Returns how many were applied by this call.
 pub fn migrate(database_url: &str) -> Result<usize, Error> {
-    let mut client = crate::connect::postgres(database_url)?;
+    let mut client = crate::postgres::connect::postgres(database_url)?;
     migrate_client(&mut client)
 }
 

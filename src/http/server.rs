@@ -18,11 +18,11 @@ use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::dlq_page::Page;
-use crate::http_access::is_loopback;
-use crate::http_wire::{self, Request, Response, Service, Settings};
-use crate::run::Shared;
-use crate::stats::DURATION_BUCKETS;
+use crate::http::access::is_loopback;
+use crate::http::page::Page;
+use crate::http::wire::{self, Request, Response, Service, Settings};
+use crate::worker::stats::DURATION_BUCKETS;
+use crate::worker::Shared;
 
 /// Turns `9090` or `:9090` into `127.0.0.1:9090`: loopback unless told
 /// otherwise.
@@ -35,7 +35,7 @@ pub(crate) fn bind_address(addr: &str) -> String {
     }
 }
 
-/// Serves `listener` (from `http_wire::bind`) until shutdown.
+/// Serves `listener` (from `wire::bind`) until shutdown.
 pub(crate) fn http_thread(shared: &Arc<Shared>, listener: &TcpListener) {
     let endpoint: Arc<dyn Service> = Arc::new(Endpoint {
         page: Page::new(&shared.config),
@@ -45,7 +45,7 @@ pub(crate) fn http_thread(shared: &Arc<Shared>, listener: &TcpListener) {
         thread_name: "taskhub-http-conn",
         ..Settings::default()
     };
-    http_wire::serve(listener, &settings, &endpoint, &|| {
+    wire::serve(listener, &settings, &endpoint, &|| {
         shared.shutdown.is_shutdown()
     });
 }
@@ -161,7 +161,7 @@ fn stream_gauges(shared: &Shared, stream: &str) -> Option<Gauges> {
         _ => 0,
     };
     let dead: u64 = redis::cmd("XLEN")
-        .arg(crate::dead_letter::dead_letter_stream(stream))
+        .arg(crate::worker::dead_letter::dead_letter_stream(stream))
         .query(&mut *conn)
         .ok()?;
     Some([int("pending"), int("lag"), dead])

@@ -23,13 +23,13 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender};
 
-use crate::delivery::{Attempt, Delivery, Job};
 use crate::event::{Event, Invalid};
-use crate::in_flight::Ticket;
-use crate::reader::TRIMMED;
-use crate::run::Shared;
-use crate::stats::{Server, Stats};
-use crate::streams::{self, Owned};
+use crate::redis::streams::{self, Owned};
+use crate::worker::delivery::{Attempt, Delivery, Job};
+use crate::worker::flow::Ticket;
+use crate::worker::read::TRIMMED;
+use crate::worker::stats::{Server, Stats};
+use crate::worker::Shared;
 
 /// A failed delivery waiting for its retry.
 #[derive(Debug)]

@@ -22,15 +22,15 @@
 
 use std::time::Instant;
 
-use crate::delivery::{Delivery, FRESH};
 use crate::error::{FailureClass, HandlerError};
 use crate::event::Event;
 use crate::fault::{self, Point};
 use crate::handler::{catch_panic, prepare_cached as prepare, Tx};
-use crate::process::{event, Processor};
-use crate::run::Shared;
-use crate::stats::Stats;
-use crate::streams::{self, Owned};
+use crate::redis::streams::{self, Owned};
+use crate::worker::delivery::{Delivery, FRESH};
+use crate::worker::process::{event, Processor};
+use crate::worker::stats::Stats;
+use crate::worker::Shared;
 
 const INSERT_PROCESSED: &str = "INSERT INTO processed_events (scope, event_id) VALUES ($1, $2) \
      ON CONFLICT DO NOTHING RETURNING txid_current()";
@@ -240,9 +240,10 @@ fn stopped() -> HandlerError {
 /// counted so far for it (this one included), not counting its first
 /// delivery. `None` when a shutdown interrupted a Redis outage.
 fn count_start(shared: &Shared, delivery: &Delivery) -> Option<u64> {
-    let key = crate::keys::started(&shared.config.group, &delivery.stream, &delivery.entry_id);
+    let key =
+        crate::redis::keys::started(&shared.config.group, &delivery.stream, &delivery.entry_id);
     let ttl = shared.config.marker_ttl.as_secs().max(1);
-    crate::process::redis_call(shared, |conn, _| {
+    crate::worker::process::redis_call(shared, |conn, _| {
         let (n,): (u64,) = redis::pipe()
             .cmd("INCR")
             .arg(&key)
@@ -263,7 +264,7 @@ fn ownership<'a>(
     held: impl IntoIterator<Item = &'a Delivery> + Clone,
 ) -> Option<Vec<Owned>> {
     let config = &shared.config;
-    crate::process::redis_call(shared, |conn, _| {
+    crate::worker::process::redis_call(shared, |conn, _| {
         let mut pipe = conn.pipe();
         for d in held.clone() {
             pipe.add_command(streams::claim_if_owned(

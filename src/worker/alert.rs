@@ -11,9 +11,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::dead_letter::{dead_letter_stream, millis, DeadLetter};
 use crate::event::parse_entries;
-use crate::run::Shared;
+use crate::worker::dead_letter::{dead_letter_stream, millis, DeadLetter};
+use crate::worker::Shared;
 
 /// What changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -6,6 +6,9 @@
 //! exactly once: a redelivered event finds its row and is skipped, a failed one
 //! leaves no row and can run again.
 
+pub(crate) mod http;
+pub(crate) mod sql;
+
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
 

@@ -16,11 +16,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::Receiver;
 
-use crate::delivery::Attempt;
 use crate::event::Fields;
-use crate::in_flight::Ticket;
-use crate::run::Shared;
-use crate::stats::{Server, Stats};
+use crate::worker::delivery::Attempt;
+use crate::worker::flow::Ticket;
+use crate::worker::stats::{Server, Stats};
+use crate::worker::Shared;
 
 /// Why an event was dead-lettered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -353,7 +353,7 @@ fn write_command(job: &Job) -> redis::Cmd {
         .arg(3)
         .arg(&letter.stream)
         .arg(dead_letter_stream(&letter.stream))
-        .arg(crate::keys::dead_letter_index(&letter.stream))
+        .arg(crate::redis::keys::dead_letter_index(&letter.stream))
         .arg(&letter.group)
         .arg(&letter.original_id)
         .arg(&letter.consumer)

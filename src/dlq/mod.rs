@@ -28,7 +28,7 @@
 //!   a file may then hold an entry twice: readers key on
 //!   `(stream, dead_letter_id)`).
 
-use crate::redis_conn::RedisConn;
+use crate::redis::RedisConn;
 use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -38,12 +38,12 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Map, Value};
 
-use crate::connect;
-pub use crate::dead_letter::millis;
-use crate::dead_letter::{dead_letter_stream, DeadLetter, Kind};
 use crate::error::{Error, ErrorKind};
 use crate::event::{parse_entries, Fields};
 use crate::fault::{self, Point};
+use crate::postgres::connect;
+pub use crate::worker::dead_letter::millis;
+use crate::worker::dead_letter::{dead_letter_stream, DeadLetter, Kind};
 
 /// Entries read per XREVRANGE page.
 /// Dead letters read per round trip, at most.
@@ -72,7 +72,7 @@ pub const REPLAY_FIELDS: [&str; 3] = ["replayed_from", "replayed_at", "replay_co
 
 /// A Redis connection with the library's timeouts, for these functions.
 pub fn connect_redis(redis_url: &str) -> Result<RedisConn, Error> {
-    crate::redis_conn::connect(redis_url)
+    crate::redis::connect(redis_url)
 }
 
 /// A PostgreSQL client with the library's connect timeout.
@@ -296,8 +296,12 @@ fn scan(
     let mut end = before.map_or_else(|| "+".to_owned(), |id| format!("({id}"));
     let mut page = first_page.clamp(1, PAGE);
     loop {
-        let mut cmd =
-            crate::streams::bounded_keeping(REVRANGE_BOUNDED, dlq, LETTER_READ_MAX, LETTER_KEEP);
+        let mut cmd = crate::redis::streams::bounded_keeping(
+            REVRANGE_BOUNDED,
+            dlq,
+            LETTER_READ_MAX,
+            LETTER_KEEP,
+        );
         cmd.arg(&end).arg(page);
         let value: redis::Value = cmd.query(conn).map_err(redis_error(dlq))?;
         let entries = parse_entries(value)

@@ -24,14 +24,14 @@ use std::time::Instant;
 
 use crossbeam_channel::Sender;
 
-use crate::delivery::{Delivery, Job};
 use crate::event::Invalid;
-use crate::in_flight::Reservation;
-use crate::reader::{deliveries, TRIMMED};
-use crate::redis_conn::RedisConn;
-use crate::run::Shared;
-use crate::stats::{Server, Stats};
-use crate::streams;
+use crate::redis::streams;
+use crate::redis::RedisConn;
+use crate::worker::delivery::{Delivery, Job};
+use crate::worker::flow::Reservation;
+use crate::worker::read::{deliveries, TRIMMED};
+use crate::worker::stats::{Server, Stats};
+use crate::worker::Shared;
 
 pub(crate) fn reclaim_thread(shared: &Shared, jobs: &Sender<Job>) {
     while !shared.shutdown.sleep(shared.config.reclaim_interval) {
@@ -165,7 +165,7 @@ pub(crate) fn take(
 fn trimmed(
     stream: &Arc<str>,
     ids: Vec<(String, Option<u64>)>,
-    tickets: Vec<Option<crate::in_flight::Ticket>>,
+    tickets: Vec<Option<crate::worker::flow::Ticket>>,
     sent_at: Instant,
 ) -> impl Iterator<Item = Delivery> + '_ {
     ids.into_iter()

@@ -10,7 +10,7 @@
 
 use redis::RedisResult;
 
-use crate::redis_conn::RedisConn;
+use crate::redis::RedisConn;
 
 use crate::event::{parse_entries, parse_read_reply, RawEntry, MOST_FIELDS, PREFIX};
 
@@ -414,7 +414,7 @@ mod tests {
     fn conn() -> RedisConn {
         let url = std::env::var("TASKHUB_TEST_REDIS_URL")
             .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-        crate::redis_conn::connect(&url).expect("the test Redis answers")
+        crate::redis::connect(&url).expect("the test Redis answers")
     }
 
     fn cmd(conn: &mut RedisConn, args: &[&str]) -> redis::Value {

@@ -11,9 +11,9 @@ use std::time::Duration;
 use postgres_native_tls::MakeTlsConnector;
 
 use crate::error::{Error, ErrorKind};
-use crate::keys::{Identity, Namespace};
 use crate::redact::redact;
-use crate::redis_conn::{RedisClient, RedisConn};
+use crate::redis::keys::{Identity, Namespace};
+use crate::redis::{RedisClient, RedisConn};
 
 /// Environment variable naming a PEM file with the CA certificate(s) that
 /// `rediss://` servers are verified against (instead of the system store).

@@ -23,18 +23,18 @@ use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::Sender;
 
-use crate::apply::{Applied, Batch};
 use crate::config::Mode;
-use crate::connect::PgConn;
-use crate::dead_letter::{self, DeadLetter, Kind};
-use crate::delivery::{Attempt, Delivery, Job};
 use crate::error::{FailureClass, HandlerError};
 use crate::event::{Event, Invalid};
 use crate::handler::StatementCache;
-use crate::redis_conn::RedisConn;
-use crate::retry::Retry;
-use crate::run::Shared;
-use crate::stats::{Server, Stats};
+use crate::postgres::connect::PgConn;
+use crate::redis::RedisConn;
+use crate::worker::apply::{Applied, Batch};
+use crate::worker::dead_letter::{self, DeadLetter, Kind};
+use crate::worker::delivery::{Attempt, Delivery, Job};
+use crate::worker::retry::Retry;
+use crate::worker::stats::{Server, Stats};
+use crate::worker::Shared;
 
 /// Deliveries finished by a job (to ack), and which need a marker.
 #[derive(Default)]
@@ -188,12 +188,12 @@ impl Processor {
     /// a Redis outage.
     fn fast_path(&self, stream: &str, valid: &[Delivery]) -> Option<(Vec<bool>, Vec<bool>)> {
         let ns = self.shared.namespace.get();
-        let index = crate::keys::dead_letter_index(stream);
+        let index = crate::redis::keys::dead_letter_index(stream);
         self.with_redis(|conn, scope| {
             let mut pipe = conn.pipe();
             for d in valid {
                 pipe.cmd("EXISTS")
-                    .arg(crate::keys::marker(&ns, scope, event(d).event_id()));
+                    .arg(crate::redis::keys::marker(&ns, scope, event(d).event_id()));
             }
             pipe.cmd("HMGET").arg(&index);
             for d in valid {
@@ -352,7 +352,7 @@ impl Processor {
     /// it as trimmed, with the fields we still hold).
     fn not_applied(&mut self, delivery: Delivery, why: Applied) {
         if let Applied::Trimmed = why {
-            let reason = crate::reader::TRIMMED.to_owned();
+            let reason = crate::worker::read::TRIMMED.to_owned();
             return self.dead_letter(delivery, Kind::Trimmed, reason);
         }
         log::info!(

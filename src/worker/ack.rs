@@ -7,7 +7,7 @@
 //! say) the entries are acked without them, and PostgreSQL still decides.
 
 use crate::fault::{self, Point};
-use crate::process::{event, Finished, Processor};
+use crate::worker::process::{event, Finished, Processor};
 
 impl Processor {
     /// Sets markers for `done.to_mark`, then XACKs all of `done`, in one
@@ -25,7 +25,7 @@ impl Processor {
             let mut pipe = conn.pipe();
             for &i in &done.to_mark {
                 pipe.cmd("SET")
-                    .arg(crate::keys::marker(
+                    .arg(crate::redis::keys::marker(
                         &ns,
                         scope,
                         event(&finished[i]).event_id(),
@@ -50,7 +50,7 @@ impl Processor {
                     log::warn!(
                         "{stream}: duplicate markers not written ({e}); acking without them"
                     );
-                    crate::streams::ack(conn, stream, &group, &ids)
+                    crate::redis::streams::ack(conn, stream, &group, &ids)
                 }
                 result => result,
             }

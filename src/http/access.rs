@@ -22,8 +22,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::config::Config;
-use crate::connect::{percent_decode, percent_encode};
-use crate::http_wire::Request;
+use crate::http::wire::Request;
+use crate::postgres::connect::{percent_decode, percent_encode};
 use crate::shutdown::Shutdown;
 
 /// Why a request was refused.

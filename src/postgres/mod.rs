@@ -1,0 +1,4 @@
+//! PostgreSQL: connections, TLS, the worker pool and the migrations.
+
+pub(crate) mod connect;
+pub(crate) mod migrate;
