@@ -64,6 +64,7 @@ mod event;
 mod fault;
 mod handler;
 mod http;
+mod net;
 mod postgres;
 mod produce;
 mod redact;
@@ -74,6 +75,7 @@ mod worker;
 pub use backoff::Backoff;
 pub use config::{default_consumer_name, Builder, Config, Mode};
 pub use consumers::{consumers, remove_consumer, ConsumerInfo};
+pub use dlq::{dead_letter_stream, Attempt, DeadLetter, Kind as DeadLetterKind};
 pub use error::{
     classify_postgres, classify_sqlstate, Error, ErrorKind, FailureClass, HandlerError,
 };
@@ -86,8 +88,6 @@ pub use produce::Producer;
 pub use redact::redact;
 pub use redis::{Pipe, RedisConn};
 pub use shutdown::Shutdown;
-pub use worker::dead_letter::{dead_letter_stream, DeadLetter, Kind as DeadLetterKind};
-pub use worker::delivery::Attempt;
 pub use worker::stats::Summary;
 pub use worker::Worker;
 

@@ -2,7 +2,7 @@
 //! programs and tests that publish events.
 
 use crate::error::{Error, ErrorKind};
-use crate::postgres::connect::REDIS_COMMAND_TIMEOUT;
+use crate::net::REDIS_COMMAND_TIMEOUT;
 use crate::redis::{RedisClient, RedisConn};
 
 /// Publishes events to one stream. A send that fails returns the error (the
@@ -20,7 +20,7 @@ impl Producer {
         let client = RedisClient::open(redis_url)?;
         let conn = client
             .connect(REDIS_COMMAND_TIMEOUT)
-            .map_err(|e| crate::postgres::connect::redis_unreachable(redis_url, e))?;
+            .map_err(|e| crate::redis::redis_unreachable(redis_url, e))?;
         Ok(Producer {
             client,
             conn,

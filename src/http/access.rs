@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use crate::config::Config;
 use crate::http::wire::Request;
-use crate::postgres::connect::{percent_decode, percent_encode};
+use crate::net::{percent_decode, percent_encode};
 use crate::shutdown::Shutdown;
 
 /// Why a request was refused.

@@ -14,11 +14,11 @@ use std::time::Duration;
 
 use crate::config::Config;
 use crate::dlq::{self, Filter, ReasonMatch, ReplayOptions, Selection};
+use crate::dlq::{DeadLetter, Kind};
 use crate::http::access::{cross_site, Access, Denied};
 use crate::http::server::text;
 use crate::http::wire::{Request, Response};
-use crate::postgres::connect::percent_encode as encode;
-use crate::worker::dead_letter::{DeadLetter, Kind};
+use crate::net::percent_encode as encode;
 use crate::worker::Shared;
 
 const PAGE_SIZE: usize = 50;
@@ -49,7 +49,7 @@ pub(crate) fn escape(text: &str) -> String {
 /// Decodes `application/x-www-form-urlencoded` text.
 fn decode(text: &str) -> String {
     // `+` first: an encoded `%2B` must stay a plus sign.
-    crate::postgres::connect::percent_decode(&text.replace('+', " "))
+    crate::net::percent_decode(&text.replace('+', " "))
 }
 
 fn params(query: &str) -> Vec<(String, String)> {
@@ -195,7 +195,7 @@ impl Page {
         let Some(id) = param(form, "id") else {
             return html(400, "Bad request", "<p>missing id</p>");
         };
-        if !dlq::valid_id(id) {
+        if !crate::dlq::filter::valid_id(id) {
             return not_found(&stream, id);
         }
         let mut conn = match redis(shared) {
@@ -263,7 +263,7 @@ fn not_found(stream: &str, id: &str) -> Response {
             "<p class=\"msg\" id=\"msg\">not found: no dead letter {} in {} (replayed, deleted or archived already?)</p>\
              <p><a href=\"/dlq?stream={}\">&larr; all dead letters</a></p>",
             escape(id),
-            escape(&crate::worker::dead_letter::dead_letter_stream(stream)),
+            escape(&crate::dlq::dead_letter_stream(stream)),
             encode(stream)
         ),
     )
@@ -335,7 +335,7 @@ fn stream_param<'a>(
 
 fn redis(
     shared: &Shared,
-) -> Result<r2d2::PooledConnection<crate::postgres::connect::RedisManager>, Response> {
+) -> Result<r2d2::PooledConnection<crate::redis::pool::RedisManager>, Response> {
     shared.redis_conn().map_err(|e| {
         html(
             503,
@@ -368,7 +368,7 @@ fn list_page(shared: &Shared, query: &[(String, String)]) -> Response {
         Err(e) => return html(400, "Error", &format!("<p>{}</p>", escape(&e.to_string()))),
     };
     let letters = &listing.letters;
-    let dlq_name = crate::worker::dead_letter::dead_letter_stream(stream);
+    let dlq_name = crate::dlq::dead_letter_stream(stream);
     let total: u64 = redis::cmd("XLEN")
         .arg(&dlq_name)
         .query(&mut *conn)
@@ -528,7 +528,7 @@ fn detail(can_change: bool, stream: &str, id: &str, l: &DeadLetter) -> String {
     body.push_str("</table><h2>Attempts</h2><table id=\"history\"><tr><th>#</th><th>at</th><th>error</th></tr>");
     for a in &l.history {
         let at = a.at.map_or("(never reported: crashed)".to_owned(), |t| {
-            time(crate::worker::dead_letter::millis(t))
+            time(crate::dlq::millis(t))
         });
         let _ = write!(
             body,

@@ -161,7 +161,7 @@ fn stream_gauges(shared: &Shared, stream: &str) -> Option<Gauges> {
         _ => 0,
     };
     let dead: u64 = redis::cmd("XLEN")
-        .arg(crate::worker::dead_letter::dead_letter_stream(stream))
+        .arg(crate::dlq::dead_letter_stream(stream))
         .query(&mut *conn)
         .ok()?;
     Some([int("pending"), int("lag"), dead])

@@ -2,3 +2,4 @@
 
 pub(crate) mod connect;
 pub(crate) mod migrate;
+pub(crate) mod pool;

@@ -11,8 +11,8 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
 
+use crate::dlq::{dead_letter_stream, millis, DeadLetter};
 use crate::event::parse_entries;
-use crate::worker::dead_letter::{dead_letter_stream, millis, DeadLetter};
 use crate::worker::Shared;
 
 /// What changed.

@@ -3,22 +3,11 @@
 //! still owns it.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
+use crate::dlq::Attempt;
 use crate::event::{Event, Fields, Invalid};
 use crate::worker::flow::Ticket;
-
-/// One failed attempt, kept for the dead-letter history.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Attempt {
-    /// 1-based attempt number across deliveries.
-    pub attempt: u32,
-    /// When it failed; `None` for an earlier delivery that never reported
-    /// (the consumer stopped or crashed during it).
-    pub at: Option<SystemTime>,
-    /// What went wrong.
-    pub error: String,
-}
 
 /// An entry held this long since Redis last gave it to this consumer is
 /// checked (and its idle time reset) before its outcome is committed: no

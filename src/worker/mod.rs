@@ -22,8 +22,10 @@ use crate::error::{Error, ErrorKind};
 use crate::event::Limits;
 use crate::handler::Handler;
 use crate::http::{server as http_server, wire as http_wire};
-use crate::postgres::connect::{self, PgPool, RedisPool};
+use crate::postgres::connect;
+use crate::postgres::pool::{postgres_pool, PgPool, Setup};
 use crate::redis::keys::Namespace;
+use crate::redis::pool::{redis_pool, RedisPool};
 use crate::redis::streams;
 use crate::redis::RedisClient;
 use crate::shutdown::Shutdown;
@@ -83,7 +85,7 @@ impl Shared {
             .clone()
     }
 
-    pub fn redis_conn(&self) -> redis::RedisResult<r2d2::PooledConnection<connect::RedisManager>> {
+    pub fn redis_conn(&self) -> redis::RedisResult<crate::redis::pool::PooledRedis> {
         self.redis.get().map_err(|e| {
             redis::RedisError::from(std::io::Error::new(
                 std::io::ErrorKind::NotConnected,
@@ -143,14 +145,13 @@ impl Worker {
             crate::redis::check_slots(&config.streams)?;
             log::info!("redis: a Redis Cluster (hash slots checked for every stream)");
         }
-        let redis =
-            connect::redis_pool(&redis_client, &config.redis_url, config.workers as u32 + 4)?;
+        let redis = redis_pool(&redis_client, &config.redis_url, config.workers as u32 + 4)?;
         let namespace = Namespace::default();
-        let setup = connect::Setup {
+        let setup = Setup {
             namespace: namespace.clone(),
             statement_timeout: config.handler_timeout,
         };
-        let pg = connect::postgres_pool(&config.database_url, config.workers as u32 + 1, setup)?;
+        let pg = postgres_pool(&config.database_url, config.workers as u32 + 1, setup)?;
         check_schema(&pg, &config, self.handler.as_ref())?;
         {
             let mut conn = redis

@@ -24,14 +24,16 @@ use std::time::{Duration, Instant, SystemTime};
 use crossbeam_channel::Sender;
 
 use crate::config::Mode;
+use crate::dlq::Attempt;
+use crate::dlq::{millis, DeadLetter, Kind};
 use crate::error::{FailureClass, HandlerError};
 use crate::event::{Event, Invalid};
 use crate::handler::StatementCache;
-use crate::postgres::connect::PgConn;
+use crate::postgres::pool::PgConn;
 use crate::redis::RedisConn;
 use crate::worker::apply::{Applied, Batch};
-use crate::worker::dead_letter::{self, DeadLetter, Kind};
-use crate::worker::delivery::{Attempt, Delivery, Job};
+use crate::worker::dead_letter;
+use crate::worker::delivery::{Delivery, Job};
 use crate::worker::retry::Retry;
 use crate::worker::stats::{Server, Stats};
 use crate::worker::Shared;
@@ -485,8 +487,8 @@ impl Processor {
             reason,
             attempts: delivery.attempts(),
             history,
-            first_failed_at: dead_letter::millis(first_failed),
-            dead_at: dead_letter::millis(now),
+            first_failed_at: millis(first_failed),
+            dead_at: millis(now),
             fields: match std::mem::replace(
                 &mut delivery.body,
                 Err((Vec::new(), Invalid(String::new()))),

@@ -23,9 +23,10 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender};
 
+use crate::dlq::Attempt;
 use crate::event::{Event, Invalid};
 use crate::redis::streams::{self, Owned};
-use crate::worker::delivery::{Attempt, Delivery, Job};
+use crate::worker::delivery::{Delivery, Job};
 use crate::worker::flow::Ticket;
 use crate::worker::read::TRIMMED;
 use crate::worker::stats::{Server, Stats};

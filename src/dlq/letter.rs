@@ -1,0 +1,482 @@
+//! A dead letter: its fields in `<stream>:dlq`, and its JSON form.
+//!
+//! A dead letter carries everything needed to understand and replay the
+//! event: the original entry id, stream, group, consumer, event_id, every
+//! original field (`f:<name>`, raw bytes; for an entry over the size limit,
+//! the name and first bytes of each field), the last reason, the kind, the
+//! attempt count and history, and the first-failure and dead-at times.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde_json::{json, Map, Value};
+
+use crate::dlq::stats::fingerprint;
+use crate::event::Fields;
+
+/// One failed attempt, kept for the dead-letter history.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attempt {
+    /// 1-based attempt number across deliveries.
+    pub attempt: u32,
+    /// When it failed; `None` for an earlier delivery that never reported
+    /// (the consumer stopped or crashed during it).
+    pub at: Option<SystemTime>,
+    /// What went wrong.
+    pub error: String,
+}
+
+/// Why an event was dead-lettered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Kind {
+    /// The handler said retrying cannot help.
+    Permanent,
+    /// Every allowed attempt failed.
+    Exhausted,
+    /// The event was delivered more times than attempts are allowed without
+    /// ever finishing: it most likely kills the process that handles it.
+    CrashLoop,
+    /// The entry breaks the message contract or cannot be decoded.
+    Invalid,
+    /// The entry was deleted from its stream (a producer's `MAXLEN`, an
+    /// `XDEL`) while it was pending, before it could be applied: the letter
+    /// keeps what was known of it.
+    Trimmed,
+}
+
+impl Kind {
+    /// All kinds.
+    pub const ALL: [Kind; 5] = [
+        Kind::Permanent,
+        Kind::Exhausted,
+        Kind::CrashLoop,
+        Kind::Invalid,
+        Kind::Trimmed,
+    ];
+
+    /// The name stored in the `kind` field.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Permanent => "permanent",
+            Kind::Exhausted => "exhausted",
+            Kind::CrashLoop => "crash_loop",
+            Kind::Invalid => "invalid",
+            Kind::Trimmed => "trimmed",
+        }
+    }
+
+    /// Parses a stored kind name.
+    pub fn parse(s: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+}
+
+impl std::fmt::Display for Kind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One dead letter, as written to and read from `<stream>:dlq`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetter {
+    /// Its entry id in the dead-letter stream (`None` before it is written).
+    pub id: Option<String>,
+    /// The entry id it had in the original stream.
+    pub original_id: String,
+    /// The original stream.
+    pub stream: String,
+    /// The consumer group that gave up on it.
+    pub group: String,
+    /// The consumer that gave up on it.
+    pub consumer: String,
+    /// Its event_id, when it had a readable one.
+    pub event_id: Option<String>,
+    /// Why it is dead.
+    pub kind: Kind,
+    /// The last error.
+    pub reason: String,
+    /// Attempts made.
+    pub attempts: u32,
+    /// Each attempt's error and time.
+    pub history: Vec<Attempt>,
+    /// When it first failed (ms since the Unix epoch).
+    pub first_failed_at: u64,
+    /// When it was dead-lettered (ms since the Unix epoch).
+    pub dead_at: u64,
+    /// Every original field, raw.
+    pub fields: Fields,
+}
+
+/// The dead-letter stream of `stream`. With a hash tag in the stream name
+/// (`{tasks}:events`), both land in the same Redis Cluster slot.
+pub fn dead_letter_stream(stream: &str) -> String {
+    format!("{stream}:dlq")
+}
+
+/// Prefix of original fields inside a dead letter.
+const FIELD_PREFIX: &[u8] = b"f:";
+
+/// A letter whose entry had more fields than this keeps them all in one
+/// field, [`PACKED_FIELDS`], so that the letter still fits the arguments of
+/// the Lua script that writes it (Lua's `unpack` takes fewer than 8,000
+/// values).
+const MAX_INLINE_FIELDS: usize = 3_900;
+
+/// The field holding the original fields of a very wide entry, each name
+/// and value written as `<length>:<bytes>`.
+const PACKED_FIELDS: &[u8] = b"packed_fields";
+
+fn pack(fields: &Fields) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (k, v) in fields {
+        for part in [k, v] {
+            out.extend_from_slice(part.len().to_string().as_bytes());
+            out.push(b':');
+            out.extend_from_slice(part);
+        }
+    }
+    out
+}
+
+fn unpack(packed: &[u8]) -> Result<Fields, String> {
+    let mut parts = Vec::new();
+    let mut rest = packed;
+    while !rest.is_empty() {
+        let colon = rest
+            .iter()
+            .position(|b| *b == b':')
+            .ok_or("packed_fields: no length")?;
+        let len: usize = std::str::from_utf8(&rest[..colon])
+            .ok()
+            .and_then(|n| n.parse().ok())
+            .ok_or("packed_fields: bad length")?;
+        let end = colon
+            .checked_add(1 + len)
+            .filter(|end| *end <= rest.len())
+            .ok_or("packed_fields: cut short")?;
+        parts.push(rest[colon + 1..end].to_vec());
+        rest = &rest[end..];
+    }
+    if parts.len() % 2 != 0 {
+        return Err("packed_fields: a name without a value".into());
+    }
+    let mut fields = Vec::with_capacity(parts.len() / 2);
+    let mut it = parts.into_iter();
+    while let (Some(k), Some(v)) = (it.next(), it.next()) {
+        fields.push((k, v));
+    }
+    Ok(fields)
+}
+
+/// `t` in milliseconds since the epoch (0 before it).
+pub fn millis(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn history_json(history: &[Attempt]) -> String {
+    let items: Vec<serde_json::Value> = history
+        .iter()
+        .map(|a| {
+            serde_json::json!({
+                "attempt": a.attempt,
+                "at": a.at.map(millis),
+                "error": a.error,
+            })
+        })
+        .collect();
+    serde_json::Value::Array(items).to_string()
+}
+
+fn parse_history(text: &str) -> Result<Vec<Attempt>, String> {
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("history is not JSON: {e}"))?;
+    let items = value.as_array().ok_or("history is not a JSON array")?;
+    items
+        .iter()
+        .map(|item| {
+            let attempt = item["attempt"]
+                .as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or("history item without attempt")?;
+            let at = match &item["at"] {
+                serde_json::Value::Null => None,
+                v => {
+                    Some(UNIX_EPOCH + Duration::from_millis(v.as_u64().ok_or("bad history time")?))
+                }
+            };
+            let error = item["error"]
+                .as_str()
+                .ok_or("history item without error")?
+                .to_owned();
+            Ok(Attempt { attempt, at, error })
+        })
+        .collect()
+}
+
+impl DeadLetter {
+    /// The fields written to the dead-letter stream.
+    pub fn to_fields(&self) -> Fields {
+        let mut out: Fields = Vec::with_capacity(12 + self.fields.len());
+        let mut put = |k: &str, v: String| out.push((k.as_bytes().to_vec(), v.into_bytes()));
+        put("original_id", self.original_id.clone());
+        put("stream", self.stream.clone());
+        put("group", self.group.clone());
+        put("consumer", self.consumer.clone());
+        if let Some(id) = &self.event_id {
+            put("event_id", id.clone());
+        }
+        put("kind", self.kind.as_str().to_owned());
+        put("reason", self.reason.clone());
+        put("attempts", self.attempts.to_string());
+        put("history", history_json(&self.history));
+        put("first_failed_at", self.first_failed_at.to_string());
+        put("dead_at", self.dead_at.to_string());
+        if self.fields.len() > MAX_INLINE_FIELDS {
+            out.push((PACKED_FIELDS.to_vec(), pack(&self.fields)));
+            return out;
+        }
+        for (k, v) in &self.fields {
+            let mut name = FIELD_PREFIX.to_vec();
+            name.extend_from_slice(k);
+            out.push((name, v.clone()));
+        }
+        out
+    }
+
+    /// Reads a dead letter back from its stream entry.
+    pub fn from_fields(id: Option<String>, raw: &Fields) -> Result<DeadLetter, String> {
+        let text = |name: &str| -> Result<String, String> {
+            let v = raw
+                .iter()
+                .find(|(k, _)| k.as_slice() == name.as_bytes())
+                .ok_or_else(|| format!("dead letter without {name}"))?;
+            String::from_utf8(v.1.clone()).map_err(|_| format!("{name} is not UTF-8"))
+        };
+        let number = |name: &str| -> Result<u64, String> {
+            text(name)?
+                .parse()
+                .map_err(|_| format!("{name} is not a number"))
+        };
+        let kind_text = text("kind")?;
+        Ok(DeadLetter {
+            id,
+            original_id: text("original_id")?,
+            stream: text("stream")?,
+            group: text("group")?,
+            consumer: text("consumer")?,
+            event_id: text("event_id").ok(),
+            kind: Kind::parse(&kind_text).ok_or_else(|| format!("unknown kind {kind_text:?}"))?,
+            reason: text("reason")?,
+            attempts: u32::try_from(number("attempts")?).map_err(|_| "attempts too large")?,
+            history: parse_history(&text("history")?)?,
+            first_failed_at: number("first_failed_at")?,
+            dead_at: number("dead_at")?,
+            fields: match raw.iter().find(|(k, _)| k.as_slice() == PACKED_FIELDS) {
+                Some((_, packed)) if !packed.is_empty() => unpack(packed)?,
+                Some(_) => Vec::new(),
+                None => raw
+                    .iter()
+                    .filter_map(|(k, v)| {
+                        k.strip_prefix(FIELD_PREFIX)
+                            .map(|name| (name.to_vec(), v.clone()))
+                    })
+                    .collect(),
+            },
+        })
+    }
+
+    /// An original field, raw.
+    pub fn field(&self, name: &str) -> Option<&[u8]> {
+        self.fields
+            .iter()
+            .find(|(k, _)| k.as_slice() == name.as_bytes())
+            .map(|(_, v)| v.as_slice())
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Raw fields as a JSON object: a UTF-8 value (without NUL, which
+/// PostgreSQL's jsonb refuses) as a string, any other as `{"hex": "..."}`; a
+/// name that is not UTF-8 as `hex:<hex>`. `None` when two fields share a name
+/// (an object cannot keep both).
+pub fn fields_json(fields: &[(Vec<u8>, Vec<u8>)]) -> Option<Map<String, Value>> {
+    let mut map = Map::with_capacity(fields.len());
+    for (k, v) in fields {
+        let key = match std::str::from_utf8(k) {
+            Ok(s) if !s.contains('\0') => s.to_owned(),
+            _ => format!("hex:{}", hex(k)),
+        };
+        let value = match std::str::from_utf8(v) {
+            Ok(s) if !s.contains('\0') => Value::String(s.to_owned()),
+            _ => json!({ "hex": hex(v) }),
+        };
+        if map.insert(key, value).is_some() {
+            return None;
+        }
+    }
+    Some(map)
+}
+
+/// A time in ms since the epoch as RFC 3339 (with milliseconds when
+/// `with_millis`), or `"<n> ms"` for a time humantime cannot format (year
+/// 10000 and later): a corrupted field must not crash a command or a page.
+pub fn format_time(ms: u64, with_millis: bool) -> String {
+    const MAX_MS: u64 = 253_402_300_799_999; // 9999-12-31T23:59:59.999Z
+    if ms > MAX_MS {
+        return format!("{ms} ms");
+    }
+    let t = UNIX_EPOCH + Duration::from_millis(ms);
+    if with_millis {
+        humantime::format_rfc3339_millis(t).to_string()
+    } else {
+        humantime::format_rfc3339_seconds(t).to_string()
+    }
+}
+
+fn rfc3339(ms: u64) -> String {
+    format_time(ms, true)
+}
+
+/// A dead letter as one JSON object, for tools (`taskhub dlq list --json`)
+/// and pages: ids, kind, reason and its fingerprint, times in ms and RFC 3339,
+/// the attempt history, and the original fields (see [`fields_json`]).
+pub fn letter_json(letter: &DeadLetter) -> Value {
+    let history: Vec<Value> = letter
+        .history
+        .iter()
+        .map(|a| {
+            let at = a.at.map(millis);
+            json!({
+                "attempt": a.attempt,
+                "at": at,
+                "at_rfc3339": at.map(rfc3339),
+                "error": a.error,
+            })
+        })
+        .collect();
+    let fields = fields_json(&letter.fields).unwrap_or_else(|| {
+        // Repeated names: keep them all, suffixed with their position.
+        let mut map = Map::new();
+        for (i, (k, v)) in letter.fields.iter().enumerate() {
+            let one = fields_json(&[(k.clone(), v.clone())]).unwrap_or_default();
+            for (name, value) in one {
+                map.insert(format!("{name}#{i}"), value);
+            }
+        }
+        map
+    });
+    json!({
+        "id": letter.id,
+        "original_id": letter.original_id,
+        "stream": letter.stream,
+        "group": letter.group,
+        "consumer": letter.consumer,
+        "event_id": letter.event_id,
+        "kind": letter.kind.as_str(),
+        "reason": letter.reason,
+        "fingerprint": fingerprint(&letter.reason),
+        "attempts": letter.attempts,
+        "first_failed_at": letter.first_failed_at,
+        "first_failed_at_rfc3339": rfc3339(letter.first_failed_at),
+        "dead_at": letter.dead_at,
+        "dead_at_rfc3339": rfc3339(letter.dead_at),
+        "history": history,
+        "fields": fields,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A permanent dead letter of entry 1-0 on stream `s`, with `fields`.
+    fn sample_letter(fields: Fields) -> DeadLetter {
+        DeadLetter {
+            id: Some("9-0".into()),
+            original_id: "1-0".into(),
+            stream: "s".into(),
+            group: "g".into(),
+            consumer: "c".into(),
+            event_id: Some("e".into()),
+            kind: Kind::Permanent,
+            reason: "r".into(),
+            attempts: 1,
+            history: Vec::new(),
+            first_failed_at: 1,
+            dead_at: 2,
+            fields,
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        let letter = DeadLetter {
+            id: Some("5-0".into()),
+            original_id: "1-0".into(),
+            stream: "s".into(),
+            group: "g".into(),
+            consumer: "c".into(),
+            event_id: Some("e".into()),
+            kind: Kind::Exhausted,
+            reason: "downstream 500".into(),
+            attempts: 3,
+            history: vec![
+                Attempt {
+                    attempt: 1,
+                    at: None,
+                    error: "x".into(),
+                },
+                Attempt {
+                    attempt: 2,
+                    at: Some(UNIX_EPOCH + Duration::from_millis(5)),
+                    error: "y".into(),
+                },
+            ],
+            first_failed_at: 5,
+            dead_at: 9,
+            fields: vec![
+                (b"event_id".to_vec(), b"e".to_vec()),
+                (b"bin".to_vec(), vec![0, 255]),
+            ],
+        };
+        let back = DeadLetter::from_fields(Some("5-0".into()), &letter.to_fields()).unwrap();
+        assert_eq!(back, letter);
+    }
+
+    #[test]
+    fn times_past_year_9999_are_shown_raw_not_a_crash() {
+        assert_eq!(format_time(0, true), "1970-01-01T00:00:00.000Z");
+        assert_eq!(format_time(1_500, false), "1970-01-01T00:00:01Z");
+        assert_eq!(format_time(u64::MAX, true), format!("{} ms", u64::MAX));
+        let letter = DeadLetter {
+            first_failed_at: u64::MAX,
+            dead_at: 253_402_300_800_000,
+            ..sample_letter(Vec::new())
+        };
+        let json = letter_json(&letter);
+        assert_eq!(json["dead_at_rfc3339"], "253402300800000 ms");
+    }
+
+    #[test]
+    fn fields_json_is_lossless_or_refuses() {
+        let map = fields_json(&[
+            (b"a".to_vec(), b"x".to_vec()),
+            (b"b".to_vec(), vec![0, 255]),
+            (b"c".to_vec(), b"nul\0".to_vec()),
+        ])
+        .unwrap();
+        assert_eq!(map["a"], "x");
+        assert_eq!(map["b"], json!({"hex": "00ff"}));
+        assert_eq!(map["c"], json!({"hex": "6e756c00"}));
+        assert!(fields_json(&[
+            (b"a".to_vec(), b"1".to_vec()),
+            (b"a".to_vec(), b"2".to_vec())
+        ])
+        .is_none());
+    }
+}

@@ -1,0 +1,389 @@
+//! Putting dead letters back on their stream after a fix (see the module
+//! documentation of `dlq`).
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::dlq::filter::{check_ids, Selection};
+use crate::dlq::letter::millis;
+use crate::dlq::letter::{dead_letter_stream, DeadLetter};
+use crate::dlq::read::{fetch, matching_ids};
+use crate::dlq::{bad_input, pg_error, redis_error};
+use crate::error::Error;
+use crate::event::Fields;
+use crate::redis::RedisConn;
+
+/// Dead letters handled per round trip.
+pub(crate) const CHUNK: usize = 100;
+
+/// The audit fields a replay adds to an entry (earlier ones are replaced).
+pub const REPLAY_FIELDS: [&str; 3] = ["replayed_from", "replayed_at", "replay_count"];
+
+/// How a replay runs.
+#[derive(Debug, Clone, Default)]
+pub struct ReplayOptions {
+    /// Report what would happen; change nothing.
+    pub dry_run: bool,
+    /// At most this many entries per second (`None`: as fast as possible).
+    pub rate: Option<f64>,
+    /// The idempotency scope to check (default: each dead letter's group,
+    /// which is the worker's default scope).
+    pub scope: Option<String>,
+}
+
+/// Where "already processed" was looked up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProcessedCheck {
+    /// `processed_events` in PostgreSQL: the truth. (The Redis markers are
+    /// not asked: they speak for one database, which only PostgreSQL can
+    /// name; without it, nothing is checked.)
+    Postgres,
+}
+
+impl ProcessedCheck {
+    /// `postgres` or `redis-marker`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProcessedCheck::Postgres => "postgres",
+        }
+    }
+}
+
+/// One dead letter of a replay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplayItem {
+    /// Its dead-letter id.
+    pub id: String,
+    /// Its event_id, when it has one.
+    pub event_id: Option<String>,
+    /// The stream it goes back to.
+    pub stream: String,
+    /// Its effect is already committed: the worker will skip it as a
+    /// duplicate.
+    pub already_processed: bool,
+    /// Its new entry id in `stream` (`None` in a dry run or on failure).
+    pub replayed_as: Option<String>,
+    /// Why it could not be replayed (it stays in the dead-letter stream).
+    pub error: Option<String>,
+}
+
+/// What a replay did (or, in a dry run, would do).
+#[derive(Debug, Clone, Default)]
+pub struct ReplayReport {
+    /// Nothing was changed.
+    pub dry_run: bool,
+    /// The dead letters found, in the order they were handled.
+    pub items: Vec<ReplayItem>,
+    /// Ids asked for that are not (or no longer) in the dead-letter stream.
+    pub not_found: Vec<String>,
+    /// Where "already processed" was looked up (`None`: nothing to check).
+    pub checked_with: Option<ProcessedCheck>,
+}
+
+impl ReplayReport {
+    /// Entries put back on their stream (in a dry run: that would be).
+    pub fn replayed(&self) -> usize {
+        self.items
+            .iter()
+            .filter(|i| i.error.is_none() && (self.dry_run || i.replayed_as.is_some()))
+            .count()
+    }
+
+    /// Of those, how many the worker will skip as already processed.
+    pub fn already_processed(&self) -> usize {
+        self.items
+            .iter()
+            .filter(|i| i.error.is_none() && i.already_processed)
+            .count()
+    }
+
+    /// Entries that could not be replayed (they stay dead letters).
+    pub fn failed(&self) -> usize {
+        self.items.iter().filter(|i| i.error.is_some()).count()
+    }
+}
+
+/// XADD to the original stream and XDEL from the dead-letter stream, as one
+/// atomic step, only when the dead letter is still there. The XADD comes
+/// first: if it fails (say the key is not a stream), nothing was changed.
+/// KEYS: dead-letter stream, original stream. ARGV: dead-letter id, then
+/// field, value, field, value...
+const REPLAY_SCRIPT: &str = r"
+if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return false end
+local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
+redis.call('XDEL', KEYS[1], ARGV[1])
+return id
+";
+
+/// The fields a replayed entry carries: the original ones (earlier audit
+/// fields dropped) and the new audit fields.
+pub fn replay_fields(letter: &DeadLetter, now: SystemTime) -> Fields {
+    let previous: u64 = letter
+        .field("replay_count")
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let mut fields: Fields = letter
+        .fields
+        .iter()
+        .filter(|(k, _)| !REPLAY_FIELDS.iter().any(|a| a.as_bytes() == k.as_slice()))
+        .cloned()
+        .collect();
+    let audit = [
+        letter.id.clone().unwrap_or_default(),
+        millis(now).to_string(),
+        (previous + 1).to_string(),
+    ];
+    for (name, value) in REPLAY_FIELDS.iter().zip(audit) {
+        fields.push((name.as_bytes().to_vec(), value.into_bytes()));
+    }
+    fields
+}
+
+/// Which of `letters` are already processed, in their scopes.
+fn already_processed(
+    pg: Option<&mut postgres::Client>,
+    letters: &[DeadLetter],
+    scope: Option<&str>,
+) -> Result<Vec<bool>, Error> {
+    if letters.is_empty() {
+        return Ok(Vec::new());
+    }
+    let scope_of = |l: &DeadLetter| scope.unwrap_or(&l.group).to_owned();
+    match pg {
+        Some(pg) => {
+            let mut by_scope: HashMap<String, Vec<String>> = HashMap::new();
+            for l in letters {
+                if let Some(id) = &l.event_id {
+                    by_scope.entry(scope_of(l)).or_default().push(id.clone());
+                }
+            }
+            let mut done: HashSet<(String, String)> = HashSet::new();
+            for (scope, ids) in by_scope {
+                let rows = pg
+                    .query(
+                        "SELECT event_id FROM processed_events WHERE scope = $1 AND event_id = ANY($2)",
+                        &[&scope, &ids],
+                    )
+                    .map_err(pg_error("cannot read processed_events"))?;
+                for row in rows {
+                    done.insert((scope.clone(), row.get(0)));
+                }
+            }
+            Ok(letters
+                .iter()
+                .map(|l| {
+                    l.event_id
+                        .as_ref()
+                        .is_some_and(|id| done.contains(&(scope_of(l), id.clone())))
+                })
+                .collect())
+        }
+        None => Ok(vec![false; letters.len()]),
+    }
+}
+
+/// Puts the selected dead letters of `stream` back on their original stream
+/// (see the module documentation). With `pg`, "already processed" is looked
+/// up in `processed_events`, else not at all. `progress` is called
+/// with (done, total) after each chunk. A filter selection is replayed oldest
+/// first; ids in the order given.
+pub fn replay(
+    conn: &mut RedisConn,
+    mut pg: Option<&mut postgres::Client>,
+    stream: &str,
+    selection: &Selection,
+    options: &ReplayOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<ReplayReport, Error> {
+    if let Some(rate) = options.rate {
+        if !(rate.is_finite() && rate > 0.0) {
+            return Err(bad_input(format!(
+                "bad rate {rate}: expected a positive number"
+            )));
+        }
+    }
+    let dlq = dead_letter_stream(stream);
+    let ids = selected_ids(conn, stream, selection)?;
+    let total = ids.len();
+    let mut report = ReplayReport {
+        dry_run: options.dry_run,
+        checked_with: pg.is_some().then_some(ProcessedCheck::Postgres),
+        ..ReplayReport::default()
+    };
+    let started = Instant::now();
+    let mut sent = 0usize;
+    let mut done = 0usize;
+    for chunk in ids.chunks(CHUNK) {
+        let done_sent = sent;
+        let fetched = fetch(conn, &dlq, chunk).map_err(|e| progress_error(e, &report, total))?;
+        let mut letters = Vec::with_capacity(chunk.len());
+        for (id, fields) in chunk.iter().zip(fetched) {
+            let letter = fields.map(|f| DeadLetter::from_fields(Some(id.clone()), &f));
+            match letter {
+                None => report.not_found.push(id.clone()),
+                Some(Ok(letter)) => letters.push(letter),
+                Some(Err(why)) => report.items.push(ReplayItem {
+                    id: id.clone(),
+                    event_id: None,
+                    stream: stream.to_owned(),
+                    already_processed: false,
+                    replayed_as: None,
+                    error: Some(format!("not a readable dead letter: {why}")),
+                }),
+            }
+        }
+        let processed = already_processed(pg.as_deref_mut(), &letters, options.scope.as_deref())
+            .map_err(|e| progress_error(e, &report, total))?;
+        let items: Vec<ReplayItem> = letters
+            .iter()
+            .zip(&processed)
+            .map(|(l, &p)| ReplayItem {
+                id: l.id.clone().unwrap_or_default(),
+                event_id: l.event_id.clone(),
+                stream: l.stream.clone(),
+                already_processed: p,
+                replayed_as: None,
+                error: None,
+            })
+            .collect();
+        if options.dry_run {
+            report.items.extend(items);
+        } else {
+            // Without a rate, one round trip per chunk; with one, one entry
+            // at a time, each at its due time.
+            let group = if options.rate.is_some() { 1 } else { CHUNK };
+            let mut items = items.into_iter();
+            for letters in letters.chunks(group) {
+                if let Some(rate) = options.rate {
+                    let due = started + Duration::from_secs_f64(sent as f64 / rate);
+                    if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                        std::thread::sleep(wait);
+                    }
+                }
+                let now = SystemTime::now();
+                let mut pipe = redis::pipe();
+                pipe.ignore_errors();
+                for l in letters {
+                    let mut eval = redis::cmd("EVAL");
+                    eval.arg(REPLAY_SCRIPT)
+                        .arg(2)
+                        .arg(&dlq)
+                        .arg(&l.stream)
+                        .arg(l.id.as_deref().unwrap_or_default());
+                    for (k, v) in replay_fields(l, now) {
+                        eval.arg(k).arg(v);
+                    }
+                    pipe.add_command(eval);
+                }
+                let results: Vec<redis::RedisResult<Option<String>>> = pipe
+                    .query(conn)
+                    .map_err(|e| progress_error(redis_error(&dlq)(e), &report, total))?;
+                sent += letters.len();
+                for (mut item, result) in items.by_ref().take(letters.len()).zip(results) {
+                    match result {
+                        Ok(Some(new_id)) => item.replayed_as = Some(new_id),
+                        // Replayed or purged by someone else since it was read.
+                        Ok(None) => {
+                            report.not_found.push(item.id);
+                            continue;
+                        }
+                        Err(e) => item.error = Some(format!("replay failed: {e}")),
+                    }
+                    report.items.push(item);
+                }
+                if options.rate.is_some() {
+                    progress(done + sent - done_sent, total);
+                }
+            }
+        }
+        done += chunk.len();
+        progress(done, total);
+    }
+    Ok(report)
+}
+
+/// An error in the middle of a bulk operation, with how far it got.
+fn progress_error(e: Error, report: &ReplayReport, total: usize) -> Error {
+    let done = report.replayed();
+    if done == 0 || report.dry_run {
+        return e;
+    }
+    Error::with_source(
+        e.kind(),
+        format!("stopped after replaying {done} of {total} dead letters"),
+        e,
+    )
+}
+
+/// The ids a selection names: given ids as they are (checked), a filter's
+/// matches oldest first.
+pub(crate) fn selected_ids(
+    conn: &mut RedisConn,
+    stream: &str,
+    selection: &Selection,
+) -> Result<Vec<String>, Error> {
+    match selection {
+        Selection::Ids(ids) => {
+            check_ids(ids)?;
+            let mut seen = HashSet::new();
+            Ok(ids.iter().filter(|id| seen.insert(*id)).cloned().collect())
+        }
+        Selection::Filter(filter) => {
+            let mut ids = matching_ids(conn, stream, filter)?;
+            ids.reverse();
+            Ok(ids)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dlq::Kind;
+    use std::time::UNIX_EPOCH;
+
+    /// A permanent dead letter of entry 1-0 on stream `s`, with `fields`.
+    fn sample_letter(fields: Fields) -> DeadLetter {
+        DeadLetter {
+            id: Some("9-0".into()),
+            original_id: "1-0".into(),
+            stream: "s".into(),
+            group: "g".into(),
+            consumer: "c".into(),
+            event_id: Some("e".into()),
+            kind: Kind::Permanent,
+            reason: "r".into(),
+            attempts: 1,
+            history: Vec::new(),
+            first_failed_at: 1,
+            dead_at: 2,
+            fields,
+        }
+    }
+
+    #[test]
+    fn replay_fields_replace_earlier_audit_fields() {
+        let letter = sample_letter(vec![
+            (b"event_id".to_vec(), b"e".to_vec()),
+            (b"replayed_from".to_vec(), b"3-0".to_vec()),
+            (b"replay_count".to_vec(), b"2".to_vec()),
+            (b"bin".to_vec(), vec![0, 255]),
+        ]);
+        let fields = replay_fields(&letter, UNIX_EPOCH + Duration::from_millis(42));
+        let get = |n: &str| {
+            let all: Vec<&Vec<u8>> = fields
+                .iter()
+                .filter(|(k, _)| k.as_slice() == n.as_bytes())
+                .map(|(_, v)| v)
+                .collect();
+            assert_eq!(all.len(), 1, "{n} once");
+            all[0].clone()
+        };
+        assert_eq!(get("event_id"), b"e");
+        assert_eq!(get("bin"), vec![0, 255]);
+        assert_eq!(get("replayed_from"), b"9-0");
+        assert_eq!(get("replayed_at"), b"42");
+        assert_eq!(get("replay_count"), b"3");
+    }
+}

@@ -1,0 +1,70 @@
+//! What both servers' connections share: how long to wait for them, the
+//! settings of their pools, and percent-encoding for URLs and cookies.
+
+use std::time::Duration;
+
+/// Environment variable naming a PEM file with the CA certificate(s) that
+/// `rediss://` servers are verified against (instead of the system store).
+pub const REDIS_CA_FILE_ENV: &str = "TASKHUB_REDIS_CA_FILE";
+
+/// How long to wait for a TCP connection or a pooled connection.
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one ordinary Redis command may take before the connection is
+/// considered lost.
+pub(crate) const REDIS_COMMAND_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The settings both pools share: no test on check-out (a broken connection
+/// shows on its next command), a bounded wait, one named helper thread.
+pub(crate) fn pool_builder<M: r2d2::ManageConnection>(
+    size: u32,
+    thread_name: &str,
+) -> r2d2::Builder<M> {
+    r2d2::Pool::builder()
+        .max_size(size)
+        .min_idle(Some(1))
+        .test_on_check_out(false)
+        .connection_timeout(CONNECT_TIMEOUT)
+        .error_handler(Box::new(r2d2::NopErrorHandler))
+        .thread_pool(std::sync::Arc::new(
+            scheduled_thread_pool::ScheduledThreadPool::builder()
+                .num_threads(1)
+                .thread_name_pattern(thread_name)
+                .build(),
+        ))
+}
+
+/// `%XX` escapes decoded (for a path in a URL query).
+pub(crate) fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            if let Some(b) = s
+                .get(i + 1..i + 3)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+            {
+                out.push(b);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Every byte but `A-Z a-z 0-9 - _ . ~` as `%XX` (for a URL query value or
+/// a cookie value).
+pub(crate) fn percent_encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}

@@ -1,0 +1,146 @@
+//! The PostgreSQL pool of the worker threads: r2d2_postgres' managers,
+//! plus what every new session is set up with and a way to drop one whose
+//! session is unusable although it is not closed.
+
+use std::time::Duration;
+
+use postgres_native_tls::MakeTlsConnector;
+
+use crate::error::Error;
+use crate::net::pool_builder;
+use crate::postgres::connect::{connect_pg, pg_config, pg_unreachable};
+use crate::redis::keys::{Identity, Namespace};
+
+type PlainManager = r2d2_postgres::PostgresConnectionManager<postgres::NoTls>;
+type TlsManager = r2d2_postgres::PostgresConnectionManager<MakeTlsConnector>;
+
+/// How the worker pool's connections are made: without TLS when the URL
+/// says `sslmode=disable` (no OpenSSL context at all: it costs about 6 MB),
+/// with it otherwise.
+enum Connector {
+    Plain(PlainManager),
+    Tls(TlsManager),
+}
+
+/// What every new connection of the worker pool is set up with: the
+/// statement timeout (`--handler-timeout`); read-only as the default for
+/// transactions (taskhub's own start READ WRITE, so a handler that ends the
+/// transaction itself with COMMIT or ROLLBACK cannot go on writing outside
+/// it: see `apply.rs`); and a look at which database history it reached, so
+/// the duplicate markers follow it (see `keys.rs`).
+pub(crate) struct Setup {
+    pub namespace: Namespace,
+    pub statement_timeout: Duration,
+}
+
+impl Setup {
+    fn apply(&self, client: &mut postgres::Client) -> Result<(), postgres::Error> {
+        let sql = format!(
+            "SET statement_timeout = {}; SET default_transaction_read_only = on; {}",
+            self.statement_timeout.as_millis(),
+            Identity::QUERY
+        );
+        let messages = client.simple_query(&sql)?;
+        let row = messages.iter().find_map(|m| match m {
+            postgres::SimpleQueryMessage::Row(row) => Some(row),
+            _ => None,
+        });
+        if let Some(row) = row {
+            let text = |i: usize| row.get(i).unwrap_or_default().to_owned();
+            self.namespace.observe(&Identity {
+                system_identifier: text(0),
+                database_oid: text(1),
+                timeline: text(2),
+                filenode: text(3),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The r2d2 manager of the worker pool: r2d2_postgres' managers, plus the
+/// set-up above and a way to drop a connection whose session is unusable
+/// (read-only) although it is not closed.
+pub(crate) struct PgManager {
+    connector: Connector,
+    setup: Setup,
+}
+
+/// A pooled PostgreSQL client; [`discard`](PgClient::discard) makes the
+/// pool close it instead of reusing it.
+pub(crate) struct PgClient {
+    client: postgres::Client,
+    discard: bool,
+}
+
+impl PgClient {
+    /// The session is not fit for reuse (say, read-only after a failover):
+    /// the pool closes it when it comes back.
+    pub fn discard(&mut self) {
+        self.discard = true;
+    }
+}
+
+impl std::ops::Deref for PgClient {
+    type Target = postgres::Client;
+
+    fn deref(&self) -> &postgres::Client {
+        &self.client
+    }
+}
+
+impl std::ops::DerefMut for PgClient {
+    fn deref_mut(&mut self) -> &mut postgres::Client {
+        &mut self.client
+    }
+}
+
+impl r2d2::ManageConnection for PgManager {
+    type Connection = PgClient;
+    type Error = postgres::Error;
+
+    fn connect(&self) -> Result<PgClient, postgres::Error> {
+        let mut client = match &self.connector {
+            Connector::Plain(m) => m.connect()?,
+            Connector::Tls(m) => m.connect()?,
+        };
+        self.setup.apply(&mut client)?;
+        Ok(PgClient {
+            client,
+            discard: false,
+        })
+    }
+
+    fn is_valid(&self, conn: &mut PgClient) -> Result<(), postgres::Error> {
+        conn.client.simple_query("").map(|_| ())
+    }
+
+    fn has_broken(&self, conn: &mut PgClient) -> bool {
+        conn.discard || conn.client.is_closed()
+    }
+}
+
+/// The PostgreSQL pool shared by the workers.
+pub(crate) type PgPool = r2d2::Pool<PgManager>;
+/// A connection of that pool; it dereferences to a `postgres::Client`.
+pub(crate) type PgConn = r2d2::PooledConnection<PgManager>;
+
+/// The PostgreSQL pool shared by the workers. Fails at once (after the
+/// connect timeout) when the server cannot be reached.
+pub(crate) fn postgres_pool(url: &str, size: u32, setup: Setup) -> Result<PgPool, Error> {
+    // One direct connection first: r2d2 would only report a timeout, this
+    // names the cause (refused, authentication, unknown database...).
+    let (config, tls) = pg_config(url)?;
+    let mut probe = connect_pg(&config, tls.clone()).map_err(|e| pg_unreachable(url, e))?;
+    setup
+        .apply(&mut probe)
+        .map_err(|e| pg_unreachable(url, e))?;
+    drop(probe);
+    let connector = match tls {
+        Some(tls) => Connector::Tls(TlsManager::new(config, tls)),
+        None => Connector::Plain(PlainManager::new(config, postgres::NoTls)),
+    };
+    pool_builder(size, "taskhub-pg-pool-{}")
+        .build(PgManager { connector, setup })
+        .map_err(|e| pg_unreachable(url, e))
+}
