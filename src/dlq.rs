@@ -58,9 +58,10 @@ pub const REPLAY_FIELDS: [&str; 3] = ["replayed_from", "replayed_at", "replay_co
 // Connections
 // ---------------------------------------------------------------------------
 
-/// A Redis connection with the library's timeouts, for these functions.
-pub fn connect_redis(redis_url: &str) -> Result<RedisConn, Error> {
-    crate::redis_conn::connect(redis_url)
+/// A Redis connection with the library's timeouts, for these functions
+/// (with `tls` for a `rediss://` URL).
+pub fn connect_redis(redis_url: &str, tls: &crate::Tls) -> Result<RedisConn, Error> {
+    crate::redis_conn::connect(redis_url, tls)
 }
 
 /// A PostgreSQL client with the library's connect timeout.

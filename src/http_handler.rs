@@ -12,9 +12,10 @@
 
 use std::time::{Duration, SystemTime};
 
-use crate::error::HandlerError;
+use crate::error::{Error, HandlerError};
 use crate::event::Event;
 use crate::handler::{Handler, Tx};
+use crate::tls::Tls;
 
 /// POSTs each event to one URL.
 #[derive(Debug, Clone)]
@@ -24,18 +25,22 @@ pub struct HttpHandler {
 }
 
 impl HttpHandler {
-    /// A handler posting to `url`, failing a request after `timeout`.
-    pub fn new(url: &str, timeout: Duration) -> HttpHandler {
+    /// A handler posting to `url`, failing a request after `timeout`. An
+    /// `https://` URL is verified with `tls` (its CA file, else the system's
+    /// trust store) and gets its client certificate, if it has one
+    /// (`Tls::default()` for neither). Fails when a TLS file cannot be read.
+    pub fn new(url: &str, timeout: Duration, tls: &Tls) -> Result<HttpHandler, Error> {
         let config = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .max_redirects(0)
             .timeout_global(Some(timeout))
             .user_agent("taskhub")
+            .tls_config(crate::tls::ureq_tls(url, tls)?)
             .build();
-        HttpHandler {
+        Ok(HttpHandler {
             url: url.to_owned(),
             agent: config.into(),
-        }
+        })
     }
 }
 

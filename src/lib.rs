@@ -89,6 +89,7 @@ mod shutdown;
 mod sql_handler;
 mod stats;
 mod streams;
+mod tls;
 
 pub use backoff::Backoff;
 pub use config::{default_consumer_name, Builder, Config, Mode};
@@ -109,6 +110,7 @@ pub use run::Worker;
 pub use shutdown::Shutdown;
 pub use sql_handler::{SqlHandler, DEFAULT_STATEMENT};
 pub use stats::Summary;
+pub use tls::Tls;
 
 // The README's code blocks are compiled as doc tests.
 #[cfg(doctest)]

@@ -302,11 +302,12 @@ fn json_log_lines_and_flags_over_the_environment() {
         "{}",
         out.stderr
     );
-    let names: Vec<String> = taskhub::consumers(&redis_url(), &stream, &group)
-        .unwrap()
-        .into_iter()
-        .map(|c| c.name)
-        .collect();
+    let names: Vec<String> =
+        taskhub::consumers(&redis_url(), &taskhub::Tls::default(), &stream, &group)
+            .unwrap()
+            .into_iter()
+            .map(|c| c.name)
+            .collect();
     assert_eq!(names, ["from-flag"]);
     assert_eq!(db.effects("j-1"), 1);
 }

@@ -1,5 +1,6 @@
 //! `taskhub run`: flags to a `Worker`, signals to its shutdown handle.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
@@ -105,11 +106,39 @@ pub struct RunArgs {
     /// Where a newly created group starts: 0 (whole stream) or $ (new entries only).
     #[arg(long, default_value = "0")]
     pub start_id: String,
+    /// PEM file with the CA certificate(s) that https:// --http-url and
+    /// --alert-webhook servers are verified against, instead of the system's store.
+    #[arg(long, env = "TASKHUB_HTTP_CA_FILE", value_name = "PATH")]
+    pub http_ca_file: Option<PathBuf>,
+    /// Client certificate (PEM) for the https:// --http-url and
+    /// --alert-webhook servers; with --http-client-key.
+    #[arg(
+        long,
+        env = "TASKHUB_HTTP_CLIENT_CERT",
+        value_name = "PATH",
+        requires = "http_client_key"
+    )]
+    pub http_client_cert: Option<PathBuf>,
+    /// The private key (PEM) of --http-client-cert.
+    #[arg(
+        long,
+        env = "TASKHUB_HTTP_CLIENT_KEY",
+        value_name = "PATH",
+        requires = "http_client_cert"
+    )]
+    pub http_client_key: Option<PathBuf>,
 }
 
 pub fn run(servers: &Servers, args: RunArgs) -> Result<(), String> {
+    let http_tls = super::servers::tls(
+        &args.http_ca_file,
+        &args.http_client_cert,
+        &args.http_client_key,
+    );
     let mut builder = Worker::builder()
         .redis_url(&servers.redis_url)
+        .redis_tls(servers.redis_tls())
+        .http_tls(http_tls.clone())
         .database_url(&servers.database_url)
         .group(&args.group)
         .workers(args.workers)
@@ -154,10 +183,11 @@ pub fn run(servers: &Servers, args: RunArgs) -> Result<(), String> {
         .alert_age(args.alert_age)
         .alert_min_gap(args.alert_min_gap);
     let worker = match &args.http_url {
-        Some(url) => builder.build(HttpHandler::new(
-            url,
-            args.http_timeout.min(args.handler_timeout),
-        )),
+        Some(url) => {
+            let timeout = args.http_timeout.min(args.handler_timeout);
+            let handler = HttpHandler::new(url, timeout, &http_tls).map_err(|e| e.to_string())?;
+            builder.build(handler)
+        }
         None => builder.build(SqlHandler::new(args.sql)),
     }
     .map_err(|e| e.to_string())?;
