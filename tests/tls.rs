@@ -367,6 +367,14 @@ fn a_wrong_certificate_authority_is_a_one_line_startup_error() {
         assert!(!stderr.contains(ACL_PASSWORD), "{stderr}");
     }
 
+    // rediss://...#insecure encrypts without checking the certificate: the
+    // system's store (which does not know the CA) is then no obstacle.
+    let insecure = format!("{}/#insecure", redis.url());
+    let mut cmd = taskhub_tls(&insecure, &good_pg, None);
+    cmd.args(["produce", "--stream", &unique("tls_insecure"), "--count", "1"]);
+    let (code, stderr) = run(&mut cmd, None);
+    assert_eq!(code, 0, "#insecure: {stderr}");
+
     // A wrong ACL password is refused, and not shown.
     let url = format!(
         "rediss://{ACL_USER}:wrong-password-123@127.0.0.1:{}",
