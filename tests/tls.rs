@@ -371,7 +371,13 @@ fn a_wrong_certificate_authority_is_a_one_line_startup_error() {
     // system's store (which does not know the CA) is then no obstacle.
     let insecure = format!("{}/#insecure", redis.url());
     let mut cmd = taskhub_tls(&insecure, &good_pg, None);
-    cmd.args(["produce", "--stream", &unique("tls_insecure"), "--count", "1"]);
+    cmd.args([
+        "produce",
+        "--stream",
+        &unique("tls_insecure"),
+        "--count",
+        "1",
+    ]);
     let (code, stderr) = run(&mut cmd, None);
     assert_eq!(code, 0, "#insecure: {stderr}");
 
@@ -653,4 +659,42 @@ fn http_url_and_alert_webhook_over_mutual_tls() {
         assert!(letters[0].reason.contains(reason), "{}", letters[0].reason);
         assert!(!seen.lock().unwrap().events.iter().any(|e| e == id));
     }
+}
+
+/// SCRAM over TLS is bound to the TLS channel (SCRAM-SHA-256-PLUS, the
+/// server's certificate hashed into the exchange), as it was with OpenSSL:
+/// `channel_binding=require` refuses to log in without it.
+#[test]
+fn scram_over_tls_is_bound_to_the_channel() {
+    let dir = TempDir::new("taskhub-tls-scram");
+    let certs = make_certs(&dir.0, "ca");
+    let pg = tls_postgres_with(&certs, &dir.0, "scram-sha-256");
+    socket_client(&pg)
+        .batch_execute(
+            "SET password_encryption = 'scram-sha-256'; \
+             CREATE USER scrammer PASSWORD 'scram-pass-93'; \
+             GRANT ALL ON SCHEMA public TO scrammer",
+        )
+        .unwrap();
+    let url = |password: &str| {
+        format!(
+            "postgres://scrammer:{password}@127.0.0.1:{}/postgres?sslmode=require&channel_binding=require",
+            pg.port
+        )
+    };
+    let (code, stderr) = run(
+        taskhub(&redis_url(), &url("scram-pass-93")).arg("migrate"),
+        None,
+    );
+    assert_eq!(code, 0, "SCRAM with channel binding: {stderr}");
+    let (code, stderr) = run(
+        taskhub(&redis_url(), &url("wrong-pass-93")).arg("migrate"),
+        None,
+    );
+    assert_eq!(code, 1, "{stderr}");
+    assert!(
+        stderr.contains("password authentication failed"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("wrong-pass-93"), "{stderr}");
 }
