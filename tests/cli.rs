@@ -312,6 +312,29 @@ fn json_log_lines_and_flags_over_the_environment() {
     assert_eq!(db.effects("j-1"), 1);
 }
 
+/// An env file with the TLS variables left empty (`TASKHUB_REDIS_CA_FILE=`)
+/// means "not set", as it did before these were flags; clap alone would
+/// call an empty path a usage error.
+#[test]
+fn empty_tls_variables_are_not_set() {
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut cmd = th(&db.url);
+    for var in [
+        "TASKHUB_REDIS_CA_FILE",
+        "TASKHUB_REDIS_CLIENT_CERT",
+        "TASKHUB_REDIS_CLIENT_KEY",
+        "TASKHUB_HTTP_CA_FILE",
+        "TASKHUB_HTTP_CLIENT_CERT",
+        "TASKHUB_HTTP_CLIENT_KEY",
+    ] {
+        cmd.env(var, "");
+    }
+    cmd.args(["run", "--stream", &stream, "--until-idle", "--block-ms", "200"]);
+    let out = output(cmd, None, T);
+    assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
+}
+
 #[test]
 fn produce_count_then_run_until_idle_applies_all() {
     let db = TestDb::new();

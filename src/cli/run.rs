@@ -108,7 +108,12 @@ pub struct RunArgs {
     pub start_id: String,
     /// PEM file with the CA certificate(s) that https:// --http-url and
     /// --alert-webhook servers are verified against, instead of the system's store.
-    #[arg(long, env = "TASKHUB_HTTP_CA_FILE", value_name = "PATH")]
+    #[arg(
+        long,
+        env = "TASKHUB_HTTP_CA_FILE",
+        value_name = "PATH",
+        value_parser = super::servers::path
+    )]
     pub http_ca_file: Option<PathBuf>,
     /// Client certificate (PEM) for the https:// --http-url and
     /// --alert-webhook servers; with --http-client-key.
@@ -116,6 +121,7 @@ pub struct RunArgs {
         long,
         env = "TASKHUB_HTTP_CLIENT_CERT",
         value_name = "PATH",
+        value_parser = super::servers::path,
         requires = "http_client_key"
     )]
     pub http_client_cert: Option<PathBuf>,
@@ -124,6 +130,7 @@ pub struct RunArgs {
         long,
         env = "TASKHUB_HTTP_CLIENT_KEY",
         value_name = "PATH",
+        value_parser = super::servers::path,
         requires = "http_client_cert"
     )]
     pub http_client_key: Option<PathBuf>,

@@ -45,7 +45,8 @@ pub struct Servers {
         long,
         env = "TASKHUB_REDIS_CA_FILE",
         global = true,
-        value_name = "PATH"
+        value_name = "PATH",
+        value_parser = path
     )]
     pub redis_ca_file: Option<PathBuf>,
     /// Client certificate (PEM) for rediss:// servers that require one
@@ -55,6 +56,7 @@ pub struct Servers {
         env = "TASKHUB_REDIS_CLIENT_CERT",
         global = true,
         value_name = "PATH",
+        value_parser = path,
         requires = "redis_client_key"
     )]
     pub redis_client_cert: Option<PathBuf>,
@@ -64,23 +66,34 @@ pub struct Servers {
         env = "TASKHUB_REDIS_CLIENT_KEY",
         global = true,
         value_name = "PATH",
+        value_parser = path,
         requires = "redis_client_cert"
     )]
     pub redis_client_key: Option<PathBuf>,
 }
 
-/// A `Tls` of the library from the flags.
+/// A path flag. An empty value (`TASKHUB_REDIS_CA_FILE=` in an env file)
+/// is taken, and means "not set" (see [`tls`]).
+pub fn path(value: &str) -> Result<PathBuf, String> {
+    Ok(PathBuf::from(value))
+}
+
+/// A `Tls` of the library from the flags; empty paths are not set.
 pub fn tls(
     ca_file: &Option<PathBuf>,
     cert: &Option<PathBuf>,
     key: &Option<PathBuf>,
 ) -> taskhub::Tls {
+    let given = |p: &Option<PathBuf>| p.clone().filter(|p| !p.as_os_str().is_empty());
     let mut tls = taskhub::Tls::default();
-    if let Some(ca) = ca_file {
+    if let Some(ca) = given(ca_file) {
         tls = tls.ca_file(ca);
     }
-    if let (Some(cert), Some(key)) = (cert, key) {
-        tls = tls.client_cert(cert, key);
+    match (given(cert), given(key)) {
+        (Some(cert), Some(key)) => tls = tls.client_cert(cert, key),
+        (None, None) => {}
+        // clap makes sure both flags are given, not that both are non-empty.
+        _ => log::warn!("tls: a client certificate needs both its file and its key; not used"),
     }
     tls
 }
