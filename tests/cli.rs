@@ -334,7 +334,8 @@ fn empty_tls_variables_are_not_set() {
     ] {
         cmd.env(var, "");
     }
-    cmd.args(["run", "--stream", &stream, "--until-idle", "--block-ms", "200"]);
+    cmd.args(["run", "--stream", &stream, "--until-idle"])
+        .args(["--block-ms", "200"]);
     let out = output(cmd, None, T);
     assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
 }
