@@ -4,9 +4,9 @@
 #   docker run --rm -e REDIS_URL=... -e DATABASE_URL=... taskhub run
 #
 # Stage 1 compiles with the official Rust image (Cargo.lock is honoured,
-# --locked); stage 2 holds only the binary, CA certificates, OpenSSL's
-# libssl (TLS to Redis and PostgreSQL) and a non-root user. The migrations
-# are embedded in the binary.
+# --locked); stage 2 holds only the binary, the CA certificates (the
+# system's trust store for TLS, which is rustls inside the binary: no
+# OpenSSL) and a non-root user. The migrations are embedded in the binary.
 
 FROM rust:1-bookworm AS builder
 WORKDIR /src
@@ -18,7 +18,7 @@ RUN cargo build --release --locked \
 
 FROM debian:bookworm-slim
 RUN apt-get update \
- && apt-get install -y --no-install-recommends ca-certificates libssl3 \
+ && apt-get install -y --no-install-recommends ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --user-group --no-create-home \
       --home-dir /nonexistent --shell /usr/sbin/nologin taskhub

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use taskhub::{Event, Handler, HandlerError, Producer, SqlHandler, Tx, Worker};
+use taskhub::{Event, Handler, HandlerError, Producer, SqlHandler, Tls, Tx, Worker};
 
 struct Args {
     events: usize,
@@ -173,7 +173,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let run = uuid::Uuid::new_v4().simple().to_string();
     let stream = format!("bench:{run}");
     let group = format!("bench-{run}");
-    let mut producer = Producer::connect(&redis_url, &stream)?;
+    let mut producer = Producer::connect(&redis_url, &Tls::default(), &stream)?;
     let pad = "x".repeat(args.payload_bytes.saturating_sub(60));
     let failing_every = if args.fail_ratio > 0.0 {
         (1.0 / args.fail_ratio).round() as usize

@@ -8,7 +8,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use taskhub::{handler_fn, Backoff, DeadLetter, Event, HandlerError, Producer, Tx, Worker};
+use taskhub::{handler_fn, Backoff, DeadLetter, Event, HandlerError, Producer, Tls, Tx, Worker};
 
 const MAX_ATTEMPTS: u32 = 4; // the first attempt and 3 retries
 
@@ -25,7 +25,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         cap: Duration::from_secs(1),
         max_retry_after: Duration::from_secs(60),
     };
-    Producer::connect(&redis_url, &stream)?.send_event("msg-2", Some("{\"to\":\"ops\"}"))?;
+    Producer::connect(&redis_url, &Tls::default(), &stream)?
+        .send_event("msg-2", Some("{\"to\":\"ops\"}"))?;
 
     let calls = AtomicU32::new(0);
     let handler = handler_fn(move |event: &Event, _tx: &mut Tx<'_>| {

@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use taskhub::{Producer, SqlHandler, Worker};
+use taskhub::{Producer, SqlHandler, Tls, Worker};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let redis_url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
@@ -24,7 +24,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let stream = format!("demo:idem:{run}");
     let group = format!("idem-{run}");
     let event_id = format!("order-42-{run}");
-    let mut producer = Producer::connect(&redis_url, &stream)?;
+    let mut producer = Producer::connect(&redis_url, &Tls::default(), &stream)?;
 
     for delivery in 1..=3 {
         producer.send_event(&event_id, Some("{\"order\":42}"))?;

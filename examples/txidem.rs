@@ -12,7 +12,7 @@
 
 use std::time::Duration;
 
-use taskhub::{handler_fn, Event, Handler, HandlerError, Producer, SqlHandler, Tx, Worker};
+use taskhub::{handler_fn, Event, Handler, HandlerError, Producer, SqlHandler, Tls, Tx, Worker};
 
 fn counts(
     db: &mut postgres::Client,
@@ -45,7 +45,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let stream = format!("demo:txidem:{run}");
     let group = format!("txidem-{run}");
     let event_id = format!("order-7-{run}");
-    let mut producer = Producer::connect(&redis_url, &stream)?;
+    let mut producer = Producer::connect(&redis_url, &Tls::default(), &stream)?;
     let run_once = |handler: Box<dyn Handler>| {
         Worker::builder()
             .redis_url(&redis_url)

@@ -38,10 +38,9 @@ command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
 # tests/dlq_page.rs renders the dead-letter page in a real headless Chromium.
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 pg_bin_dir >/dev/null || missing+=(postgresql)
-# tests/tls.rs makes its certificates with the openssl command; the build
-# links OpenSSL (native-tls) through pkg-config.
+# tests/tls.rs and tests/cluster.rs make their certificates with the openssl
+# command (the build itself needs no OpenSSL: TLS is rustls).
 command -v openssl >/dev/null 2>&1 || missing+=(openssl)
-pkg-config --exists openssl 2>/dev/null || missing+=(pkg-config libssl-dev)
 if ((${#missing[@]})); then
     echo "test.sh: installing ${missing[*]} (the tests start their own servers)" >&2
     sudo=()

@@ -8,6 +8,7 @@ use std::time::Duration;
 use crate::error::Error;
 use crate::handler::Handler;
 use crate::redact::redact;
+use crate::tls::Tls;
 use crate::worker::Worker;
 
 /// The validated settings of a [`Worker`]. Build one with [`Worker::builder`].
@@ -15,6 +16,8 @@ use crate::worker::Worker;
 pub struct Config {
     pub(crate) redis_url: String,
     pub(crate) database_url: String,
+    pub(crate) redis_tls: Tls,
+    pub(crate) http_tls: Tls,
     pub(crate) streams: Vec<String>,
     pub(crate) group: String,
     pub(crate) consumer: String,
@@ -108,6 +111,8 @@ impl fmt::Debug for Config {
         f.debug_struct("Config")
             .field("redis_url", &redact(&self.redis_url))
             .field("database_url", &redact(&self.database_url))
+            .field("redis_tls", &self.redis_tls)
+            .field("http_tls", &self.http_tls)
             .field("streams", &self.streams)
             .field("group", &self.group)
             .field("consumer", &self.consumer)
@@ -170,6 +175,8 @@ impl Default for Builder {
             config: Config {
                 redis_url: "redis://127.0.0.1:6379".into(),
                 database_url: "postgres://postgres:taskhub@127.0.0.1:5432/taskhub".into(),
+                redis_tls: Tls::default(),
+                http_tls: Tls::default(),
                 streams: Vec::new(),
                 group: "workers".into(),
                 consumer: default_consumer_name(),
@@ -222,9 +229,25 @@ impl Builder {
         redis_url: &str
     );
     setter!(
-        /// PostgreSQL URL or key-value string.
+        /// PostgreSQL URL or key-value string. TLS settings are libpq's URL
+        /// parameters: `sslmode` (`disable`, `prefer`, `require`,
+        /// `verify-ca`, `verify-full`), `sslrootcert` (the CA file), `sslcert`
+        /// and `sslkey` (a client certificate).
         /// Defaults to `postgres://postgres:taskhub@127.0.0.1:5432/taskhub`.
         database_url: &str
+    );
+    setter!(
+        /// TLS files for a `rediss://` URL, one server or a cluster: the CA
+        /// to verify the servers with, and a client certificate.
+        /// Defaults to none: the system's trust store, no client certificate.
+        redis_tls: Tls
+    );
+    setter!(
+        /// TLS files for the `https://` alert webhook: the CA to verify it
+        /// with, and a client certificate (the `--http-url` handler takes its
+        /// own, see [`HttpHandler::new`](crate::HttpHandler::new)).
+        /// Defaults to none: the system's trust store, no client certificate.
+        http_tls: Tls
     );
     setter!(
         /// The consumer group; created (with MKSTREAM) when missing.

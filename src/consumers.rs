@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use crate::error::{Error, ErrorKind};
 use crate::redis::connect as connect_redis;
+use crate::tls::Tls;
 
 /// One consumer of a group, as `XINFO CONSUMERS` reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,9 +24,15 @@ fn redis_error(what: String, e: redis::RedisError) -> Error {
     Error::with_source(ErrorKind::Redis, what, e)
 }
 
-/// The consumers of `group` on `stream`.
-pub fn consumers(redis_url: &str, stream: &str, group: &str) -> Result<Vec<ConsumerInfo>, Error> {
-    let mut conn = connect_redis(redis_url)?;
+/// The consumers of `group` on `stream`, asking Redis at `redis_url` (with
+/// `tls` for a `rediss://` URL).
+pub fn consumers(
+    redis_url: &str,
+    tls: &Tls,
+    stream: &str,
+    group: &str,
+) -> Result<Vec<ConsumerInfo>, Error> {
+    let mut conn = connect_redis(redis_url, tls)?;
     let rows: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
         .arg("CONSUMERS")
         .arg(stream)
@@ -66,11 +73,12 @@ return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 /// (let the reclaimer of a live instance take them over first).
 pub fn remove_consumer(
     redis_url: &str,
+    tls: &Tls,
     stream: &str,
     group: &str,
     consumer: &str,
 ) -> Result<(), Error> {
-    let mut conn = connect_redis(redis_url)?;
+    let mut conn = connect_redis(redis_url, tls)?;
     redis::cmd("EVAL")
         .arg(REMOVE_IF_IDLE)
         .arg(1)

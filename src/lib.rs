@@ -22,6 +22,13 @@
 //! name streams with a hash tag (`{tasks}:events`) so each stream and its
 //! dead-letter stream share a slot.
 //!
+//! Every TLS connection (PostgreSQL, Redis, the [`HttpHandler`], the alert
+//! webhook) goes through rustls (`tls/`). PostgreSQL takes libpq's URL
+//! parameters (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`); Redis and the
+//! HTTP side take a [`Tls`] (a CA file, a client certificate) from
+//! [`Builder::redis_tls`] and [`Builder::http_tls`]. Without a CA file, the
+//! system's trust store is used.
+//!
 //! # Embedding
 //!
 //! ```no_run
@@ -70,6 +77,7 @@ mod produce;
 mod redact;
 mod redis;
 mod shutdown;
+mod tls;
 mod worker;
 
 pub use backoff::Backoff;
@@ -88,6 +96,7 @@ pub use produce::Producer;
 pub use redact::redact;
 pub use redis::{Pipe, RedisConn};
 pub use shutdown::Shutdown;
+pub use tls::Tls;
 pub use worker::stats::Summary;
 pub use worker::Worker;
 

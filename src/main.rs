@@ -83,7 +83,13 @@ fn main() -> ExitCode {
         Command::Produce(args) => cli::produce::produce(&cli.servers, args),
         Command::Consumers(args) => cli::consumers::consumers(&cli.servers, args),
         Command::Dlq(args) => {
-            match cli::dlq::run(&cli.servers.redis_url, &cli.servers.database_url, *args) {
+            let tls = cli.servers.redis_tls();
+            match cli::dlq::run(
+                &cli.servers.redis_url,
+                &tls,
+                &cli.servers.database_url,
+                *args,
+            ) {
                 Ok(code) => return code,
                 Err(message) => Err(message),
             }

@@ -3,10 +3,6 @@
 
 use std::time::Duration;
 
-/// Environment variable naming a PEM file with the CA certificate(s) that
-/// `rediss://` servers are verified against (instead of the system store).
-pub const REDIS_CA_FILE_ENV: &str = "TASKHUB_REDIS_CA_FILE";
-
 /// How long to wait for a TCP connection or a pooled connection.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long one ordinary Redis command may take before the connection is

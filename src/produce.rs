@@ -4,6 +4,7 @@
 use crate::error::{Error, ErrorKind};
 use crate::net::REDIS_COMMAND_TIMEOUT;
 use crate::redis::{RedisClient, RedisConn};
+use crate::tls::Tls;
 
 /// Publishes events to one stream. A send that fails returns the error (the
 /// caller decides whether to try again); the next send reconnects if the
@@ -15,9 +16,10 @@ pub struct Producer {
 }
 
 impl Producer {
-    /// Connects to Redis at `redis_url` to publish to `stream`.
-    pub fn connect(redis_url: &str, stream: &str) -> Result<Producer, Error> {
-        let client = RedisClient::open(redis_url)?;
+    /// Connects to Redis at `redis_url` (with `tls` for a `rediss://` URL;
+    /// `Tls::default()` is the system's trust store) to publish to `stream`.
+    pub fn connect(redis_url: &str, tls: &Tls, stream: &str) -> Result<Producer, Error> {
+        let client = RedisClient::open(redis_url, tls)?;
         let conn = client
             .connect(REDIS_COMMAND_TIMEOUT)
             .map_err(|e| crate::redis::redis_unreachable(redis_url, e))?;

@@ -120,6 +120,10 @@ fn help_of_every_command_exits_0_and_names_the_key_flags() {
                 "--shutdown-timeout",
                 "REDIS_URL",
                 "DATABASE_URL",
+                "--redis-ca-file",
+                "TASKHUB_REDIS_CLIENT_CERT",
+                "--http-ca-file",
+                "TASKHUB_HTTP_CLIENT_KEY",
             ],
         ),
         (&["produce", "--help"], &["--stream", "--count", "stdin"]),
@@ -302,13 +306,38 @@ fn json_log_lines_and_flags_over_the_environment() {
         "{}",
         out.stderr
     );
-    let names: Vec<String> = taskhub::consumers(&redis_url(), &stream, &group)
-        .unwrap()
-        .into_iter()
-        .map(|c| c.name)
-        .collect();
+    let names: Vec<String> =
+        taskhub::consumers(&redis_url(), &taskhub::Tls::default(), &stream, &group)
+            .unwrap()
+            .into_iter()
+            .map(|c| c.name)
+            .collect();
     assert_eq!(names, ["from-flag"]);
     assert_eq!(db.effects("j-1"), 1);
+}
+
+/// An env file with the TLS variables left empty (`TASKHUB_REDIS_CA_FILE=`)
+/// means "not set", as it did before these were flags; clap alone would
+/// call an empty path a usage error.
+#[test]
+fn empty_tls_variables_are_not_set() {
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut cmd = th(&db.url);
+    for var in [
+        "TASKHUB_REDIS_CA_FILE",
+        "TASKHUB_REDIS_CLIENT_CERT",
+        "TASKHUB_REDIS_CLIENT_KEY",
+        "TASKHUB_HTTP_CA_FILE",
+        "TASKHUB_HTTP_CLIENT_CERT",
+        "TASKHUB_HTTP_CLIENT_KEY",
+    ] {
+        cmd.env(var, "");
+    }
+    cmd.args(["run", "--stream", &stream, "--until-idle"])
+        .args(["--block-ms", "200"]);
+    let out = output(cmd, None, T);
+    assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
 }
 
 #[test]

@@ -273,27 +273,35 @@ fn worker_follows_its_stream_through_a_resharding() {
 }
 
 #[test]
-fn events_apply_once_on_a_cluster_over_tls_with_an_acl_user() {
+fn events_apply_once_on_a_cluster_over_mutual_tls_with_an_acl_user() {
     let dir = TempDir::new("taskhub-cluster-tls");
     let certs = make_certs(&dir.0, "cluster");
     let ca = certs.ca.clone();
+    let client = certs.client("taskhub");
+    let ours = certs.client("taskhub-tests");
     let password = "cluster-pass-51b2";
     let cluster = Cluster::start_with(
         3,
         0,
         Some(Secure {
             certs,
+            client: ours,
             user: "taskhub".into(),
             password: password.into(),
         }),
     );
     let db = TestDb::new();
     let stream = format!("{{{}}}:events", unique("tls"));
-    // A custom CA reaches a cluster through OpenSSL's SSL_CERT_FILE (redis-rs
-    // takes TASKHUB_REDIS_CA_FILE's way only for one server).
+    // The custom CA and the client certificate the nodes require are given
+    // the way they are for one server (before rustls, a cluster could take
+    // neither: only a CA in OpenSSL's SSL_CERT_FILE).
     let cli = |url: &str, args: &[&str], stdin: Option<&[u8]>| {
         let mut cmd = taskhub(url, &db.url);
-        cmd.env("SSL_CERT_FILE", &ca).args(args);
+        cmd.env_remove("SSL_CERT_FILE")
+            .env("TASKHUB_REDIS_CA_FILE", &ca)
+            .env("TASKHUB_REDIS_CLIENT_CERT", &client.cert)
+            .env("TASKHUB_REDIS_CLIENT_KEY", &client.key)
+            .args(args);
         output(cmd, stdin, Duration::from_secs(120))
     };
     let url = cluster.url();
@@ -358,14 +366,27 @@ fn events_apply_once_on_a_cluster_over_tls_with_an_acl_user() {
         "{}",
         out.stderr
     );
-    // TASKHUB_REDIS_CA_FILE is refused for a cluster, with the alternative.
-    let mut cmd = taskhub(&url, &db.url);
-    cmd.env("TASKHUB_REDIS_CA_FILE", &ca)
-        .env("SSL_CERT_FILE", &ca)
-        .args(run);
-    let out = output(cmd, None, Duration::from_secs(60));
-    assert!(!out.status.success());
-    assert!(out.stderr.contains("SSL_CERT_FILE"), "{}", out.stderr);
+    // Without a client certificate, or without the CA: refused, one line.
+    let no_cert = ["TASKHUB_REDIS_CLIENT_CERT", "TASKHUB_REDIS_CLIENT_KEY"];
+    for missing in [&no_cert[..], &["TASKHUB_REDIS_CA_FILE"]] {
+        let mut cmd = taskhub(&url, &db.url);
+        cmd.env_remove("SSL_CERT_FILE")
+            .env("TASKHUB_REDIS_CA_FILE", &ca)
+            .env("TASKHUB_REDIS_CLIENT_CERT", &client.cert)
+            .env("TASKHUB_REDIS_CLIENT_KEY", &client.key)
+            .args(run);
+        for var in missing {
+            cmd.env_remove(var);
+        }
+        let out = output(cmd, None, Duration::from_secs(60));
+        assert_eq!(out.code(), Some(1), "without {missing:?}: {}", out.stderr);
+        assert_eq!(out.stderr.trim().lines().count(), 1, "{}", out.stderr);
+        assert!(
+            out.stderr.contains("cannot connect to Redis") && !out.stderr.contains(password),
+            "{}",
+            out.stderr
+        );
+    }
 }
 
 #[test]

@@ -64,14 +64,20 @@ fn list_and_remove_only_when_nothing_is_pending() {
     let gone = read_as(&mut conn, &stream, &group, "gone", 3);
     assert_eq!((a.len(), gone.len()), (2, 3));
 
-    let list = taskhub::consumers(&url, &stream, &group).unwrap();
+    let list = taskhub::consumers(&url, &taskhub::Tls::default(), &stream, &group).unwrap();
     let pending: Vec<(&str, u64)> = list.iter().map(|c| (c.name.as_str(), c.pending)).collect();
     assert_eq!(pending, [("alive", 2), ("gone", 3)]);
 
     // Refused while it holds entries: they would become unclaimable.
-    let err = taskhub::remove_consumer(&url, &stream, &group, "gone").unwrap_err();
+    let err = taskhub::remove_consumer(&url, &taskhub::Tls::default(), &stream, &group, "gone")
+        .unwrap_err();
     assert!(err.to_string().contains("pending"), "{err}");
-    assert_eq!(taskhub::consumers(&url, &stream, &group).unwrap().len(), 2);
+    assert_eq!(
+        taskhub::consumers(&url, &taskhub::Tls::default(), &stream, &group)
+            .unwrap()
+            .len(),
+        2
+    );
 
     // Once another consumer took them over (as the reclaimer does), it goes.
     let _: redis::Value = redis::cmd("XAUTOCLAIM")
@@ -82,8 +88,8 @@ fn list_and_remove_only_when_nothing_is_pending() {
         .arg("0-0")
         .query(&mut conn)
         .unwrap();
-    taskhub::remove_consumer(&url, &stream, &group, "gone").unwrap();
-    let list = taskhub::consumers(&url, &stream, &group).unwrap();
+    taskhub::remove_consumer(&url, &taskhub::Tls::default(), &stream, &group, "gone").unwrap();
+    let list = taskhub::consumers(&url, &taskhub::Tls::default(), &stream, &group).unwrap();
     assert_eq!(list.len(), 1);
     assert_eq!((list[0].name.as_str(), list[0].pending), ("alive", 5));
 }
@@ -129,7 +135,12 @@ fn cli_lists_and_refuses_to_remove_a_consumer_with_pending_entries() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("still has pending entries"));
-    assert_eq!(taskhub::consumers(&url, &stream, &group).unwrap().len(), 1);
+    assert_eq!(
+        taskhub::consumers(&url, &taskhub::Tls::default(), &stream, &group)
+            .unwrap()
+            .len(),
+        1
+    );
 }
 
 #[test]

@@ -157,7 +157,7 @@ fn produce(
     prefix: &str,
     ns: impl IntoIterator<Item = usize>,
 ) -> Vec<(String, String)> {
-    let mut producer = Producer::connect(&redis_url(), stream).unwrap();
+    let mut producer = Producer::connect(&redis_url(), &taskhub::Tls::default(), stream).unwrap();
     let ids: Vec<String> = ns.into_iter().map(|n| format!("{prefix}-{n}")).collect();
     let mut out = Vec::with_capacity(ids.len());
     for chunk in ids.chunks(500) {

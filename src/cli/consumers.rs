@@ -23,16 +23,27 @@ pub struct ConsumersArgs {
 
 pub fn consumers(servers: &Servers, args: ConsumersArgs) -> Result<(), String> {
     if let Some(name) = &args.remove {
-        taskhub::remove_consumer(&servers.redis_url, &args.stream, &args.group, name)
-            .map_err(|e| e.to_string())?;
+        taskhub::remove_consumer(
+            &servers.redis_url,
+            &servers.redis_tls(),
+            &args.stream,
+            &args.group,
+            name,
+        )
+        .map_err(|e| e.to_string())?;
         println!(
             "removed consumer {name} from {}/{}",
             args.stream, args.group
         );
         return Ok(());
     }
-    let list = taskhub::consumers(&servers.redis_url, &args.stream, &args.group)
-        .map_err(|e| e.to_string())?;
+    let list = taskhub::consumers(
+        &servers.redis_url,
+        &servers.redis_tls(),
+        &args.stream,
+        &args.group,
+    )
+    .map_err(|e| e.to_string())?;
     if args.json {
         let items: Vec<serde_json::Value> = list
             .iter()

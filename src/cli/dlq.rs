@@ -217,8 +217,13 @@ fn positive(s: &str) -> Result<f64, String> {
 }
 
 /// Runs `taskhub dlq ...`. `Err` is a failure message (exit 1).
-pub fn run(redis_url: &str, database_url: &str, args: DlqArgs) -> Result<ExitCode, String> {
-    let mut conn = dlq::connect_redis(redis_url).map_err(|e| e.to_string())?;
+pub fn run(
+    redis_url: &str,
+    redis_tls: &taskhub::Tls,
+    database_url: &str,
+    args: DlqArgs,
+) -> Result<ExitCode, String> {
+    let mut conn = dlq::connect_redis(redis_url, redis_tls).map_err(|e| e.to_string())?;
     conn.check_stream(&args.stream).map_err(|e| e.to_string())?;
     let ctx = Ctx {
         dlq: dead_letter_stream(&args.stream),

@@ -24,8 +24,8 @@ pub struct ProduceArgs {
 }
 
 pub fn produce(servers: &Servers, args: ProduceArgs) -> Result<(), String> {
-    let mut producer =
-        Producer::connect(&servers.redis_url, &args.stream).map_err(|e| e.to_string())?;
+    let mut producer = Producer::connect(&servers.redis_url, &servers.redis_tls(), &args.stream)
+        .map_err(|e| e.to_string())?;
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
     let mut flush = |batch: &mut Vec<Vec<(String, String)>>| -> Result<(), String> {

@@ -1,5 +1,6 @@
 //! `taskhub run`: flags to a `Worker`, signals to its shutdown handle.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
@@ -141,6 +142,34 @@ pub struct RunArgs {
     /// Where a newly created group starts: 0 (whole stream) or $ (new entries only).
     #[arg(long, default_value = "0")]
     pub start_id: String,
+    /// PEM file with the CA certificate(s) that https:// --http-url and
+    /// --alert-webhook servers are verified against, instead of the system's store.
+    #[arg(
+        long,
+        env = "TASKHUB_HTTP_CA_FILE",
+        value_name = "PATH",
+        value_parser = super::servers::path
+    )]
+    pub http_ca_file: Option<PathBuf>,
+    /// Client certificate (PEM) for the https:// --http-url and
+    /// --alert-webhook servers; with --http-client-key.
+    #[arg(
+        long,
+        env = "TASKHUB_HTTP_CLIENT_CERT",
+        value_name = "PATH",
+        value_parser = super::servers::path,
+        requires = "http_client_key"
+    )]
+    pub http_client_cert: Option<PathBuf>,
+    /// The private key (PEM) of --http-client-cert.
+    #[arg(
+        long,
+        env = "TASKHUB_HTTP_CLIENT_KEY",
+        value_name = "PATH",
+        value_parser = super::servers::path,
+        requires = "http_client_cert"
+    )]
+    pub http_client_key: Option<PathBuf>,
 }
 
 /// The contents of a secret's file, trimmed.
@@ -179,12 +208,19 @@ pub fn run(servers: &Servers, mut args: RunArgs) -> Result<(), String> {
         args.http_header
             .extend(read_secret(path)?.lines().map(str::to_owned));
     }
+    let http_tls = super::servers::tls(
+        &args.http_ca_file,
+        &args.http_client_cert,
+        &args.http_client_key,
+    );
     let headers = header_lines(&args.http_header)?;
     if !headers.is_empty() && args.http_url.is_none() {
         return Err("--http-header needs --http-url".into());
     }
     let mut builder = Worker::builder()
         .redis_url(&servers.redis_url)
+        .redis_tls(servers.redis_tls())
+        .http_tls(http_tls.clone())
         .database_url(&servers.database_url)
         .group(&args.group)
         .workers(args.workers)
@@ -230,7 +266,9 @@ pub fn run(servers: &Servers, mut args: RunArgs) -> Result<(), String> {
         .alert_min_gap(args.alert_min_gap);
     let worker = match &args.http_url {
         Some(url) => {
-            let mut handler = HttpHandler::new(url, args.http_timeout.min(args.handler_timeout));
+            let timeout = args.http_timeout.min(args.handler_timeout);
+            let mut handler =
+                HttpHandler::new(url, timeout, &http_tls).map_err(|e| e.to_string())?;
             for (name, value) in &headers {
                 handler = handler.header(name, value).map_err(|e| e.to_string())?;
             }

@@ -1,11 +1,14 @@
-//! The servers every subcommand talks to: flags, environment, URL files.
+//! The servers every subcommand talks to: flags, environment, URL files,
+//! and the TLS files for Redis.
+
+use std::path::PathBuf;
 
 use clap::Args;
 
 #[derive(Args, Debug)]
 pub struct Servers {
-    /// Redis URL (`rediss://user:password@host:port` for TLS; the CA file
-    /// in TASKHUB_REDIS_CA_FILE, else the system store). For a Redis
+    /// Redis URL (`rediss://user:password@host:port` for TLS, verified
+    /// against --redis-ca-file, else the system's store). For a Redis
     /// Cluster, any node's URL (a cluster node is detected), or several
     /// separated by commas.
     #[arg(
@@ -17,7 +20,8 @@ pub struct Servers {
     )]
     pub redis_url: String,
     /// PostgreSQL URL (TLS: `?sslmode=require`, or
-    /// `?sslmode=verify-full&sslrootcert=/path/ca.pem`).
+    /// `?sslmode=verify-full&sslrootcert=/path/ca.pem`; a client
+    /// certificate: `&sslcert=/path/client.pem&sslkey=/path/client.key`).
     #[arg(
         long,
         env = "DATABASE_URL",
@@ -34,9 +38,76 @@ pub struct Servers {
     /// Read the PostgreSQL URL from this file; wins over --database-url.
     #[arg(long, env = "DATABASE_URL_FILE", global = true, value_name = "PATH")]
     pub database_url_file: Option<std::path::PathBuf>,
+    /// PEM file with the CA certificate(s) that rediss:// servers (one
+    /// server or a cluster) are verified against, instead of the system's
+    /// store.
+    #[arg(
+        long,
+        env = "TASKHUB_REDIS_CA_FILE",
+        global = true,
+        value_name = "PATH",
+        value_parser = path
+    )]
+    pub redis_ca_file: Option<PathBuf>,
+    /// Client certificate (PEM) for rediss:// servers that require one
+    /// (`tls-auth-clients yes`); with --redis-client-key.
+    #[arg(
+        long,
+        env = "TASKHUB_REDIS_CLIENT_CERT",
+        global = true,
+        value_name = "PATH",
+        value_parser = path,
+        requires = "redis_client_key"
+    )]
+    pub redis_client_cert: Option<PathBuf>,
+    /// The private key (PEM) of --redis-client-cert.
+    #[arg(
+        long,
+        env = "TASKHUB_REDIS_CLIENT_KEY",
+        global = true,
+        value_name = "PATH",
+        value_parser = path,
+        requires = "redis_client_cert"
+    )]
+    pub redis_client_key: Option<PathBuf>,
+}
+
+/// A path flag. An empty value (`TASKHUB_REDIS_CA_FILE=` in an env file)
+/// is taken, and means "not set" (see [`tls`]).
+pub fn path(value: &str) -> Result<PathBuf, String> {
+    Ok(PathBuf::from(value))
+}
+
+/// A `Tls` of the library from the flags; empty paths are not set.
+pub fn tls(
+    ca_file: &Option<PathBuf>,
+    cert: &Option<PathBuf>,
+    key: &Option<PathBuf>,
+) -> taskhub::Tls {
+    let given = |p: &Option<PathBuf>| p.clone().filter(|p| !p.as_os_str().is_empty());
+    let mut tls = taskhub::Tls::default();
+    if let Some(ca) = given(ca_file) {
+        tls = tls.ca_file(ca);
+    }
+    match (given(cert), given(key)) {
+        (Some(cert), Some(key)) => tls = tls.client_cert(cert, key),
+        (None, None) => {}
+        // clap makes sure both flags are given, not that both are non-empty.
+        _ => log::warn!("tls: a client certificate needs both its file and its key; not used"),
+    }
+    tls
 }
 
 impl Servers {
+    /// The TLS files for Redis.
+    pub fn redis_tls(&self) -> taskhub::Tls {
+        tls(
+            &self.redis_ca_file,
+            &self.redis_client_cert,
+            &self.redis_client_key,
+        )
+    }
+
     /// Replaces the URLs by the contents of the URL files, when given.
     pub fn read_files(&mut self) -> Result<(), String> {
         for (file, url) in [

@@ -52,9 +52,10 @@ use crate::error::{Error, ErrorKind};
 use crate::postgres::connect;
 use crate::redis::RedisConn;
 
-/// A Redis connection with the library's timeouts, for these functions.
-pub fn connect_redis(redis_url: &str) -> Result<RedisConn, Error> {
-    crate::redis::connect(redis_url)
+/// A Redis connection with the library's timeouts, for these functions
+/// (with `tls` for a `rediss://` URL).
+pub fn connect_redis(redis_url: &str, tls: &crate::Tls) -> Result<RedisConn, Error> {
+    crate::redis::connect(redis_url, tls)
 }
 
 /// A PostgreSQL client with the library's connect timeout.

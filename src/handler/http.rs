@@ -17,6 +17,7 @@ use crate::error::{Error, HandlerError};
 use crate::event::Event;
 use crate::handler::{Handler, Tx};
 use crate::redact::{redact, scrub};
+use crate::tls::Tls;
 
 /// Largest `X-Taskhub-Fields` header, in bytes: an event whose other fields
 /// take more is invalid for this handler (no downstream takes headers of
@@ -45,20 +46,24 @@ impl fmt::Debug for HttpHandler {
 }
 
 impl HttpHandler {
-    /// A handler posting to `url`, failing a request after `timeout`.
-    pub fn new(url: &str, timeout: Duration) -> HttpHandler {
+    /// A handler posting to `url`, failing a request after `timeout`. An
+    /// `https://` URL is verified with `tls` (its CA file, else the system's
+    /// trust store) and gets its client certificate, if it has one
+    /// (`Tls::default()` for neither). Fails when a TLS file cannot be read.
+    pub fn new(url: &str, timeout: Duration, tls: &Tls) -> Result<HttpHandler, Error> {
         let config = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .max_redirects(0)
             .timeout_global(Some(timeout))
             .user_agent("taskhub")
+            .tls_config(crate::tls::ureq_tls(url, tls)?)
             .build();
-        HttpHandler {
+        Ok(HttpHandler {
             url: url.to_owned(),
             shown: redact(url),
             headers: Vec::new(),
             agent: config.into(),
-        }
+        })
     }
 
     /// Adds a header to every request, such as `Authorization: Bearer ...`
@@ -240,20 +245,34 @@ mod tests {
         assert_eq!(header_safe("order-42"), "order-42");
         assert_eq!(header_safe("é 1%"), "%C3%A9%201%25");
         assert_eq!(ascii_json("a\u{7f}"), "a\\u007f");
-        assert!(HttpHandler::new("http://h/", Duration::from_secs(1))
-            .header("Authorization", "Bearer x")
-            .is_ok());
-        assert!(HttpHandler::new("http://h/", Duration::from_secs(1))
-            .header("Bad Name", "x")
-            .is_err());
-        assert!(HttpHandler::new("http://h/", Duration::from_secs(1))
-            .header("X-Key", "a\nb")
-            .is_err());
+        assert!(
+            HttpHandler::new("http://h/", Duration::from_secs(1), &Tls::default())
+                .unwrap()
+                .header("Authorization", "Bearer x")
+                .is_ok()
+        );
+        assert!(
+            HttpHandler::new("http://h/", Duration::from_secs(1), &Tls::default())
+                .unwrap()
+                .header("Bad Name", "x")
+                .is_err()
+        );
+        assert!(
+            HttpHandler::new("http://h/", Duration::from_secs(1), &Tls::default())
+                .unwrap()
+                .header("X-Key", "a\nb")
+                .is_err()
+        );
         let debug = format!(
             "{:?}",
-            HttpHandler::new("https://u:PASS@h/p?k=SECRET", Duration::from_secs(1))
-                .header("Authorization", "Bearer TOKEN")
-                .unwrap()
+            HttpHandler::new(
+                "https://u:PASS@h/p?k=SECRET",
+                Duration::from_secs(1),
+                &Tls::default()
+            )
+            .unwrap()
+            .header("Authorization", "Bearer TOKEN")
+            .unwrap()
         );
         for secret in ["PASS", "SECRET", "TOKEN"] {
             assert!(!debug.contains(secret), "{debug}");

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use postgres_native_tls::MakeTlsConnector;
+use tokio_postgres_rustls::MakeRustlsConnect;
 
 use crate::error::Error;
 use crate::net::pool_builder;
@@ -12,11 +12,10 @@ use crate::postgres::connect::{connect_pg, pg_config, pg_unreachable};
 use crate::redis::keys::{Identity, Namespace};
 
 type PlainManager = r2d2_postgres::PostgresConnectionManager<postgres::NoTls>;
-type TlsManager = r2d2_postgres::PostgresConnectionManager<MakeTlsConnector>;
+type TlsManager = r2d2_postgres::PostgresConnectionManager<MakeRustlsConnect>;
 
 /// How the worker pool's connections are made: without TLS when the URL
-/// says `sslmode=disable` (no OpenSSL context at all: it costs about 6 MB),
-/// with it otherwise.
+/// says `sslmode=disable` (no TLS context at all), with it otherwise.
 enum Connector {
     Plain(PlainManager),
     Tls(TlsManager),

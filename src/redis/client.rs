@@ -7,9 +7,10 @@ use redis::cluster::ClusterClient;
 use redis::RedisResult;
 
 use crate::error::{Error, ErrorKind};
-use crate::net::{CONNECT_TIMEOUT, REDIS_CA_FILE_ENV, REDIS_COMMAND_TIMEOUT};
+use crate::net::{CONNECT_TIMEOUT, REDIS_COMMAND_TIMEOUT};
 use crate::redact::redact;
 use crate::redis::conn::RedisConn;
+use crate::tls::Tls;
 
 /// Where connections come from: one server or a cluster, found out when
 /// opened.
@@ -23,21 +24,25 @@ impl RedisClient {
     /// Opens `url`: one URL, or several separated by commas (the seed nodes
     /// of a cluster). With one URL, asks the server (`INFO cluster`) whether
     /// it is a cluster node, so the same `--redis-url` works when a single
-    /// server grows into a cluster. Fails when the server cannot be reached.
-    pub fn open(url: &str) -> Result<RedisClient, Error> {
+    /// server grows into a cluster. `rediss://` URLs use `tls` (one server
+    /// and a cluster alike). Fails when the server cannot be reached.
+    pub fn open(url: &str, tls: &Tls) -> Result<RedisClient, Error> {
         let urls: Vec<&str> = url
             .split(',')
             .map(str::trim)
             .filter(|u| !u.is_empty())
             .collect();
+        if !tls.is_default() && urls.first().is_some_and(|u| !is_tls_url(u)) {
+            log::warn!("redis: TLS files are set but the URL is not rediss://; they are not used");
+        }
         let first = match urls.as_slice() {
             [] => {
                 return Err(Error::new(ErrorKind::Config, "the Redis URL is empty"));
             }
             [one] => *one,
-            many => return cluster_client(url, many),
+            many => return cluster_client(url, many, tls),
         };
-        let client = redis_client(first)?;
+        let client = redis_client(first, tls)?;
         let mut conn = client
             .get_connection_with_timeout(CONNECT_TIMEOUT)
             .and_then(|c| {
@@ -84,7 +89,7 @@ impl RedisClient {
         let mut seen = std::collections::HashSet::new();
         seeds.retain(|seed| seen.insert(seed.clone()));
         let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
-        cluster_client(url, &seeds)
+        cluster_client(url, &seeds, tls)
     }
 
     /// A new connection whose commands time out after `read_timeout`.
@@ -149,13 +154,13 @@ fn with_address(url: &str, addr: &str) -> String {
 
 /// One connection to `url` (one server or a cluster), for the CLI and the
 /// library's helpers; fails with the cause when Redis cannot be reached.
-pub(crate) fn connect(url: &str) -> Result<RedisConn, Error> {
-    RedisClient::open(url)?
+pub(crate) fn connect(url: &str, tls: &Tls) -> Result<RedisConn, Error> {
+    RedisClient::open(url, tls)?
         .connect(REDIS_COMMAND_TIMEOUT)
         .map_err(|e| crate::redis::redis_unreachable(url, e))
 }
 
-fn cluster_client(url: &str, nodes: &[&str]) -> Result<RedisClient, Error> {
+fn cluster_client(url: &str, nodes: &[&str], tls: &Tls) -> Result<RedisClient, Error> {
     let bad = |e: redis::RedisError| {
         Error::with_source(
             ErrorKind::Config,
@@ -163,7 +168,7 @@ fn cluster_client(url: &str, nodes: &[&str]) -> Result<RedisClient, Error> {
             e,
         )
     };
-    let builder = ClusterClient::builder(nodes.to_vec())
+    let mut builder = ClusterClient::builder(nodes.to_vec())
         .connection_timeout(CONNECT_TIMEOUT)
         .response_timeout(REDIS_COMMAND_TIMEOUT)
         // Enough to follow a redirection or two; our own loops wait out
@@ -171,15 +176,12 @@ fn cluster_client(url: &str, nodes: &[&str]) -> Result<RedisClient, Error> {
         .retries(3)
         .min_retry_wait(50)
         .max_retry_wait(1_000);
-    if std::env::var_os(REDIS_CA_FILE_ENV).is_some_and(|v| !v.is_empty()) {
-        // redis-rs takes a custom CA for a cluster only with rustls.
-        return Err(Error::new(
-            ErrorKind::Config,
-            format!(
-                "{REDIS_CA_FILE_ENV} is not supported with a Redis Cluster; \
-                 point SSL_CERT_FILE at the CA file instead (OpenSSL reads it)"
-            ),
-        ));
+    // The TLS mode (and #insecure) comes from the first node's URL; the CA
+    // file and the client certificate from `tls`, for every node.
+    if nodes.first().is_some_and(|n| is_tls_url(n)) {
+        if let Some(certificates) = crate::tls::redis_certificates(tls)? {
+            builder = builder.certs(certificates);
+        }
     }
     let client = builder.build().map_err(bad)?;
     // Connect once, so that a wrong address fails now with its cause.
@@ -214,11 +216,10 @@ pub(crate) fn check_slots(streams: &[String]) -> Result<(), Error> {
     Ok(())
 }
 
-/// Opens a Redis client for one server's `url` (no connection yet). A `rediss://` URL
-/// uses TLS, verified against the system's CA store or, when the environment
-/// variable `TASKHUB_REDIS_CA_FILE` names a PEM file, against that CA
-/// (`rediss://host:port/#insecure` skips the verification).
-pub(crate) fn redis_client(url: &str) -> Result<redis::Client, Error> {
+/// Opens a Redis client for one server's `url` (no connection yet). A
+/// `rediss://` URL uses TLS, verified with `tls` (its CA file, else the
+/// system's store; `rediss://host:port/#insecure` skips the verification).
+pub(crate) fn redis_client(url: &str, tls: &Tls) -> Result<redis::Client, Error> {
     let bad = |e: redis::RedisError| {
         Error::with_source(
             ErrorKind::Config,
@@ -226,27 +227,20 @@ pub(crate) fn redis_client(url: &str) -> Result<redis::Client, Error> {
             e,
         )
     };
-    let ca_file = std::env::var_os(REDIS_CA_FILE_ENV).filter(|v| !v.is_empty());
-    match ca_file {
-        Some(path) if url.starts_with("rediss://") => {
-            let pem = std::fs::read(&path).map_err(|e| {
-                Error::with_source(
-                    ErrorKind::Config,
-                    format!("cannot read {REDIS_CA_FILE_ENV} {path:?}"),
-                    e,
-                )
-            })?;
-            redis::Client::build_with_tls(
-                url,
-                redis::TlsCertificates {
-                    client_tls: None,
-                    root_cert: Some(pem),
-                },
-            )
-            .map_err(bad)
-        }
-        _ => redis::Client::open(url).map_err(bad),
+    if !is_tls_url(url) {
+        return redis::Client::open(url).map_err(bad);
     }
+    match crate::tls::redis_certificates(tls)? {
+        Some(certificates) => redis::Client::build_with_tls(url, certificates).map_err(bad),
+        None => redis::Client::open(url).map_err(bad),
+    }
+}
+
+/// Whether `url` is a Redis URL with TLS (`rediss://`, or valkey's
+/// `valkeys://`).
+pub(crate) fn is_tls_url(url: &str) -> bool {
+    let scheme = url.split("://").next().unwrap_or_default();
+    scheme.eq_ignore_ascii_case("rediss") || scheme.eq_ignore_ascii_case("valkeys")
 }
 
 pub(crate) fn redis_unreachable(url: &str, e: redis::RedisError) -> Error {

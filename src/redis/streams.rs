@@ -414,7 +414,7 @@ mod tests {
     fn conn() -> RedisConn {
         let url = std::env::var("TASKHUB_TEST_REDIS_URL")
             .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-        crate::redis::connect(&url).expect("the test Redis answers")
+        crate::redis::connect(&url, &crate::Tls::default()).expect("the test Redis answers")
     }
 
     fn cmd(conn: &mut RedisConn, args: &[&str]) -> redis::Value {

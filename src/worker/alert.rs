@@ -11,7 +11,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
 
+use crate::config::Config;
 use crate::dlq::{dead_letter_stream, millis, DeadLetter};
+use crate::error::Error;
 use crate::event::parse_entries;
 use crate::worker::Shared;
 
@@ -111,17 +113,27 @@ fn change(state: &mut State, look: &Look, age_limit: Duration) -> Option<Change>
     }
 }
 
-/// The alert thread.
-pub(crate) fn alert_thread(shared: &Shared) {
-    let config = &shared.config;
-    let mut states: HashMap<&str, State> = HashMap::new();
-    let agent: Option<ureq::Agent> = config.alert_webhook.as_ref().map(|_| {
+/// The HTTP client of the webhook, made at start-up so that a TLS file
+/// that cannot be read is a start-up error; `None` without a webhook.
+pub(crate) fn webhook_agent(config: &Config) -> Result<Option<ureq::Agent>, Error> {
+    let Some(url) = &config.alert_webhook else {
+        return Ok(None);
+    };
+    let tls = crate::tls::ureq_tls(url, &config.http_tls)?;
+    Ok(Some(
         ureq::Agent::config_builder()
             .timeout_global(Some(Duration::from_secs(5)))
             .http_status_as_error(false)
+            .tls_config(tls)
             .build()
-            .into()
-    });
+            .into(),
+    ))
+}
+
+/// The alert thread; `agent` posts to the webhook, if there is one.
+pub(crate) fn alert_thread(shared: &Shared, agent: Option<&ureq::Agent>) {
+    let config = &shared.config;
+    let mut states: HashMap<&str, State> = HashMap::new();
     loop {
         for stream in &config.streams {
             let state = states.entry(stream.as_str()).or_default();
@@ -150,7 +162,7 @@ pub(crate) fn alert_thread(shared: &Shared) {
                 let previous = state.unsent.map_or(found.count, |(_, p)| p);
                 state.unsent = Some((change, previous));
             }
-            if let (Some(agent), Some(url)) = (&agent, &config.alert_webhook) {
+            if let (Some(agent), Some(url)) = (agent, &config.alert_webhook) {
                 let due = state
                     .last_post
                     .is_none_or(|t| t.elapsed() >= config.alert_min_gap);

@@ -140,7 +140,8 @@ impl Worker {
     /// acked that was not committed either way).
     pub fn run(self) -> Result<Summary, Error> {
         let config = self.config;
-        let redis_client = RedisClient::open(&config.redis_url)?;
+        let webhook = alert::webhook_agent(&config)?;
+        let redis_client = RedisClient::open(&config.redis_url, &config.redis_tls)?;
         if redis_client.is_cluster() {
             crate::redis::check_slots(&config.streams)?;
             log::info!("redis: a Redis Cluster (hash slots checked for every stream)");
@@ -211,7 +212,7 @@ impl Worker {
                 shared.namespace.get()
             );
         }
-        run_threads(&shared)
+        run_threads(&shared, webhook)
     }
 }
 
@@ -250,8 +251,8 @@ fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<(
         })
 }
 
-fn run_threads(shared: &Arc<Shared>) -> Result<Summary, Error> {
-    let result = start_and_run(shared);
+fn run_threads(shared: &Arc<Shared>, webhook: Option<ureq::Agent>) -> Result<Summary, Error> {
+    let result = start_and_run(shared, webhook);
     if result.is_err() {
         // A thread that could not start: stop the ones that did (their
         // entries stay pending), so nothing keeps running in an embedding
@@ -261,7 +262,7 @@ fn run_threads(shared: &Arc<Shared>) -> Result<Summary, Error> {
     result
 }
 
-fn start_and_run(shared: &Arc<Shared>) -> Result<Summary, Error> {
+fn start_and_run(shared: &Arc<Shared>, webhook: Option<ureq::Agent>) -> Result<Summary, Error> {
     let config = &shared.config;
     let http = match &config.http {
         Some(addr) => {
@@ -315,7 +316,9 @@ fn start_and_run(shared: &Arc<Shared>) -> Result<Summary, Error> {
     };
     let alerter = {
         let s = shared.clone();
-        spawn("taskhub-alert".into(), move || alert::alert_thread(&s))?
+        spawn("taskhub-alert".into(), move || {
+            alert::alert_thread(&s, webhook.as_ref())
+        })?
     };
     let mut readers = Vec::new();
     for i in 0..config.streams.len() {

@@ -1,5 +1,6 @@
-//! Certificates for the TLS tests, made with the `openssl` command: a CA and
-//! a server certificate it signs, for 127.0.0.1 and localhost.
+//! Certificates for the TLS tests, made with the `openssl` command: a CA, a
+//! server certificate it signs, for 127.0.0.1 and localhost, and client
+//! certificates it signs, for mutual TLS.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -24,10 +25,72 @@ pub struct Certs {
     pub ca: PathBuf,
     pub cert: PathBuf,
     pub key: PathBuf,
+    ca_key: PathBuf,
+    dir: PathBuf,
 }
 
+/// A client certificate and its key.
+pub struct Client {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+impl Certs {
+    /// A client certificate signed by this CA, for the user `cn` (PostgreSQL
+    /// maps the common name to the user with `cert` authentication).
+    pub fn client(&self, cn: &str) -> Client {
+        let stem = format!(
+            "{}-client-{cn}",
+            self.ca.file_stem().unwrap().to_str().unwrap()
+        );
+        let (key, csr, cert, ext) = (
+            format!("{stem}.key"),
+            format!("{stem}.csr"),
+            format!("{stem}.pem"),
+            format!("{stem}.ext"),
+        );
+        let subject = format!("/CN={cn}");
+        let mut args = vec!["req", "-nodes"];
+        args.extend(EC);
+        args.extend(["-keyout", &key, "-out", &csr, "-subj", &subject]);
+        openssl(&self.dir, &args);
+        std::fs::write(
+            self.dir.join(&ext),
+            "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=clientAuth\n",
+        )
+        .unwrap();
+        let (ca, ca_key) = (self.ca.to_str().unwrap(), self.ca_key.to_str().unwrap());
+        openssl(
+            &self.dir,
+            &[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                ca,
+                "-CAkey",
+                ca_key,
+                "-CAcreateserial",
+                "-out",
+                &cert,
+                "-days",
+                "2",
+                "-extfile",
+                &ext,
+            ],
+        );
+        Client {
+            cert: self.dir.join(cert),
+            key: self.dir.join(key),
+        }
+    }
+}
+
+const EC: [&str; 4] = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];
+
 pub fn make_certs(dir: &Path, name: &str) -> Certs {
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];
+    let ec = EC;
     let (ca_key, ca) = (format!("{name}.key"), format!("{name}.pem"));
     let mut args = vec!["req", "-x509", "-nodes", "-days", "2"];
     args.extend(ec);
@@ -76,5 +139,7 @@ pub fn make_certs(dir: &Path, name: &str) -> Certs {
         ca: dir.join(ca),
         cert: dir.join(cert),
         key: dir.join(key),
+        ca_key: dir.join(ca_key),
+        dir: dir.to_owned(),
     }
 }

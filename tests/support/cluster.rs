@@ -6,13 +6,15 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::certs::Certs;
+use super::certs::{Certs, Client};
 use super::{free_port, output, wait_until, TempDir};
 
-/// TLS only (client, bus and replication links) and an ACL user; the
-/// `default` user is off.
+/// TLS only (client, bus and replication links), clients must show a
+/// certificate signed by the CA (`tls-auth-clients yes`; `client` is the
+/// tests' own), and an ACL user; the `default` user is off.
 pub struct Secure {
     pub certs: Certs,
+    pub client: Client,
     pub user: String,
     pub password: String,
 }
@@ -46,7 +48,7 @@ impl Node {
                 .args(["--tls-cert-file", s.certs.cert.to_str().unwrap()])
                 .args(["--tls-key-file", s.certs.key.to_str().unwrap()])
                 .args(["--tls-ca-cert-file", s.certs.ca.to_str().unwrap()])
-                .args(["--tls-auth-clients", "no"])
+                .args(["--tls-auth-clients", "yes"])
                 .args(["--user", "default", "off"])
                 .args(["--user", &s.user, "on", &format!(">{}", s.password)])
                 .args(["~*", "&*", "+@all"])
@@ -103,7 +105,10 @@ impl Node {
             Some(s) => redis::Client::build_with_tls(
                 self.url(),
                 redis::TlsCertificates {
-                    client_tls: None,
+                    client_tls: Some(redis::ClientTlsConfig {
+                        client_cert: std::fs::read(&s.client.cert).unwrap(),
+                        client_key: std::fs::read(&s.client.key).unwrap(),
+                    }),
                     root_cert: Some(std::fs::read(&s.certs.ca).unwrap()),
                 },
             )?,
@@ -163,6 +168,8 @@ impl Cluster {
         if let Some(s) = &secure {
             create
                 .args(["--tls", "--cacert", s.certs.ca.to_str().unwrap()])
+                .args(["--cert", s.client.cert.to_str().unwrap()])
+                .args(["--key", s.client.key.to_str().unwrap()])
                 .args(["--user", &s.user, "--pass", &s.password]);
         }
         let out = output(create, None, Duration::from_secs(60));

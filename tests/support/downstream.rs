@@ -2,11 +2,17 @@
 //! `--http-url` target): a thread that accepts on a free loopback port, reads
 //! each request (head with httparse, body by its Content-Length) on a thread
 //! of its own, and answers what the test's closure says, then closes.
+//! [`start_tls`] serves HTTPS (rustls) and requires a client certificate.
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+use super::certs::Certs;
 
 /// One request as the downstream received it.
 pub struct Received {
@@ -45,20 +51,72 @@ impl Answer {
 
 /// Starts the downstream; returns its `host:port`.
 pub fn start(answer: impl Fn(Received) -> Answer + Send + Sync + 'static) -> String {
+    serve(answer, None)
+}
+
+/// Starts an HTTPS downstream with the server certificate of `certs`,
+/// which accepts only clients with a certificate signed by the same CA
+/// (mutual TLS); returns its `host:port`. A client that fails the handshake
+/// never reaches `answer`.
+pub fn start_tls(
+    certs: &Certs,
+    answer: impl Fn(Received) -> Answer + Send + Sync + 'static,
+) -> String {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(&certs.ca).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let clients = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        Arc::new(roots),
+        provider.clone(),
+    )
+    .build()
+    .unwrap();
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&certs.cert)
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    let key = PrivateKeyDer::from_pem_file(&certs.key).unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_client_cert_verifier(clients)
+        .with_single_cert(chain, key)
+        .unwrap();
+    serve(answer, Some(Arc::new(config)))
+}
+
+fn serve(
+    answer: impl Fn(Received) -> Answer + Send + Sync + 'static,
+    tls: Option<Arc<rustls::ServerConfig>>,
+) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let answer = Arc::new(answer);
     std::thread::spawn(move || {
         for stream in listener.incoming().flatten() {
             let answer = answer.clone();
-            std::thread::spawn(move || one(stream, answer.as_ref()));
+            let tls = tls.clone();
+            std::thread::spawn(move || {
+                let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+                let _ = stream.set_write_timeout(Some(Duration::from_secs(10)));
+                match tls {
+                    None => one(stream, answer.as_ref()),
+                    Some(config) => {
+                        let Ok(conn) = rustls::ServerConnection::new(config) else {
+                            return;
+                        };
+                        one(rustls::StreamOwned::new(conn, stream), answer.as_ref());
+                    }
+                }
+            });
         }
     });
     addr
 }
 
-fn one(mut stream: TcpStream, answer: &dyn Fn(Received) -> Answer) {
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+fn one(mut stream: impl Read + Write, answer: &dyn Fn(Received) -> Answer) {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 8192];
     let (received, length, used) = loop {
@@ -111,4 +169,5 @@ fn one(mut stream: TcpStream, answer: &dyn Fn(Received) -> Answer) {
     }
     head.push_str("\r\n");
     let _ = stream.write_all(head.as_bytes());
+    let _ = stream.flush();
 }
