@@ -243,7 +243,7 @@ fn worker_follows_its_stream_through_a_resharding() {
     let worker = Proc::spawn({
         let mut cmd = run(&cluster.url(), &db, &stream);
         cmd.args(["--workers", "4", "--sql", INT_SQL])
-            .env("RUST_LOG", "info,taskhub::redis_conn=debug");
+            .env("RUST_LOG", "info,taskhub::redis::conn=debug");
         cmd
     });
     assert!(
