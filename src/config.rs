@@ -17,7 +17,6 @@ pub struct Config {
     pub(crate) redis_url: String,
     pub(crate) database_url: String,
     pub(crate) redis_tls: Tls,
-    pub(crate) http_tls: Tls,
     pub(crate) streams: Vec<String>,
     pub(crate) group: String,
     pub(crate) consumer: String,
@@ -39,13 +38,6 @@ pub struct Config {
     pub(crate) max_entry_bytes: usize,
     pub(crate) handler_timeout: Duration,
     pub(crate) mode: Mode,
-    pub(crate) http: Option<String>,
-    pub(crate) alert_webhook: Option<String>,
-    pub(crate) admin_token: Option<String>,
-    pub(crate) read_token: Option<String>,
-    pub(crate) alert_interval: Duration,
-    pub(crate) alert_age: Duration,
-    pub(crate) alert_min_gap: Duration,
 }
 
 /// How events are committed.
@@ -112,7 +104,6 @@ impl fmt::Debug for Config {
             .field("redis_url", &redact(&self.redis_url))
             .field("database_url", &redact(&self.database_url))
             .field("redis_tls", &self.redis_tls)
-            .field("http_tls", &self.http_tls)
             .field("streams", &self.streams)
             .field("group", &self.group)
             .field("consumer", &self.consumer)
@@ -134,19 +125,6 @@ impl fmt::Debug for Config {
             .field("max_entry_bytes", &self.max_entry_bytes)
             .field("handler_timeout", &self.handler_timeout)
             .field("mode", &self.mode)
-            .field("http", &self.http)
-            .field(
-                "alert_webhook",
-                &self
-                    .alert_webhook
-                    .as_deref()
-                    .map(crate::redact::redact_webhook),
-            )
-            .field("admin_token", &self.admin_token.as_ref().map(|_| "***"))
-            .field("read_token", &self.read_token.as_ref().map(|_| "***"))
-            .field("alert_interval", &self.alert_interval)
-            .field("alert_age", &self.alert_age)
-            .field("alert_min_gap", &self.alert_min_gap)
             .finish()
     }
 }
@@ -176,7 +154,6 @@ impl Default for Builder {
                 redis_url: "redis://127.0.0.1:6379".into(),
                 database_url: "postgres://postgres:taskhub@127.0.0.1:5432/taskhub".into(),
                 redis_tls: Tls::default(),
-                http_tls: Tls::default(),
                 streams: Vec::new(),
                 group: "workers".into(),
                 consumer: default_consumer_name(),
@@ -198,13 +175,6 @@ impl Default for Builder {
                 max_entry_bytes: 1024 * 1024,
                 handler_timeout: Duration::from_secs(60),
                 mode: Mode::Batch,
-                http: None,
-                alert_webhook: None,
-                admin_token: None,
-                read_token: None,
-                alert_interval: Duration::from_secs(10),
-                alert_age: Duration::from_secs(3600),
-                alert_min_gap: Duration::from_secs(60),
             },
         }
     }
@@ -241,13 +211,6 @@ impl Builder {
         /// to verify the servers with, and a client certificate.
         /// Defaults to none: the system's trust store, no client certificate.
         redis_tls: Tls
-    );
-    setter!(
-        /// TLS files for the `https://` alert webhook: the CA to verify it
-        /// with, and a client certificate (the `--http-url` handler takes its
-        /// own, see [`HttpHandler::new`](crate::HttpHandler::new)).
-        /// Defaults to none: the system's trust store, no client certificate.
-        http_tls: Tls
     );
     setter!(
         /// The consumer group; created (with MKSTREAM) when missing.
@@ -336,20 +299,6 @@ impl Builder {
         mode: Mode
     );
     setter!(
-        /// How often the dead-letter streams are checked for alerts.
-        /// Defaults to 10 s.
-        alert_interval: Duration
-    );
-    setter!(
-        /// Age of the oldest dead letter that raises an alert. Defaults to 1 h.
-        alert_age: Duration
-    );
-    setter!(
-        /// Least time between two webhook calls for one stream (changes in
-        /// between are folded into the next call). Defaults to 60 s.
-        alert_min_gap: Duration
-    );
-    setter!(
         /// Longest accepted `event_id`, in bytes. Defaults to 256.
         max_event_id_bytes: usize
     );
@@ -363,38 +312,6 @@ impl Builder {
     /// required. Defaults to none.
     pub fn stream(mut self, stream: &str) -> Builder {
         self.config.streams.push(stream.to_owned());
-        self
-    }
-
-    /// Serves `/metrics`, `/healthz`, `/readyz` and `/dlq` on this address
-    /// (`9090` or `:9090` mean `127.0.0.1:9090`). Defaults to off.
-    pub fn http(mut self, addr: &str) -> Builder {
-        self.config.http = Some(crate::http::server::bind_address(addr));
-        self
-    }
-
-    /// POST a JSON alert here when a dead-letter stream becomes non-empty,
-    /// grows, or its oldest entry passes `alert_age`. Defaults to none (the
-    /// alert is still logged at error level).
-    pub fn alert_webhook(mut self, url: &str) -> Builder {
-        self.config.alert_webhook = Some(url.to_owned());
-        self
-    }
-
-    /// Enables the replay and delete buttons of the `/dlq` page for whoever
-    /// gives this token. Defaults to none: the page is read-only.
-    pub fn admin_token(mut self, token: &str) -> Builder {
-        self.config.admin_token = Some(token.to_owned());
-        self
-    }
-
-    /// The token that lets a browser or script read the `/dlq` page, as
-    /// `Authorization: Bearer <token>` or through the page's login form (the
-    /// admin token works too). Required to see the page when the `http`
-    /// address is not loopback; when set, required on loopback too. At
-    /// least 12 characters. Defaults to none.
-    pub fn read_token(mut self, token: &str) -> Builder {
-        self.config.read_token = Some(token.to_owned());
         self
     }
 
@@ -469,15 +386,6 @@ impl Builder {
                 c.backoff_base, c.backoff_cap
             ));
         }
-        if c.admin_token.as_ref().is_some_and(|t| t.len() < 12) {
-            return err("the admin token must be at least 12 characters".into());
-        }
-        if c.read_token.as_ref().is_some_and(|t| t.len() < 12) {
-            return err("the read token must be at least 12 characters".into());
-        }
-        if c.alert_interval.is_zero() {
-            return err("alert interval must be positive".into());
-        }
         if c.reclaim_interval.is_zero() {
             return err("reclaim interval must be positive".into());
         }
@@ -539,8 +447,6 @@ mod tests {
             (b().reclaim_min_idle(Duration::from_secs(1)), "min-idle"),
             (b().stream("s"), "twice"),
             (b().start_id("7"), "start id"),
-            (b().admin_token("short"), "12 characters"),
-            (b().read_token("short"), "read token"),
         ] {
             let e = builder.validate().unwrap_err();
             assert!(
@@ -556,13 +462,11 @@ mod tests {
             .stream("s")
             .database_url("postgres://u:secret@h/db")
             .redis_url("redis://:hunter2@h:6379")
-            .admin_token("admin-token-42")
-            .read_token("read-token-42")
             .validate()
             .unwrap();
         let text = format!("{c:?}");
         assert!(
-            !text.contains("secret") && !text.contains("hunter2") && !text.contains("token-42"),
+            !text.contains("secret") && !text.contains("hunter2"),
             "{text}"
         );
     }

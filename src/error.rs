@@ -75,13 +75,9 @@ impl Error {
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)?;
-        // The cause is shown here too: most callers print only `Display`, and a
-        // one-line "what failed: why" is what an operator needs.
-        if let Some(source) = &self.source {
-            write!(f, ": {source}")?;
-        }
-        Ok(())
+        // What failed, once; why is in `source()` (printed by the binary as
+        // "what: why: why", as anyhow's `{:#}` does).
+        f.write_str(&self.message)
     }
 }
 
@@ -324,6 +320,15 @@ impl From<redis::RedisError> for HandlerError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn display_says_what_failed_once_and_source_says_why() {
+        let why = std::io::Error::new(std::io::ErrorKind::PermissionDenied, "denied");
+        let e = Error::with_source(ErrorKind::Config, "cannot read /etc/x", why);
+        assert_eq!(e.to_string(), "cannot read /etc/x");
+        assert_eq!(e.source().unwrap().to_string(), "denied");
+        assert_eq!(format!("{e:#}"), "cannot read /etc/x");
+    }
 
     #[test]
     fn sqlstates_from_the_issue_are_classified() {

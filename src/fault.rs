@@ -3,10 +3,15 @@
 //! Set `TASKHUB_FAULT=<point>` (or `<point>@<event_id>` to stop only on one
 //! event). When the point is reached, the process prints
 //! `taskhub-fault: <point> <event_id>` to stderr and freezes the thread, so
-//! the test can SIGKILL it at exactly that moment. Unset (always, in
-//! production), each check is one load of a cached `None`.
+//! the test can SIGKILL it at exactly that moment.
+//!
+//! Only with the `fault-injection` feature, which the tests turn on; in any
+//! other build the checks are empty functions and the environment is never
+//! read.
 
+#[cfg(feature = "fault-injection")]
 use std::io::Write;
+#[cfg(feature = "fault-injection")]
 use std::sync::OnceLock;
 
 /// Named points in the path of an event.
@@ -25,6 +30,7 @@ pub(crate) enum Point {
     ArchiveAfterCopy,
 }
 
+#[cfg(feature = "fault-injection")]
 impl Point {
     fn name(self) -> &'static str {
         match self {
@@ -37,6 +43,7 @@ impl Point {
     }
 }
 
+#[cfg(feature = "fault-injection")]
 fn armed() -> &'static Option<(String, Option<String>)> {
     static ARMED: OnceLock<Option<(String, Option<String>)>> = OnceLock::new();
     ARMED.get_or_init(|| {
@@ -49,11 +56,13 @@ fn armed() -> &'static Option<(String, Option<String>)> {
 }
 
 /// Whether `point` is armed at all (for any event).
+#[cfg(feature = "fault-injection")]
 pub(crate) fn is_armed(point: Point) -> bool {
     matches!(armed(), Some((p, _)) if p == point.name())
 }
 
 /// Freezes here forever if `point` is armed for `event_id`.
+#[cfg(feature = "fault-injection")]
 pub(crate) fn hit(point: Point, event_id: &str) {
     let Some((p, only)) = armed() else { return };
     if p != point.name() || only.as_deref().is_some_and(|id| id != event_id) {
@@ -69,3 +78,15 @@ pub(crate) fn hit(point: Point, event_id: &str) {
         std::thread::park();
     }
 }
+
+/// Never armed without the feature.
+#[cfg(not(feature = "fault-injection"))]
+#[inline(always)]
+pub(crate) fn is_armed(_point: Point) -> bool {
+    false
+}
+
+/// A no-op without the feature.
+#[cfg(not(feature = "fault-injection"))]
+#[inline(always)]
+pub(crate) fn hit(_point: Point, _event_id: &str) {}

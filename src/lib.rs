@@ -62,6 +62,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod alerts;
 mod backoff;
 mod config;
 mod consumers;
@@ -76,10 +77,12 @@ mod postgres;
 mod produce;
 mod redact;
 mod redis;
+mod runtime;
 mod shutdown;
 mod tls;
 mod worker;
 
+pub use alerts::Alerts;
 pub use backoff::Backoff;
 pub use config::{default_consumer_name, Builder, Config, Mode};
 pub use consumers::{consumers, remove_consumer, ConsumerInfo};
@@ -91,12 +94,14 @@ pub use event::{Event, Fields, Invalid};
 pub use handler::http::HttpHandler;
 pub use handler::sql::{SqlHandler, DEFAULT_STATEMENT};
 pub use handler::{handler_fn, FnHandler, Handler, Tx};
+pub use http::{HttpServer, Serving};
 pub use postgres::migrate::migrate;
 pub use produce::Producer;
 pub use redact::redact;
 pub use redis::{Pipe, RedisConn};
 pub use shutdown::Shutdown;
 pub use tls::Tls;
+pub use worker::monitor::{Durations, Monitor};
 pub use worker::stats::Summary;
 pub use worker::Worker;
 

@@ -78,7 +78,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Migrate => taskhub::migrate(&cli.servers.database_url)
             .map(|n| println!("migrations applied: {n}"))
-            .map_err(|e| e.to_string()),
+            .map_err(|e| cli::report(&e)),
         Command::Run(args) => cli::run::run(&cli.servers, *args),
         Command::Produce(args) => cli::produce::produce(&cli.servers, args),
         Command::Consumers(args) => cli::consumers::consumers(&cli.servers, args),

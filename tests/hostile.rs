@@ -33,7 +33,7 @@ fn worker(db: &TestDb, http: &str, env: &[(&str, &str)]) -> (Proc, String) {
     }
     let p = Proc::spawn(cmd);
     assert!(
-        wait_until(Duration::from_secs(20), || get(port, "/healthz", "").status
+        wait_until(Duration::from_secs(20), || get(port, "/readyz", "").status
             == Some(200)),
         "{}",
         p.stderr()
@@ -750,7 +750,7 @@ fn entries_of_four_mib_leave_worker_page_and_cli_memory_bounded() {
     let page = Proc::spawn(cmd);
     let port = port_of(&http);
     assert!(wait_until(Duration::from_secs(20), || get(
-        port, "/healthz", ""
+        port, "/readyz", ""
     )
     .status
         == Some(200)));

@@ -255,10 +255,11 @@ fn readyz_names_the_server_down(
     .args(["--http", &format!("127.0.0.1:{port}")]);
     let mut p = Proc::spawn(cmd);
     let url = format!("http://127.0.0.1:{port}/readyz");
+    // Listening at once, ready once connected.
     assert!(wait_until(Duration::from_secs(20), || {
         std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
     }));
-    assert_eq!(get(&url).0, 200);
+    assert!(wait_until(Duration::from_secs(20), || get(&url).0 == 200));
     set_up(false);
     let (status, body) = get(&url);
     assert_eq!(status, 503, "{body}");

@@ -334,6 +334,12 @@ fn a_wrong_certificate_authority_is_a_one_line_startup_error() {
         );
         assert!(errors[0].contains(&expected), "{stderr}");
         assert!(errors[0].contains("invalid peer certificate"), "{stderr}");
+        // Each cause once: Display states what failed, source() the why.
+        assert_eq!(
+            errors[0].matches("invalid peer certificate").count(),
+            1,
+            "{stderr}"
+        );
     }
 
     // verify-full checks the host name, verify-ca does not: the server is
@@ -364,6 +370,11 @@ fn a_wrong_certificate_authority_is_a_one_line_startup_error() {
         let expected = format!("Redis at rediss://127.0.0.1:{}", redis.port);
         assert!(errors[0].contains(&expected), "{stderr}");
         assert!(errors[0].contains("invalid peer certificate"), "{stderr}");
+        assert_eq!(
+            errors[0].matches("invalid peer certificate").count(),
+            1,
+            "{stderr}"
+        );
         assert!(!stderr.contains(ACL_PASSWORD), "{stderr}");
     }
 

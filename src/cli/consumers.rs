@@ -1,5 +1,6 @@
 //! `taskhub consumers`: list a group's consumers, remove one that left.
 
+use super::report;
 use clap::Args;
 
 use super::servers::Servers;
@@ -30,7 +31,7 @@ pub fn consumers(servers: &Servers, args: ConsumersArgs) -> Result<(), String> {
             &args.group,
             name,
         )
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| report(&e))?;
         println!(
             "removed consumer {name} from {}/{}",
             args.stream, args.group
@@ -43,7 +44,7 @@ pub fn consumers(servers: &Servers, args: ConsumersArgs) -> Result<(), String> {
         &args.stream,
         &args.group,
     )
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| report(&e))?;
     if args.json {
         let items: Vec<serde_json::Value> = list
             .iter()

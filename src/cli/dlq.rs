@@ -1,6 +1,7 @@
 //! `taskhub dlq`: look at, replay, purge and archive dead letters. Tables for
 //! people, `--json` for tools; the work is done by `taskhub::dlq`.
 
+use super::report;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -105,7 +106,7 @@ struct FilterArgs {
 impl FilterArgs {
     fn build(&self, limit: Option<usize>) -> Result<Filter, String> {
         let now = SystemTime::now();
-        let err = |e: taskhub::Error| e.to_string();
+        let err = |e: taskhub::Error| report(&e);
         let reason = match (&self.reason, &self.reason_regex) {
             (Some(text), _) => Some(ReasonMatch::substring(text)),
             (None, Some(re)) => Some(ReasonMatch::regex(re).map_err(err)?),
@@ -223,8 +224,8 @@ pub fn run(
     database_url: &str,
     args: DlqArgs,
 ) -> Result<ExitCode, String> {
-    let mut conn = dlq::connect_redis(redis_url, redis_tls).map_err(|e| e.to_string())?;
-    conn.check_stream(&args.stream).map_err(|e| e.to_string())?;
+    let mut conn = dlq::connect_redis(redis_url, redis_tls).map_err(|e| report(&e))?;
+    conn.check_stream(&args.stream).map_err(|e| report(&e))?;
     let ctx = Ctx {
         dlq: dead_letter_stream(&args.stream),
         stream: args.stream,
@@ -255,7 +256,7 @@ fn ok() -> Result<ExitCode, String> {
 }
 
 fn err(e: taskhub::Error) -> String {
-    e.to_string()
+    report(&e)
 }
 
 /// `n thing` or `n things`.

@@ -1,5 +1,6 @@
 //! `taskhub produce`: JSON lines on stdin, or demo events, into a stream.
 
+use super::report;
 use std::io::{BufRead, Write};
 
 use clap::Args;
@@ -25,18 +26,18 @@ pub struct ProduceArgs {
 
 pub fn produce(servers: &Servers, args: ProduceArgs) -> Result<(), String> {
     let mut producer = Producer::connect(&servers.redis_url, &servers.redis_tls(), &args.stream)
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| report(&e))?;
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
     let mut flush = |batch: &mut Vec<Vec<(String, String)>>| -> Result<(), String> {
         if batch.is_empty() {
             return Ok(());
         }
-        let ids = producer.send_batch(batch).map_err(|e| e.to_string())?;
+        let ids = producer.send_batch(batch).map_err(|e| report(&e))?;
         batch.clear();
         if !args.quiet {
             for id in ids {
-                writeln!(out, "{id}").map_err(|e| e.to_string())?;
+                writeln!(out, "{id}").map_err(|e| report(&e))?;
             }
         }
         Ok(())

@@ -1,10 +1,11 @@
 //! `taskhub run`: flags to a `Worker`, signals to its shutdown handle.
 
+use super::report;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
-use taskhub::{HttpHandler, SqlHandler, Worker};
+use taskhub::{Alerts, HttpHandler, HttpServer, SqlHandler, Worker};
 
 use super::duration;
 use super::servers::Servers;
@@ -220,7 +221,6 @@ pub fn run(servers: &Servers, mut args: RunArgs) -> Result<(), String> {
     let mut builder = Worker::builder()
         .redis_url(&servers.redis_url)
         .redis_tls(servers.redis_tls())
-        .http_tls(http_tls.clone())
         .database_url(&servers.database_url)
         .group(&args.group)
         .workers(args.workers)
@@ -248,35 +248,18 @@ pub fn run(servers: &Servers, mut args: RunArgs) -> Result<(), String> {
     if let Some(scope) = &args.scope {
         builder = builder.scope(scope);
     }
-    if let Some(addr) = &args.http {
-        builder = builder.http(addr);
-    }
-    if let Some(token) = &args.admin_token {
-        builder = builder.admin_token(token);
-    }
-    if let Some(token) = &args.read_token {
-        builder = builder.read_token(token);
-    }
-    if let Some(url) = &args.alert_webhook {
-        builder = builder.alert_webhook(url);
-    }
-    builder = builder
-        .alert_interval(args.alert_interval)
-        .alert_age(args.alert_age)
-        .alert_min_gap(args.alert_min_gap);
     let worker = match &args.http_url {
         Some(url) => {
             let timeout = args.http_timeout.min(args.handler_timeout);
-            let mut handler =
-                HttpHandler::new(url, timeout, &http_tls).map_err(|e| e.to_string())?;
+            let mut handler = HttpHandler::new(url, timeout, &http_tls).map_err(|e| report(&e))?;
             for (name, value) in &headers {
-                handler = handler.header(name, value).map_err(|e| e.to_string())?;
+                handler = handler.header(name, value).map_err(|e| report(&e))?;
             }
             builder.build(handler)
         }
         None => builder.build(SqlHandler::new(args.sql)),
     }
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| report(&e))?;
 
     // First SIGINT/SIGTERM: graceful shutdown. Second: exit at once.
     let stop = worker.shutdown_handle();
@@ -290,7 +273,53 @@ pub fn run(servers: &Servers, mut args: RunArgs) -> Result<(), String> {
     })
     .map_err(|e| format!("cannot install the signal handler: {e}"))?;
 
-    let summary = worker.run().map_err(|e| e.to_string())?;
+    // Beside the worker, watching it through its monitor; both stop when
+    // it does.
+    let monitor = worker.monitor();
+    let mut alerts = Alerts::new()
+        .tls(http_tls)
+        .interval(args.alert_interval)
+        .age(args.alert_age)
+        .min_gap(args.alert_min_gap);
+    if let Some(url) = &args.alert_webhook {
+        alerts = alerts.webhook(url);
+    }
+    let alerts = alerts.start(&monitor).map_err(|e| report(&e))?;
+    let http = match &args.http {
+        Some(addr) => {
+            let mut server = HttpServer::new(addr);
+            if let Some(token) = &args.admin_token {
+                server = server.admin_token(token);
+            }
+            if let Some(token) = &args.read_token {
+                server = server.read_token(token);
+            }
+            match server.start(&monitor) {
+                Ok(serving) => Some(serving),
+                Err(e) => {
+                    stop_and_join(&monitor, alerts, None);
+                    return Err(report(&e));
+                }
+            }
+        }
+        None => None,
+    };
+
+    let result = worker.run();
+    stop_and_join(&monitor, alerts, http);
+    let summary = result.map_err(|e| report(&e))?;
     println!("{summary}");
     Ok(())
+}
+
+fn stop_and_join(
+    monitor: &taskhub::Monitor,
+    alerts: std::thread::JoinHandle<()>,
+    http: Option<taskhub::Serving>,
+) {
+    monitor.shutdown_handle().shutdown();
+    let _ = alerts.join();
+    if let Some(http) = http {
+        http.join();
+    }
 }

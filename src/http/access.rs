@@ -21,7 +21,6 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::config::Config;
 use crate::http::wire::Request;
 use crate::net::{percent_decode, percent_encode};
 use crate::shutdown::Shutdown;
@@ -47,24 +46,13 @@ pub(crate) struct Access {
     throttle: Throttle,
 }
 
-/// Whether `addr` (as given to `--http`, after `bind_address`) listens on
-/// loopback only.
-pub(crate) fn is_loopback(addr: &str) -> bool {
-    addr.starts_with("127.") || addr.starts_with("[::1]") || addr.starts_with("localhost")
-}
-
 impl Access {
-    pub fn new(config: &Config) -> Access {
-        let wide = config.http.as_deref().is_some_and(|a| !is_loopback(a));
+    /// The rules of a server on loopback (or not) with these tokens.
+    pub fn new(loopback: bool, admin: Option<String>, read: Option<String>) -> Access {
         Access {
-            require_read: wide || config.read_token.is_some(),
-            read_tokens: config
-                .read_token
-                .iter()
-                .chain(&config.admin_token)
-                .cloned()
-                .collect(),
-            admin: config.admin_token.clone(),
+            require_read: !loopback || read.is_some(),
+            read_tokens: read.iter().chain(&admin).cloned().collect(),
+            admin,
             throttle: Throttle::default(),
         }
     }

@@ -10,16 +10,14 @@
 //! of a fixed set of texts, chosen by a code (see [`message`]).
 
 use std::fmt::Write as _;
-use std::time::Duration;
 
-use crate::config::Config;
 use crate::dlq::{self, Filter, ReasonMatch, ReplayOptions, Selection};
 use crate::dlq::{DeadLetter, Kind};
 use crate::http::access::{cross_site, Access, Denied};
 use crate::http::server::text;
 use crate::http::wire::{Request, Response};
 use crate::net::percent_encode as encode;
-use crate::worker::Shared;
+use crate::worker::monitor::Monitor;
 
 const PAGE_SIZE: usize = 50;
 const CSP: &str = "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'";
@@ -104,9 +102,9 @@ pub(crate) struct Page {
 }
 
 impl Page {
-    pub fn new(config: &Config) -> Page {
+    pub fn new(loopback: bool, admin: Option<String>, read: Option<String>) -> Page {
         Page {
-            access: Access::new(config),
+            access: Access::new(loopback, admin, read),
         }
     }
 
@@ -120,17 +118,17 @@ impl Page {
     }
 
     /// Serves `/dlq...`; `None` when the path is not the page's.
-    pub fn route(&self, shared: &Shared, request: &Request) -> Option<Response> {
+    pub fn route(&self, monitor: &Monitor, request: &Request) -> Option<Response> {
         let path = request.path();
         if path != "/dlq" && !path.starts_with("/dlq/") {
             return None;
         }
         let response = match (request.method(), path) {
             ("GET" | "HEAD", "/dlq" | "/dlq/show") => {
-                match self.access.may_read(request, &shared.shutdown) {
+                match self.access.may_read(request, &monitor.shutdown_handle()) {
                     Err(denied) => login_page(denied),
-                    Ok(()) if path == "/dlq" => list_page(shared, &params(request.query())),
-                    Ok(()) => show_page(shared, &self.access, &params(request.query())),
+                    Ok(()) if path == "/dlq" => list_page(monitor, &params(request.query())),
+                    Ok(()) => show_page(monitor, &self.access, &params(request.query())),
                 }
             }
             ("POST", "/dlq/login" | "/dlq/replay" | "/dlq/delete") => {
@@ -147,9 +145,9 @@ impl Page {
                 };
                 let form = params(body);
                 if path == "/dlq/login" {
-                    self.login(shared, &form)
+                    self.login(monitor, &form)
                 } else {
-                    self.action(shared, path, &form)
+                    self.action(monitor, path, &form)
                 }
             }
             _ => html(405, "Not allowed", "<p>method not allowed</p>"),
@@ -157,8 +155,11 @@ impl Page {
         Some(response)
     }
 
-    fn login(&self, shared: &Shared, form: &[(String, String)]) -> Response {
-        match self.access.login(param(form, "token"), &shared.shutdown) {
+    fn login(&self, monitor: &Monitor, form: &[(String, String)]) -> Response {
+        match self
+            .access
+            .login(param(form, "token"), &monitor.shutdown_handle())
+        {
             Ok(cookie) => text(303, "text/plain", "logged in\n".into())
                 .with_header("Location", "/dlq")
                 .with_header("Set-Cookie", cookie),
@@ -166,10 +167,10 @@ impl Page {
         }
     }
 
-    fn action(&self, shared: &Shared, path: &str, form: &[(String, String)]) -> Response {
+    fn action(&self, monitor: &Monitor, path: &str, form: &[(String, String)]) -> Response {
         match self
             .access
-            .may_change(param(form, "token"), &shared.shutdown)
+            .may_change(param(form, "token"), &monitor.shutdown_handle())
         {
             Ok(()) => {}
             Err(Denied::NotConfigured) => {
@@ -188,7 +189,7 @@ impl Page {
                 );
             }
         }
-        let stream = match stream_param(shared, form) {
+        let stream = match stream_param(monitor, form) {
             Ok(s) => s.to_owned(),
             Err(r) => return r,
         };
@@ -198,13 +199,13 @@ impl Page {
         if !crate::dlq::filter::valid_id(id) {
             return not_found(&stream, id);
         }
-        let mut conn = match redis(shared) {
+        let mut conn = match redis(monitor) {
             Ok(c) => c,
             Err(r) => return r,
         };
         let selection = Selection::Ids(vec![id.to_owned()]);
         let (code, message) = if path == "/dlq/replay" {
-            let mut pg = shared.pg.get_timeout(Duration::from_secs(2)).ok();
+            let mut pg = monitor.pg_conn().ok();
             let report = dlq::replay(
                 &mut conn,
                 pg.as_deref_mut().map(|c| &mut **c),
@@ -322,11 +323,11 @@ fn message(query: &[(String, String)]) -> Option<String> {
 }
 
 fn stream_param<'a>(
-    shared: &'a Shared,
+    monitor: &'a Monitor,
     query: &'a [(String, String)],
 ) -> Result<&'a str, Response> {
-    let stream = param(query, "stream").unwrap_or(&shared.config.streams[0]);
-    if shared.config.streams.iter().any(|s| s == stream) {
+    let stream = param(query, "stream").unwrap_or(&monitor.streams()[0]);
+    if monitor.streams().iter().any(|s| s == stream) {
         Ok(stream)
     } else {
         Err(html(404, "Unknown stream", "<p>unknown stream</p>"))
@@ -334,9 +335,9 @@ fn stream_param<'a>(
 }
 
 fn redis(
-    shared: &Shared,
+    monitor: &Monitor,
 ) -> Result<r2d2::PooledConnection<crate::redis::pool::RedisManager>, Response> {
-    shared.redis_conn().map_err(|e| {
+    monitor.redis_conn().map_err(|e| {
         html(
             503,
             "Redis unavailable",
@@ -345,8 +346,8 @@ fn redis(
     })
 }
 
-fn list_page(shared: &Shared, query: &[(String, String)]) -> Response {
-    let stream = match stream_param(shared, query) {
+fn list_page(monitor: &Monitor, query: &[(String, String)]) -> Response {
+    let stream = match stream_param(monitor, query) {
         Ok(s) => s,
         Err(r) => return r,
     };
@@ -359,7 +360,7 @@ fn list_page(shared: &Shared, query: &[(String, String)]) -> Response {
         before: param(query, "before").map(str::to_owned),
         ..Filter::default()
     };
-    let mut conn = match redis(shared) {
+    let mut conn = match redis(monitor) {
         Ok(c) => c,
         Err(r) => return r,
     };
@@ -383,9 +384,9 @@ fn list_page(shared: &Shared, query: &[(String, String)]) -> Response {
         escape(&dlq_name)
     );
     body.push_str("<form method=\"get\" action=\"/dlq\">");
-    if shared.config.streams.len() > 1 {
+    if monitor.streams().len() > 1 {
         body.push_str("Stream <select name=\"stream\">");
-        for s in &shared.config.streams {
+        for s in monitor.streams() {
             let selected = if s == stream { " selected" } else { "" };
             let _ = write!(body, "<option{selected}>{}</option>", escape(s));
         }
@@ -455,15 +456,15 @@ fn list_page(shared: &Shared, query: &[(String, String)]) -> Response {
     html(200, "taskhub dead letters", &body)
 }
 
-fn show_page(shared: &Shared, access: &Access, query: &[(String, String)]) -> Response {
-    let stream = match stream_param(shared, query) {
+fn show_page(monitor: &Monitor, access: &Access, query: &[(String, String)]) -> Response {
+    let stream = match stream_param(monitor, query) {
         Ok(s) => s,
         Err(r) => return r,
     };
     let Some(id) = param(query, "id") else {
         return html(400, "Bad request", "<p>missing id</p>");
     };
-    let mut conn = match redis(shared) {
+    let mut conn = match redis(monitor) {
         Ok(c) => c,
         Err(r) => return r,
     };

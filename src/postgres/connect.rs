@@ -68,34 +68,6 @@ pub(crate) fn pg_unreachable(
     Error::with_source(
         ErrorKind::Postgres,
         format!("cannot connect to PostgreSQL at {}", redact(url)),
-        WithCauses(e.into()),
+        e,
     )
-}
-
-/// An error whose `Display` also shows its causes: rust-postgres prints
-/// only "error performing TLS handshake" and keeps the reason (such as
-/// "invalid peer certificate: UnknownIssuer") in `source()`.
-#[derive(Debug)]
-struct WithCauses(Box<dyn std::error::Error + Send + Sync>);
-
-impl std::fmt::Display for WithCauses {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mut text = self.0.to_string();
-        let mut cause = self.0.source();
-        while let Some(c) = cause {
-            let more = c.to_string();
-            if !more.is_empty() && !text.contains(&more) {
-                text.push_str(": ");
-                text.push_str(&more);
-            }
-            cause = c.source();
-        }
-        f.write_str(&text)
-    }
-}
-
-impl std::error::Error for WithCauses {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.0.source()
-    }
 }

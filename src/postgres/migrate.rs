@@ -28,8 +28,10 @@ const LOCK_KEY: i64 = 0x0074_6173_6b68_7562;
 /// Applies the migrations not applied yet to the database at `database_url`.
 /// Returns how many were applied by this call.
 pub fn migrate(database_url: &str) -> Result<usize, Error> {
-    let mut client = crate::postgres::connect::postgres(database_url)?;
-    migrate_client(&mut client)
+    crate::runtime::off_async(|| {
+        let mut client = crate::postgres::connect::postgres(database_url)?;
+        migrate_client(&mut client)
+    })
 }
 
 pub(crate) fn migrate_client(client: &mut postgres::Client) -> Result<usize, Error> {

@@ -17,11 +17,12 @@ impl Processor {
             return;
         }
         let finished = &done.deliveries;
-        let ttl = self.shared.config.marker_ttl.as_secs();
-        let group = self.shared.config.group.clone();
-        let ns = self.shared.namespace.get();
+        let ttl = self.stage.settings.marker_ttl.as_secs();
+        let group = self.stage.settings.group.clone();
+        let ns = self.stage.namespace.get();
         let split = fault::is_armed(Point::AfterMarker);
-        let acked = self.with_redis(|conn, scope| {
+        let scope = &self.stage.settings.scope;
+        let acked = self.with_redis(|conn| {
             let mut pipe = conn.pipe();
             for &i in &done.to_mark {
                 pipe.cmd("SET")
@@ -62,8 +63,6 @@ impl Processor {
             );
         }
         let tickets = done.deliveries.iter_mut().filter_map(|d| d.ticket.take());
-        self.shared
-            .in_flight
-            .release_all(tickets.collect::<Vec<_>>());
+        self.stage.flow.release_all(tickets.collect::<Vec<_>>());
     }
 }

@@ -28,9 +28,9 @@ use crate::fault::{self, Point};
 use crate::handler::{catch_panic, prepare_cached as prepare, Tx};
 use crate::redis::streams::{self, Owned};
 use crate::worker::delivery::{Delivery, FRESH};
+use crate::worker::process::Stage;
 use crate::worker::process::{event, Processor};
 use crate::worker::stats::Stats;
-use crate::worker::Shared;
 
 const INSERT_PROCESSED: &str = "INSERT INTO processed_events (scope, event_id) VALUES ($1, $2) \
      ON CONFLICT DO NOTHING RETURNING txid_current()";
@@ -73,7 +73,7 @@ impl Processor {
         }
         if self.pg.is_none() {
             let conn = self
-                .shared
+                .stage
                 .pg
                 .get()
                 .map_err(|e| HandlerError::outage(format!("no PostgreSQL connection: {e}")))?;
@@ -93,8 +93,8 @@ impl Processor {
     /// entries as crash loops. An entry started more than `max_attempts`
     /// times is a crash loop: rolled back and dead-lettered without running.
     pub(crate) fn apply(&mut self, delivery: &mut Delivery) -> Result<Applied, HandlerError> {
-        let shared = self.shared.clone();
-        let scope = shared.config.scope();
+        let stage = self.stage.clone();
+        let scope = stage.settings.scope.as_str();
         self.connection()?;
         let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
             unreachable!("connection() sets it")
@@ -112,19 +112,23 @@ impl Processor {
         self.reached_database = true;
         if delivery.delivery_count > 1 && delivery.failures.is_empty() {
             if !delivery.start_counted {
-                let started = count_start(&shared, delivery).ok_or_else(stopped)?;
+                let started = count_start(&stage, delivery).ok_or_else(stopped)?;
                 delivery.delivery_count = delivery.delivery_count.min(started.saturating_add(1));
                 delivery.start_counted = true;
             }
-            if delivery.prior_attempts() >= shared.config.max_attempts {
+            if delivery.prior_attempts() >= stage.settings.max_attempts {
                 return Ok(Applied::CrashLoop);
             }
         }
         let event = event(delivery);
         fault::hit(Point::InHandler, event.event_id());
         let started = Instant::now();
-        let handled = catch_panic(|| shared.handler.handle(event, &mut tx));
-        shared.stats.handler_seconds.observe(started.elapsed());
+        let handled = catch_panic(|| stage.handler.handle(event, &mut tx));
+        stage
+            .common
+            .stats
+            .handler_seconds
+            .observe(started.elapsed());
         log::trace!(
             "{}/{}: handler ran in {:?}",
             delivery.stream,
@@ -133,21 +137,21 @@ impl Processor {
         );
         if let Err(e) = handled {
             if e.is_panic() {
-                Stats::add(&shared.stats.panics, 1);
+                Stats::add(&stage.common.stats.panics, 1);
             }
             return Err(ended(&mut tx, xid).unwrap_or(e));
         }
         if delivery.held_long() {
-            let owned = ownership(&shared, std::slice::from_ref(delivery)).ok_or_else(stopped)?;
+            let owned = ownership(&stage, std::slice::from_ref(delivery)).ok_or_else(stopped)?;
             if let Some(lost) = not_ours(&owned[0]) {
                 return Ok(lost);
             }
         }
         fault::hit(Point::BeforeCommit, event.event_id());
         commit(tx, xid)?;
-        Stats::add(&shared.stats.commits, 1);
+        Stats::add(&stage.common.stats.commits, 1);
         fault::hit(Point::AfterCommit, event.event_id());
-        committed(&shared, event);
+        committed(&stage, event);
         Ok(Applied::New)
     }
 
@@ -155,8 +159,8 @@ impl Processor {
     /// returns which event ids are new, the handler's batch form applies
     /// them, one COMMIT. Any error rolls the whole batch back.
     pub(crate) fn apply_batch(&mut self, batch: &[Delivery]) -> Result<Batch, HandlerError> {
-        let shared = self.shared.clone();
-        let scope = shared.config.scope();
+        let stage = self.stage.clone();
+        let scope = stage.settings.scope.as_str();
         self.connection()?;
         let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
             unreachable!("connection() sets it")
@@ -188,11 +192,15 @@ impl Processor {
             fault::hit(Point::InHandler, e.event_id());
         }
         let started = Instant::now();
-        let handled = catch_panic(|| shared.handler.handle_batch(&events, &mut tx));
-        shared.stats.handler_seconds.observe(started.elapsed());
+        let handled = catch_panic(|| stage.handler.handle_batch(&events, &mut tx));
+        stage
+            .common
+            .stats
+            .handler_seconds
+            .observe(started.elapsed());
         if let Err(e) = handled {
             if e.is_panic() {
-                Stats::add(&shared.stats.panics, 1);
+                Stats::add(&stage.common.stats.panics, 1);
             }
             if let Some(ended) = ended(&mut tx, xid) {
                 return Err(ended.for_no_event());
@@ -207,7 +215,7 @@ impl Processor {
         let long: Vec<usize> = (0..batch.len()).filter(|i| batch[*i].held_long()).collect();
         if !long.is_empty() {
             let held: Vec<&Delivery> = long.iter().map(|i| &batch[*i]).collect();
-            let owned = ownership(&shared, held).ok_or_else(stopped)?;
+            let owned = ownership(&stage, held).ok_or_else(stopped)?;
             let lost: Vec<(usize, Applied)> = long
                 .into_iter()
                 .zip(owned)
@@ -221,10 +229,10 @@ impl Processor {
             fault::hit(Point::BeforeCommit, e.event_id());
         }
         commit(tx, xid).map_err(HandlerError::for_no_event)?;
-        Stats::add(&shared.stats.commits, 1);
+        Stats::add(&stage.common.stats.commits, 1);
         for e in &events {
             fault::hit(Point::AfterCommit, e.event_id());
-            committed(&shared, e);
+            committed(&stage, e);
         }
         Ok(Batch::Applied(new))
     }
@@ -239,11 +247,11 @@ fn stopped() -> HandlerError {
 /// Counts the start of a redelivered entry's attempt; returns the starts
 /// counted so far for it (this one included), not counting its first
 /// delivery. `None` when a shutdown interrupted a Redis outage.
-fn count_start(shared: &Shared, delivery: &Delivery) -> Option<u64> {
-    let key =
-        crate::redis::keys::started(&shared.config.group, &delivery.stream, &delivery.entry_id);
-    let ttl = shared.config.marker_ttl.as_secs().max(1);
-    crate::worker::process::redis_call(shared, |conn, _| {
+fn count_start(stage: &Stage, delivery: &Delivery) -> Option<u64> {
+    let settings = &stage.settings;
+    let key = crate::redis::keys::started(&settings.group, &delivery.stream, &delivery.entry_id);
+    let ttl = settings.marker_ttl.as_secs().max(1);
+    stage.common.with_redis(|conn| {
         let (n,): (u64,) = redis::pipe()
             .cmd("INCR")
             .arg(&key)
@@ -260,11 +268,11 @@ fn count_start(shared: &Shared, delivery: &Delivery) -> Option<u64> {
 /// one pipelined round trip. `None` when a shutdown interrupted a Redis
 /// outage.
 fn ownership<'a>(
-    shared: &Shared,
+    stage: &Stage,
     held: impl IntoIterator<Item = &'a Delivery> + Clone,
 ) -> Option<Vec<Owned>> {
-    let config = &shared.config;
-    crate::worker::process::redis_call(shared, |conn, _| {
+    let config = &stage.settings;
+    stage.common.with_redis(|conn| {
         let mut pipe = conn.pipe();
         for d in held.clone() {
             pipe.add_command(streams::claim_if_owned(
@@ -345,9 +353,9 @@ fn commit(mut tx: Tx<'_>, xid: i64) -> Result<(), HandlerError> {
 
 /// The handler's `committed` hook; a panic in it is logged, not spread
 /// (the event is committed: it must be acked all the same).
-fn committed(shared: &Shared, event: &Event) {
+fn committed(stage: &Stage, event: &Event) {
     let hook = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        shared.handler.committed(event)
+        stage.handler.committed(event)
     }));
     if hook.is_err() {
         log::error!(

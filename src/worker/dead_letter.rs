@@ -10,9 +10,16 @@
 use crossbeam_channel::Receiver;
 
 use crate::dlq::{dead_letter_stream, DeadLetter, Kind};
+use crate::worker::context::{outage_backoff, Common};
+use crate::worker::flow::InFlight;
 use crate::worker::flow::Ticket;
 use crate::worker::stats::{Server, Stats};
-use crate::worker::Shared;
+
+/// What the dead-letter writer thread holds.
+pub(crate) struct Writer {
+    pub common: Common,
+    pub flow: InFlight,
+}
 
 /// A dead letter on its way to the writer.
 #[derive(Debug)]
@@ -106,7 +113,8 @@ enum Written {
 /// Exits when every sender is gone and the channel is drained, or, during a
 /// Redis outage, when a shutdown is asked for (what is left stays pending in
 /// its stream and is delivered again: nothing is lost).
-pub(crate) fn writer_thread(shared: &Shared, jobs: &Receiver<Job>) {
+pub(crate) fn writer_thread(writer: Writer, jobs: &Receiver<Job>) {
+    let Writer { common, flow } = &writer;
     let mut attempt = 0u32;
     while let Ok(first) = jobs.recv() {
         let mut batch = vec![first];
@@ -117,17 +125,17 @@ pub(crate) fn writer_thread(shared: &Shared, jobs: &Receiver<Job>) {
             }
         }
         let written = loop {
-            match write(shared, &batch) {
+            match write(common, &batch) {
                 Ok(w) => {
-                    shared.health.up(Server::Redis);
+                    common.health.up(Server::Redis);
                     attempt = 0;
                     break w;
                 }
                 Err(e) => {
-                    shared.health.down(Server::Redis, &e);
+                    common.health.down(Server::Redis, &e);
                     attempt += 1;
-                    let wait = shared.outage_backoff(attempt);
-                    if shared.shutdown.sleep(wait) && attempt > 3 {
+                    let wait = outage_backoff(attempt);
+                    if common.shutdown.sleep(wait) && attempt > 3 {
                         log::error!(
                             "dead-letter writer: giving up on {} dead letters at shutdown; they stay pending and will be delivered again",
                             batch.len()
@@ -138,16 +146,16 @@ pub(crate) fn writer_thread(shared: &Shared, jobs: &Receiver<Job>) {
             }
         };
         for (job, written) in batch.iter().zip(written) {
-            report(shared, &job.letter, written);
+            report(&common.stats, &job.letter, written);
         }
         // Written, or left pending at shutdown: either way they leave the
         // in-flight set.
         let tickets: Vec<Ticket> = batch.iter_mut().filter_map(|j| j.ticket.take()).collect();
-        shared.in_flight.release_all(tickets);
+        flow.release_all(tickets);
     }
 }
 
-fn report(shared: &Shared, l: &DeadLetter, written: Written) {
+fn report(stats: &Stats, l: &DeadLetter, written: Written) {
     match written {
         Written::NotOwned => log::info!(
             "{}/{}: not dead-lettered: the entry is no longer this consumer's (another consumer claimed it, or it was finished)",
@@ -161,11 +169,11 @@ fn report(shared: &Shared, l: &DeadLetter, written: Written) {
         ),
         Written::Now => {
             let counter = match l.kind {
-                Kind::Permanent => &shared.stats.dead_permanent,
-                Kind::Exhausted => &shared.stats.dead_exhausted,
-                Kind::CrashLoop => &shared.stats.dead_crash_loop,
-                Kind::Invalid => &shared.stats.dead_invalid,
-                Kind::Trimmed => &shared.stats.dead_trimmed,
+                Kind::Permanent => &stats.dead_permanent,
+                Kind::Exhausted => &stats.dead_exhausted,
+                Kind::CrashLoop => &stats.dead_crash_loop,
+                Kind::Invalid => &stats.dead_invalid,
+                Kind::Trimmed => &stats.dead_trimmed,
             };
             Stats::add(counter, 1);
             log::warn!(
@@ -183,8 +191,8 @@ fn report(shared: &Shared, l: &DeadLetter, written: Written) {
 
 /// Writes `batch` in one pipeline (one round trip per node on a cluster);
 /// returns what happened to each letter.
-fn write(shared: &Shared, batch: &[Job]) -> redis::RedisResult<Vec<Written>> {
-    let mut conn = shared.redis_conn()?;
+fn write(common: &Common, batch: &[Job]) -> redis::RedisResult<Vec<Written>> {
+    let mut conn = common.redis_conn()?;
     let mut pipe = conn.pipe();
     for job in batch {
         pipe.add_command(write_command(job));

@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::dlq::Attempt;
-use crate::event::{Event, Fields, Invalid};
+use crate::event::{Event, Fields, Invalid, Limits, RawEntry};
 use crate::worker::flow::Ticket;
+use crate::worker::stats::Stats;
 
 /// An entry held this long since Redis last gave it to this consumer is
 /// checked (and its idle time reset) before its outcome is committed: no
@@ -49,10 +50,90 @@ pub(crate) struct Delivery {
     pub ticket: Option<Ticket>,
 }
 
+/// The reason of a `trimmed` dead letter.
+pub(crate) const TRIMMED: &str =
+    "the entry was deleted from the stream (MAXLEN, XTRIM or XDEL) while it was pending, before it could be applied";
+
 /// What the channel to the workers carries: entries of one stream.
 pub(crate) type Job = Vec<Delivery>;
 
 impl Delivery {
+    /// Turns raw entries read (or claimed) at `sent_at` into deliveries, one
+    /// per ticket: an entry without a ticket is held by this process already
+    /// and is skipped. An entry deleted from the stream while pending (Redis
+    /// returns it without fields) becomes a delivery to dead-letter as
+    /// `trimmed`.
+    pub fn from_entries(
+        stats: &Stats,
+        limits: Limits,
+        stream: &Arc<str>,
+        entries: Vec<RawEntry>,
+        tickets: Vec<Option<Ticket>>,
+        sent_at: Instant,
+        delivery_count: impl Fn(&str) -> u64,
+    ) -> Job {
+        let mut job = Vec::with_capacity(entries.len());
+        for (entry, ticket) in entries.into_iter().zip(tickets) {
+            let Some(ticket) = ticket else { continue };
+            Stats::add(&stats.read, 1);
+            let count = delivery_count(&entry.id);
+            let (body, trimmed) = match entry.fields {
+                Some(fields) => (
+                    Event::parse(
+                        stream.clone(),
+                        entry.id.clone(),
+                        fields,
+                        entry.cut,
+                        count,
+                        limits,
+                    ),
+                    false,
+                ),
+                None => (Err((Vec::new(), Invalid(TRIMMED.into()))), true),
+            };
+            job.push(Delivery {
+                stream: stream.clone(),
+                entry_id: entry.id,
+                body,
+                delivery_count: count,
+                token: Some(count),
+                trimmed,
+                held_since: sent_at,
+                failures: Vec::new(),
+                strikes: 0,
+                start_counted: false,
+                ticket: Some(ticket),
+            });
+        }
+        job
+    }
+
+    /// A delivery of an entry deleted from its stream while pending, known
+    /// by its id (and the event id when `known` has it): a `trimmed` dead
+    /// letter to be.
+    pub fn trimmed(
+        stream: &Arc<str>,
+        entry_id: String,
+        known: Fields,
+        fence: Option<u64>,
+        ticket: Option<Ticket>,
+        at: Instant,
+    ) -> Delivery {
+        Delivery {
+            stream: stream.clone(),
+            entry_id,
+            body: Err((known, Invalid(TRIMMED.into()))),
+            delivery_count: 1,
+            token: fence,
+            trimmed: true,
+            held_since: at,
+            failures: Vec::new(),
+            strikes: 0,
+            start_counted: false,
+            ticket,
+        }
+    }
+
     pub fn event_id(&self) -> Option<&str> {
         match &self.body {
             Ok(event) => Some(event.event_id()),

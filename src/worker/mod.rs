@@ -10,9 +10,9 @@
 //! ```
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::{bounded, unbounded};
 
@@ -21,23 +21,21 @@ use crate::config::{Builder, Config};
 use crate::error::{Error, ErrorKind};
 use crate::event::Limits;
 use crate::handler::Handler;
-use crate::http::{server as http_server, wire as http_wire};
 use crate::postgres::connect;
 use crate::postgres::pool::{postgres_pool, PgPool, Setup};
 use crate::redis::keys::Namespace;
-use crate::redis::pool::{redis_pool, RedisPool};
+use crate::redis::pool::redis_pool;
 use crate::redis::streams;
 use crate::redis::RedisClient;
 use crate::shutdown::Shutdown;
-use crate::worker::flow::InFlight;
-use crate::worker::stats::{Health, Stats, Summary};
 
 pub(crate) mod ack;
-pub(crate) mod alert;
 pub(crate) mod apply;
+pub(crate) mod context;
 pub(crate) mod dead_letter;
 pub(crate) mod delivery;
 pub(crate) mod flow;
+pub(crate) mod monitor;
 pub(crate) mod pool;
 pub(crate) mod process;
 pub(crate) mod read;
@@ -45,64 +43,22 @@ pub(crate) mod reclaim;
 pub(crate) mod retry;
 pub(crate) mod stats;
 
+use context::{Claim, Common};
+use dead_letter::Writer;
+use flow::InFlight;
+use monitor::Monitor;
+use process::{Settings, Stage};
+use read::Reader;
+use reclaim::Reclaimer;
+use retry::Retrier;
+use stats::{Health, Stats, Summary};
+
 /// A configured worker: reads its streams and applies each event exactly once
 /// until its [`Shutdown`] fires.
 pub struct Worker {
     config: Config,
     handler: Arc<dyn Handler>,
-    shutdown: Shutdown,
-}
-
-/// What every thread shares.
-pub(crate) struct Shared {
-    pub config: Config,
-    pub handler: Arc<dyn Handler>,
-    pub redis_client: RedisClient,
-    pub redis: RedisPool,
-    pub pg: PgPool,
-    pub stats: Stats,
-    pub health: Health,
-    pub in_flight: InFlight,
-    /// The duplicate markers' namespace: the database history they speak
-    /// for, followed by every new PostgreSQL connection.
-    pub namespace: Namespace,
-    pub shutdown: Shutdown,
-    pub backoff: Backoff,
-    pub limits: Limits,
-    pub reader_idle: Vec<AtomicBool>,
-    /// The name of a thread that stopped unexpectedly, if any.
-    pub thread_died: Mutex<Option<String>>,
-    /// Held while a redelivered entry (a suspect) is applied: see
-    /// `Processor::apply_one`.
-    pub suspects: Mutex<()>,
-}
-
-impl Shared {
-    pub fn dead_thread(&self) -> Option<String> {
-        self.thread_died
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    pub fn redis_conn(&self) -> redis::RedisResult<crate::redis::pool::PooledRedis> {
-        self.redis.get().map_err(|e| {
-            redis::RedisError::from(std::io::Error::new(
-                std::io::ErrorKind::NotConnected,
-                format!("no Redis connection: {e}"),
-            ))
-        })
-    }
-
-    /// Wait before reconnecting after the `n`th consecutive failure.
-    pub fn outage_backoff(&self, n: u32) -> Duration {
-        const OUTAGE: Backoff = Backoff {
-            base: Duration::from_millis(100),
-            cap: Duration::from_secs(5),
-            max_retry_after: Duration::ZERO,
-        };
-        OUTAGE.delay(n, None)
-    }
+    monitor: Monitor,
 }
 
 impl Worker {
@@ -112,16 +68,37 @@ impl Worker {
     }
 
     pub(crate) fn new(config: Config, handler: Arc<dyn Handler>) -> Worker {
+        let monitor = Monitor {
+            inner: Arc::new(monitor::Inner {
+                stats: Arc::new(Stats::default()),
+                health: Arc::new(Health::default()),
+                flow: InFlight::new(config.max_in_flight(), config.max_in_flight_bytes()),
+                shutdown: Shutdown::new(),
+                streams: config.streams.clone(),
+                group: config.group.clone(),
+                consumer: config.consumer.clone(),
+                started: SystemTime::now(),
+                thread_died: Mutex::new(None),
+                servers: OnceLock::new(),
+            }),
+        };
         Worker {
             config,
             handler,
-            shutdown: Shutdown::new(),
+            monitor,
         }
     }
 
     /// A handle that stops [`run`](Worker::run) gracefully from any thread.
     pub fn shutdown_handle(&self) -> Shutdown {
-        self.shutdown.clone()
+        self.monitor.inner.shutdown.clone()
+    }
+
+    /// A read-only view of this worker for what watches it from beside (an
+    /// HTTP endpoint, alerts, metrics), valid before, during and after
+    /// [`run`](Worker::run).
+    pub fn monitor(&self) -> Monitor {
+        self.monitor.clone()
     }
 
     /// The validated configuration.
@@ -138,9 +115,28 @@ impl Worker {
     /// or the schema is missing, and with [`ErrorKind::ShutdownTimeout`] when
     /// the threads do not finish within the shutdown deadline (nothing is
     /// acked that was not committed either way).
+    ///
+    /// It blocks: from async code, call it from `spawn_blocking`. Called on
+    /// an async runtime's own thread it still works (its PostgreSQL client
+    /// cannot start there, so it runs on a thread of its own), but holds
+    /// that thread until it returns.
     pub fn run(self) -> Result<Summary, Error> {
-        let config = self.config;
-        let webhook = alert::webhook_agent(&config)?;
+        crate::runtime::off_async(|| self.run_here())
+    }
+
+    fn run_here(self) -> Result<Summary, Error> {
+        let result = self.connect_and_run();
+        if result.is_err() {
+            // Whatever failed, nothing must keep running in an embedding
+            // program after run() returned (threads that did start stop;
+            // their entries stay pending).
+            self.monitor.inner.shutdown.shutdown();
+        }
+        result
+    }
+
+    fn connect_and_run(&self) -> Result<Summary, Error> {
+        let config = &self.config;
         let redis_client = RedisClient::open(&config.redis_url, &config.redis_tls)?;
         if redis_client.is_cluster() {
             crate::redis::check_slots(&config.streams)?;
@@ -153,7 +149,7 @@ impl Worker {
             statement_timeout: config.handler_timeout,
         };
         let pg = postgres_pool(&config.database_url, config.workers as u32 + 1, setup)?;
-        check_schema(&pg, &config, self.handler.as_ref())?;
+        check_schema(&pg, config, self.handler.as_ref())?;
         {
             let mut conn = redis
                 .get()
@@ -170,50 +166,46 @@ impl Worker {
                 )?;
             }
         }
-        let shared = Arc::new(Shared {
-            redis_client,
-            redis,
-            pg,
-            stats: Stats::default(),
-            health: Health::default(),
-            in_flight: InFlight::new(config.max_in_flight(), config.max_in_flight_bytes()),
-            namespace,
-            shutdown: self.shutdown.clone(),
-            backoff: Backoff {
-                base: config.backoff_base,
-                cap: config.backoff_cap,
-                max_retry_after: config.max_retry_after,
-            },
-            limits: Limits {
-                max_event_id_bytes: config.max_event_id_bytes,
-                max_entry_bytes: config.max_entry_bytes,
-            },
-            reader_idle: config
-                .streams
-                .iter()
-                .map(|_| AtomicBool::new(false))
-                .collect(),
-            thread_died: Mutex::new(None),
-            suspects: Mutex::new(()),
-            handler: self.handler,
-            config,
-        });
+        let _ = self.monitor.inner.servers.set((redis.clone(), pg.clone()));
         log::info!(
             "taskhub: consumer {} of group {} reading {} with {} workers ({})",
-            shared.config.consumer,
-            shared.config.group,
-            shared.config.streams.join(", "),
-            shared.config.workers,
-            shared.handler.name()
+            config.consumer,
+            config.group,
+            config.streams.join(", "),
+            config.workers,
+            self.handler.name()
         );
-        if let Some(identity) = shared.namespace.identity() {
+        if let Some(identity) = namespace.identity() {
             log::info!(
                 "postgres: {identity}; duplicate markers in namespace {}",
-                shared.namespace.get()
+                namespace.get()
             );
         }
-        run_threads(&shared, webhook)
+        let m = &self.monitor.inner;
+        let common = Common {
+            redis,
+            stats: m.stats.clone(),
+            health: m.health.clone(),
+            shutdown: m.shutdown.clone(),
+        };
+        let parts = Parts {
+            common,
+            flow: m.flow.clone(),
+            redis_client,
+            pg,
+            namespace,
+        };
+        self.start_and_run(parts)
     }
+}
+
+/// What the threads are made of, once connected.
+struct Parts {
+    common: Common,
+    flow: InFlight,
+    redis_client: RedisClient,
+    pg: PgPool,
+    namespace: Namespace,
 }
 
 fn check_schema(pg: &PgPool, config: &Config, handler: &dyn Handler) -> Result<(), Error> {
@@ -251,160 +243,196 @@ fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<(
         })
 }
 
-fn run_threads(shared: &Arc<Shared>, webhook: Option<ureq::Agent>) -> Result<Summary, Error> {
-    let result = start_and_run(shared, webhook);
-    if result.is_err() {
-        // A thread that could not start: stop the ones that did (their
-        // entries stay pending), so nothing keeps running in an embedding
-        // program after run() returned.
-        shared.shutdown.shutdown();
-    }
-    result
-}
+impl Worker {
+    fn start_and_run(&self, parts: Parts) -> Result<Summary, Error> {
+        let config = &self.config;
+        let Parts {
+            common,
+            flow,
+            redis_client,
+            pg,
+            namespace,
+        } = parts;
+        let claim = Claim {
+            group: config.group.clone(),
+            consumer: config.consumer.clone(),
+            limits: Limits {
+                max_event_id_bytes: config.max_event_id_bytes,
+                max_entry_bytes: config.max_entry_bytes,
+            },
+        };
+        let (jobs_tx, jobs_rx) = bounded(config.workers);
+        let (retry_tx, retry_rx) = unbounded();
+        let (dead_tx, dead_rx) = unbounded();
 
-fn start_and_run(shared: &Arc<Shared>, webhook: Option<ureq::Agent>) -> Result<Summary, Error> {
-    let config = &shared.config;
-    let http = match &config.http {
-        Some(addr) => {
-            let listener = http_wire::bind(addr).map_err(|e| {
-                Error::with_source(ErrorKind::Config, format!("cannot serve HTTP on {addr}"), e)
-            })?;
-            log::info!("http: serving /metrics, /healthz, /readyz and /dlq on http://{addr}");
-            let s = shared.clone();
-            Some(spawn("taskhub-http".into(), move || {
-                http_server::http_thread(&s, &listener)
-            })?)
+        // Started from the end of the pipeline to its start, so each stage's
+        // consumer exists before its producer.
+        let dlq = {
+            let writer = Writer {
+                common: common.clone(),
+                flow: flow.clone(),
+            };
+            spawn("taskhub-dlq".into(), move || {
+                dead_letter::writer_thread(writer, &dead_rx)
+            })?
+        };
+        let stage = Arc::new(Stage {
+            common: common.clone(),
+            flow: flow.clone(),
+            pg,
+            namespace,
+            handler: self.handler.clone(),
+            settings: Settings {
+                mode: config.mode,
+                scope: config.scope().to_owned(),
+                group: config.group.clone(),
+                consumer: config.consumer.clone(),
+                max_attempts: config.max_attempts,
+                marker_ttl: config.marker_ttl,
+                handler_timeout: config.handler_timeout,
+                backoff: Backoff {
+                    base: config.backoff_base,
+                    cap: config.backoff_cap,
+                    max_retry_after: config.max_retry_after,
+                },
+            },
+            suspects: Mutex::new(()),
+        });
+        let mut workers = Vec::new();
+        for i in 0..config.workers {
+            let (s, rx, r, d) = (
+                stage.clone(),
+                jobs_rx.clone(),
+                retry_tx.clone(),
+                dead_tx.clone(),
+            );
+            workers.push(spawn(format!("taskhub-worker-{i}"), move || {
+                pool::worker_thread(s, &rx, r, d)
+            })?);
         }
-        None => None,
-    };
-    let (jobs_tx, jobs_rx) = bounded(config.workers);
-    let (retry_tx, retry_rx) = unbounded();
-    let (dead_tx, dead_rx) = unbounded();
-
-    // Started from the end of the pipeline to its start, so each stage's
-    // consumer exists before its producer.
-    let dlq = {
-        let (s, rx) = (shared.clone(), dead_rx);
-        spawn("taskhub-dlq".into(), move || {
-            dead_letter::writer_thread(&s, &rx)
-        })?
-    };
-    let mut workers = Vec::new();
-    for i in 0..config.workers {
-        let (s, rx, r, d) = (
-            shared.clone(),
-            jobs_rx.clone(),
-            retry_tx.clone(),
-            dead_tx.clone(),
-        );
-        workers.push(spawn(format!("taskhub-worker-{i}"), move || {
-            pool::worker_thread(s, &rx, r, d)
-        })?);
-    }
-    drop((jobs_rx, retry_tx, dead_tx));
-    let retrier = {
-        let (s, rx, tx) = (shared.clone(), retry_rx, jobs_tx.clone());
-        spawn("taskhub-retry".into(), move || {
-            retry::retry_thread(&s, &rx, &tx)
-        })?
-    };
-    let reclaimer = {
-        let (s, tx) = (shared.clone(), jobs_tx.clone());
-        spawn("taskhub-reclaim".into(), move || {
-            reclaim::reclaim_thread(&s, &tx)
-        })?
-    };
-    let alerter = {
-        let s = shared.clone();
-        spawn("taskhub-alert".into(), move || {
-            alert::alert_thread(&s, webhook.as_ref())
-        })?
-    };
-    let mut readers = Vec::new();
-    for i in 0..config.streams.len() {
-        let (s, tx) = (shared.clone(), jobs_tx.clone());
-        readers.push(spawn(format!("taskhub-reader-{i}"), move || {
-            read::reader_thread(&s, i, &tx)
-        })?);
-    }
-    drop(jobs_tx);
-
-    // Wait for a shutdown; with until_idle, make one when there is no work.
-    let mut thread_died = None;
-    while !shared.shutdown.sleep(Duration::from_millis(100)) {
-        if let Some(dead) = readers
-            .iter()
-            .chain(&workers)
-            .chain([&dlq, &retrier, &reclaimer, &alerter])
-            .chain(http.as_ref())
-            .find(|h| h.is_finished())
-        {
-            let name = dead.thread().name().unwrap_or("?").to_owned();
-            log::error!("{name}: thread stopped unexpectedly; shutting down");
-            *shared.thread_died.lock().unwrap_or_else(|e| e.into_inner()) = Some(name.clone());
-            thread_died = Some(name);
-            shared.shutdown.shutdown();
-            break;
+        drop((jobs_rx, retry_tx, dead_tx, stage));
+        let retrier = {
+            let retrier = Retrier {
+                common: common.clone(),
+                claim: claim.clone(),
+            };
+            let tx = jobs_tx.clone();
+            spawn("taskhub-retry".into(), move || retrier.run(&retry_rx, &tx))?
+        };
+        let reclaimer = {
+            let reclaimer = Reclaimer {
+                common: common.clone(),
+                flow: flow.clone(),
+                claim: claim.clone(),
+                streams: config.streams.iter().map(|s| s.as_str().into()).collect(),
+                count: config.count,
+                interval: config.reclaim_interval,
+                min_idle: config.reclaim_min_idle,
+            };
+            let tx = jobs_tx.clone();
+            spawn("taskhub-reclaim".into(), move || reclaimer.run(&tx))?
+        };
+        let mut readers = Vec::new();
+        let mut idle_flags = Vec::new();
+        for (i, stream) in config.streams.iter().enumerate() {
+            let idle = Arc::new(AtomicBool::new(false));
+            idle_flags.push(idle.clone());
+            let reader = Reader {
+                common: common.clone(),
+                client: redis_client.clone(),
+                flow: flow.clone(),
+                claim: claim.clone(),
+                stream: stream.as_str().into(),
+                count: config.count,
+                block: config.block,
+                start_id: config.start_id.clone(),
+                idle,
+            };
+            let tx = jobs_tx.clone();
+            readers.push(spawn(format!("taskhub-reader-{i}"), move || {
+                reader.run(&tx)
+            })?);
         }
-        if config.until_idle && is_idle(shared) {
-            log::info!("taskhub: idle (nothing new, nothing pending); stopping");
-            shared.shutdown.shutdown();
-        }
-    }
+        drop(jobs_tx);
 
-    // Readers and the reclaimer stop within one BLOCK period, the retry
-    // thread within its tick; then the jobs channel closes, the workers drain
-    // it and exit, and finally the dead-letter writer drains and exits.
-    let deadline = Instant::now() + config.shutdown_timeout;
-    let stages = [
-        readers,
-        vec![reclaimer, retrier, alerter],
-        workers,
-        vec![dlq],
-        http.into_iter().collect(),
-    ];
-    for stage in stages {
-        for handle in stage {
-            while !handle.is_finished() {
-                if Instant::now() >= deadline {
-                    return Err(Error::new(
-                        ErrorKind::ShutdownTimeout,
-                        format!(
-                            "shutdown did not finish within {:?} ({} still running); unfinished entries stay pending",
-                            config.shutdown_timeout,
-                            handle.thread().name().unwrap_or("a thread")
-                        ),
-                    ));
+        // Wait for a shutdown; with until_idle, make one when there is no
+        // work.
+        let shutdown = &common.shutdown;
+        let mut thread_died = None;
+        while !shutdown.sleep(Duration::from_millis(100)) {
+            if let Some(dead) = readers
+                .iter()
+                .chain(&workers)
+                .chain([&dlq, &retrier, &reclaimer])
+                .find(|h| h.is_finished())
+            {
+                let name = dead.thread().name().unwrap_or("?").to_owned();
+                log::error!("{name}: thread stopped unexpectedly; shutting down");
+                *self
+                    .monitor
+                    .inner
+                    .thread_died
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = Some(name.clone());
+                thread_died = Some(name);
+                shutdown.shutdown();
+                break;
+            }
+            if config.until_idle && is_idle(&common, &flow, config, &idle_flags) {
+                log::info!("taskhub: idle (nothing new, nothing pending); stopping");
+                shutdown.shutdown();
+            }
+        }
+
+        // Readers and the reclaimer stop within one BLOCK period, the retry
+        // thread within its tick; then the jobs channel closes, the workers
+        // drain it and exit, and finally the dead-letter writer drains and
+        // exits.
+        let deadline = Instant::now() + config.shutdown_timeout;
+        let stages = [readers, vec![reclaimer, retrier], workers, vec![dlq]];
+        for stage in stages {
+            for handle in stage {
+                while !handle.is_finished() {
+                    if Instant::now() >= deadline {
+                        return Err(Error::new(
+                            ErrorKind::ShutdownTimeout,
+                            format!(
+                                "shutdown did not finish within {:?} ({} still running); unfinished entries stay pending",
+                                config.shutdown_timeout,
+                                handle.thread().name().unwrap_or("a thread")
+                            ),
+                        ));
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
                 }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let name = handle.thread().name().unwrap_or("?").to_owned();
-            if handle.join().is_err() {
-                log::error!("{name}: thread panicked");
+                let name = handle.thread().name().unwrap_or("?").to_owned();
+                if handle.join().is_err() {
+                    log::error!("{name}: thread panicked");
+                }
             }
         }
-    }
-    let summary = shared.stats.snapshot();
-    log::info!("taskhub: stopped; {summary}");
-    match thread_died {
-        Some(name) => Err(Error::new(
-            ErrorKind::Thread,
-            format!("thread {name} stopped unexpectedly"),
-        )),
-        None => Ok(summary),
+        let summary = common.stats.snapshot();
+        log::info!("taskhub: stopped; {summary}");
+        match thread_died {
+            Some(name) => Err(Error::new(
+                ErrorKind::Thread,
+                format!("thread {name} stopped unexpectedly"),
+            )),
+            None => Ok(summary),
+        }
     }
 }
 
 /// Idle: every reader saw nothing new, nothing is in flight here, and the
 /// group has nothing pending on any stream.
-fn is_idle(shared: &Shared) -> bool {
-    if !shared.reader_idle.iter().all(|i| i.load(Ordering::SeqCst)) || shared.in_flight.len() > 0 {
+fn is_idle(common: &Common, flow: &InFlight, config: &Config, readers: &[Arc<AtomicBool>]) -> bool {
+    if !readers.iter().all(|i| i.load(Ordering::SeqCst)) || flow.len() > 0 {
         return false;
     }
-    let Ok(mut conn) = shared.redis_conn() else {
+    let Ok(mut conn) = common.redis_conn() else {
         return false;
     };
-    shared.config.streams.iter().all(|stream| {
-        streams::pending_count(&mut conn, stream, &shared.config.group).is_ok_and(|n| n == 0)
+    config.streams.iter().all(|stream| {
+        streams::pending_count(&mut conn, stream, &config.group).is_ok_and(|n| n == 0)
     })
 }

@@ -17,18 +17,18 @@ use crossbeam_channel::{Receiver, Sender};
 use crate::worker::dead_letter;
 use crate::worker::delivery::Job;
 use crate::worker::process::Processor;
+use crate::worker::process::Stage;
 use crate::worker::retry::Retry;
-use crate::worker::Shared;
 
 /// One worker thread: runs until every sender of `jobs` is gone and the
 /// channel is drained.
 pub(crate) fn worker_thread(
-    shared: Arc<Shared>,
+    stage: Arc<Stage>,
     jobs: &Receiver<Job>,
     retry: Sender<Retry>,
     dead: Sender<dead_letter::Job>,
 ) {
-    let mut processor = Processor::new(shared.clone(), retry, dead);
+    let mut processor = Processor::new(stage.clone(), retry, dead);
     while let Ok(job) = jobs.recv() {
         let entries = job.len();
         if catch_unwind(AssertUnwindSafe(|| processor.process(job))).is_err() {
@@ -37,7 +37,7 @@ pub(crate) fn worker_thread(
                 std::thread::current().name().unwrap_or("worker"),
             );
             processor = Processor::new(
-                shared.clone(),
+                stage.clone(),
                 processor.retry_sender(),
                 processor.dead_sender(),
             );

@@ -23,20 +23,25 @@ use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::Sender;
 
+use crate::backoff::Backoff;
 use crate::config::Mode;
 use crate::dlq::Attempt;
 use crate::dlq::{millis, DeadLetter, Kind};
 use crate::error::{FailureClass, HandlerError};
 use crate::event::{Event, Invalid};
+use crate::handler::Handler;
 use crate::handler::StatementCache;
 use crate::postgres::pool::PgConn;
+use crate::postgres::pool::PgPool;
+use crate::redis::keys::Namespace;
 use crate::redis::RedisConn;
 use crate::worker::apply::{Applied, Batch};
+use crate::worker::context::{outage_backoff, Common};
 use crate::worker::dead_letter;
 use crate::worker::delivery::{Delivery, Job};
+use crate::worker::flow::InFlight;
 use crate::worker::retry::Retry;
 use crate::worker::stats::{Server, Stats};
-use crate::worker::Shared;
 
 /// Deliveries finished by a job (to ack), and which need a marker.
 #[derive(Default)]
@@ -57,7 +62,7 @@ impl Finished {
 /// The state of one worker thread: its PostgreSQL connection with its
 /// prepared statements, and the channels to the retry and dead-letter threads.
 pub(crate) struct Processor {
-    pub(crate) shared: Arc<Shared>,
+    pub(crate) stage: Arc<Stage>,
     pub(crate) pg: Option<PgConn>,
     pub(crate) cache: StatementCache,
     retry: Sender<Retry>,
@@ -68,6 +73,35 @@ pub(crate) struct Processor {
     /// Whether the attempt under way got past the dedup insert, i.e. the
     /// database worked when the event started (see `through_outages`).
     pub(crate) reached_database: bool,
+}
+
+/// What the worker threads share: each holds an `Arc` of it.
+pub(crate) struct Stage {
+    pub common: Common,
+    pub flow: InFlight,
+    pub pg: PgPool,
+    /// The duplicate markers' namespace, followed by every new PostgreSQL
+    /// connection.
+    pub namespace: Namespace,
+    pub handler: Arc<dyn Handler>,
+    pub settings: Settings,
+    /// Held while a redelivered entry (a suspect) is applied: see
+    /// `Processor::apply_one`.
+    pub suspects: Mutex<()>,
+}
+
+/// The settings of the worker threads.
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub mode: Mode,
+    /// The idempotency scope.
+    pub scope: String,
+    pub group: String,
+    pub consumer: String,
+    pub max_attempts: u32,
+    pub marker_ttl: Duration,
+    pub handler_timeout: Duration,
+    pub backoff: Backoff,
 }
 
 /// How a transaction attempt that may meet outages ended.
@@ -87,12 +121,12 @@ const BATCH_STRIKES: u32 = 2;
 
 impl Processor {
     pub fn new(
-        shared: Arc<Shared>,
+        stage: Arc<Stage>,
         retry: Sender<Retry>,
         dead: Sender<dead_letter::Job>,
     ) -> Processor {
         Processor {
-            shared,
+            stage,
             pg: None,
             cache: StatementCache::new(),
             retry,
@@ -117,7 +151,7 @@ impl Processor {
         let mut valid = Vec::with_capacity(job.len());
         for delivery in job {
             match &delivery.body {
-                Ok(event) => match self.shared.handler.validate(event) {
+                Ok(event) => match self.stage.handler.validate(event) {
                     Ok(()) => valid.push(delivery),
                     Err(e) => {
                         let kind = match e.class() {
@@ -151,7 +185,7 @@ impl Processor {
         let mut one_by_one = Vec::with_capacity(valid.len());
         let mut batch = Vec::new();
         let batch_mode =
-            self.shared.config.mode == Mode::Batch && self.shared.handler.supports_batches();
+            self.stage.settings.mode == Mode::Batch && self.stage.handler.supports_batches();
         for ((delivery, marked), dead) in valid.into_iter().zip(marked).zip(dead_before) {
             if dead {
                 log::info!(
@@ -161,7 +195,7 @@ impl Processor {
                 );
                 done.push(delivery, false);
             } else if marked {
-                Stats::add(&self.shared.stats.duplicates, 1);
+                Stats::add(&self.stage.common.stats.duplicates, 1);
                 log::debug!(
                     "{}/{}: duplicate (marker)",
                     delivery.stream,
@@ -189,9 +223,10 @@ impl Processor {
     /// before: one pipelined round trip. `None` when a shutdown interrupted
     /// a Redis outage.
     fn fast_path(&self, stream: &str, valid: &[Delivery]) -> Option<(Vec<bool>, Vec<bool>)> {
-        let ns = self.shared.namespace.get();
+        let ns = self.stage.namespace.get();
         let index = crate::redis::keys::dead_letter_index(stream);
-        self.with_redis(|conn, scope| {
+        let scope = &self.stage.settings.scope;
+        self.with_redis(|conn| {
             let mut pipe = conn.pipe();
             for d in valid {
                 pipe.cmd("EXISTS")
@@ -240,9 +275,9 @@ impl Processor {
                     Flow::Done(Ok(Batch::Applied(new))) => {
                         for (delivery, new) in std::mem::take(&mut chunk).into_iter().zip(new) {
                             let counter = if new {
-                                &self.shared.stats.applied
+                                &self.stage.common.stats.applied
                             } else {
-                                &self.shared.stats.duplicates
+                                &self.stage.common.stats.duplicates
                             };
                             Stats::add(counter, 1);
                             done.push(delivery, true);
@@ -309,11 +344,11 @@ impl Processor {
     /// progress next to a crash-looping event were charged one attempt per
     /// crash and dead-lettered with it (found by scripts/chaos.sh).
     fn apply_one(&mut self, mut delivery: Delivery, done: &mut Finished) {
-        let shared = self.shared.clone();
+        let stage = self.stage.clone();
         let _one_suspect_at_a_time = (delivery.delivery_count > 1 && delivery.failures.is_empty())
-            .then(|| suspect_turn(&shared.suspects, shared.config.handler_timeout));
+            .then(|| suspect_turn(&stage.suspects, stage.settings.handler_timeout));
         let mut strikes = delivery.strikes;
-        let max = self.shared.config.max_attempts;
+        let max = self.stage.settings.max_attempts;
         let flow = self.through_outages(&mut strikes, max, |p| p.apply(&mut delivery));
         delivery.strikes = strikes;
         match flow {
@@ -325,11 +360,11 @@ impl Processor {
                 self.dead_letter(delivery, Kind::CrashLoop, reason);
             }
             Flow::Done(Ok(Applied::New)) => {
-                Stats::add(&self.shared.stats.applied, 1);
+                Stats::add(&self.stage.common.stats.applied, 1);
                 done.push(delivery, true);
             }
             Flow::Done(Ok(Applied::Duplicate)) => {
-                Stats::add(&self.shared.stats.duplicates, 1);
+                Stats::add(&self.stage.common.stats.duplicates, 1);
                 log::debug!(
                     "{}/{}: duplicate (processed_events)",
                     delivery.stream,
@@ -354,7 +389,7 @@ impl Processor {
     /// it as trimmed, with the fields we still hold).
     fn not_applied(&mut self, delivery: Delivery, why: Applied) {
         if let Applied::Trimmed = why {
-            let reason = crate::worker::read::TRIMMED.to_owned();
+            let reason = crate::worker::delivery::TRIMMED.to_owned();
             return self.dead_letter(delivery, Kind::Trimmed, reason);
         }
         log::info!(
@@ -362,7 +397,7 @@ impl Processor {
             delivery.stream,
             delivery.entry_id
         );
-        Stats::add(&self.shared.stats.lost_ownership, 1);
+        Stats::add(&self.stage.common.stats.lost_ownership, 1);
     }
 
     /// Runs `apply` (one event or a batch), waiting out outages: they are
@@ -379,7 +414,8 @@ impl Processor {
     ) -> Flow<T> {
         let mut outages = 0u32;
         let mut commits_before = self
-            .shared
+            .stage
+            .common
             .stats
             .commits
             .load(std::sync::atomic::Ordering::SeqCst);
@@ -399,9 +435,10 @@ impl Processor {
                     } else {
                         Server::Postgres
                     };
-                    self.shared.health.down(server, &e);
+                    self.stage.common.health.down(server, &e);
                     let commits = self
-                        .shared
+                        .stage
+                        .common
                         .stats
                         .commits
                         .load(std::sync::atomic::Ordering::SeqCst);
@@ -414,17 +451,13 @@ impl Processor {
                     }
                     commits_before = commits;
                     outages += 1;
-                    if self
-                        .shared
-                        .shutdown
-                        .sleep(self.shared.outage_backoff(outages))
-                    {
+                    if self.stage.common.shutdown.sleep(outage_backoff(outages)) {
                         return Flow::Stopped;
                     }
                 }
                 result => {
                     if result.is_ok() {
-                        self.shared.health.up(Server::Postgres);
+                        self.stage.common.health.up(Server::Postgres);
                     }
                     return Flow::Done(result);
                 }
@@ -432,12 +465,13 @@ impl Processor {
         }
     }
 
-    /// Runs `f` with a pooled Redis connection: see [`redis_call`].
+    /// Runs `f` with a pooled Redis connection, through outages (see
+    /// [`Common::with_redis`]).
     pub(crate) fn with_redis<T>(
         &self,
-        f: impl FnMut(&mut RedisConn, &str) -> redis::RedisResult<T>,
+        f: impl FnMut(&mut RedisConn) -> redis::RedisResult<T>,
     ) -> Option<T> {
-        redis_call(&self.shared, f)
+        self.stage.common.with_redis(f)
     }
 
     /// A failed attempt: retry later or dead-letter.
@@ -448,7 +482,7 @@ impl Processor {
             at: Some(SystemTime::now()),
             error: error.to_string(),
         });
-        let config = &self.shared.config;
+        let config = &self.stage.settings;
         let kind = match error.class() {
             FailureClass::Permanent => Some(Kind::Permanent),
             FailureClass::Invalid => Some(Kind::Invalid),
@@ -458,20 +492,24 @@ impl Processor {
         if let Some(kind) = kind {
             return self.dead_letter(delivery, kind, error.to_string());
         }
-        let delay = self.shared.backoff.delay(attempt, error.retry_after());
+        let delay = self
+            .stage
+            .settings
+            .backoff
+            .delay(attempt, error.retry_after());
         log::debug!(
             "{}/{}: attempt {attempt} failed ({error}); retrying in {delay:?}",
             delivery.stream,
             delivery.entry_id
         );
-        Stats::add(&self.shared.stats.retries, 1);
+        Stats::add(&self.stage.common.stats.retries, 1);
         // On failure (the retry thread is gone at shutdown) the retry is
         // dropped, which leaves the entry pending.
         let _ = self.retry.send(Retry::of(delivery, Instant::now() + delay));
     }
 
     pub(crate) fn dead_letter(&mut self, mut delivery: Delivery, kind: Kind, reason: String) {
-        let config = &self.shared.config;
+        let config = &self.stage.settings;
         let now = SystemTime::now();
         let history = delivery.history();
         let first_failed = delivery.failures.first().and_then(|a| a.at).unwrap_or(now);
@@ -504,46 +542,6 @@ impl Processor {
         };
         if self.dead.send(job).is_err() {
             log::error!("dead-letter writer is gone; the entry stays pending");
-        }
-    }
-}
-
-/// Runs `f` with a pooled Redis connection (and the idempotency scope),
-/// retrying through outages. `None` when a shutdown interrupted the wait, or
-/// after three failures that are not an outage.
-pub(crate) fn redis_call<T>(
-    shared: &Shared,
-    mut f: impl FnMut(&mut RedisConn, &str) -> redis::RedisResult<T>,
-) -> Option<T> {
-    let mut failures = 0u32;
-    loop {
-        let result = shared
-            .redis_conn()
-            .and_then(|mut conn| f(&mut conn, shared.config.scope()));
-        match result {
-            Ok(value) => {
-                if failures > 0 {
-                    shared.health.up(Server::Redis);
-                }
-                return Some(value);
-            }
-            Err(e) => {
-                failures += 1;
-                if crate::error::redis_is_outage(&e) {
-                    shared.health.down(Server::Redis, &e);
-                } else {
-                    // Not an outage (out of memory, a refused command): a
-                    // few tries, then leave the entries pending; they come
-                    // back by reclaim and PostgreSQL deduplicates.
-                    log::error!("redis: {e}");
-                    if failures >= 3 {
-                        return None;
-                    }
-                }
-                if shared.shutdown.sleep(shared.outage_backoff(failures)) {
-                    return None;
-                }
-            }
         }
     }
 }

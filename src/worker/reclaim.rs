@@ -20,65 +20,84 @@
 //! stay valid), which XREADGROUP of the history would not.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 
-use crate::event::Invalid;
 use crate::redis::streams;
 use crate::redis::RedisConn;
+use crate::worker::context::{Claim, Common};
 use crate::worker::delivery::{Delivery, Job};
-use crate::worker::flow::Reservation;
-use crate::worker::read::{deliveries, TRIMMED};
+use crate::worker::flow::{InFlight, Reservation};
 use crate::worker::stats::{Server, Stats};
-use crate::worker::Shared;
 
-pub(crate) fn reclaim_thread(shared: &Shared, jobs: &Sender<Job>) {
-    while !shared.shutdown.sleep(shared.config.reclaim_interval) {
-        for stream in &shared.config.streams {
-            let stream: Arc<str> = stream.as_str().into();
-            if let Err(e) = reclaim_stream(shared, &stream, jobs) {
-                if crate::error::redis_is_outage(&e) {
-                    shared.health.down(Server::Redis, &e);
-                } else if !streams::is_nogroup(&e) {
-                    log::error!("{stream}: reclaiming failed: {e}");
+/// What the reclaimer thread holds.
+pub(crate) struct Reclaimer {
+    pub common: Common,
+    pub flow: InFlight,
+    pub claim: Claim,
+    pub streams: Vec<Arc<str>>,
+    /// Entries per claim.
+    pub count: usize,
+    /// How often it looks.
+    pub interval: Duration,
+    /// How long an entry must be idle to be taken over.
+    pub min_idle: Duration,
+}
+
+impl Reclaimer {
+    /// The reclaimer thread.
+    pub fn run(self, jobs: &Sender<Job>) {
+        while !self.common.shutdown.sleep(self.interval) {
+            for stream in &self.streams {
+                if let Err(e) = self.reclaim_stream(stream, jobs) {
+                    if crate::error::redis_is_outage(&e) {
+                        self.common.health.down(Server::Redis, &e);
+                    } else if !streams::is_nogroup(&e) {
+                        log::error!("{stream}: reclaiming failed: {e}");
+                    }
                 }
             }
         }
     }
-}
 
-/// Claims every idle entry of one stream, in batches that fit the in-flight
-/// room.
-fn reclaim_stream(
-    shared: &Shared,
-    stream: &Arc<str>,
-    jobs: &Sender<Job>,
-) -> redis::RedisResult<()> {
-    let config = &shared.config;
-    let mut conn = shared.redis_conn()?;
-    let min_idle = config.reclaim_min_idle.as_millis() as u64;
-    let mut after = "-".to_string();
-    loop {
-        let Some(room) = shared.in_flight.reserve(config.count, &shared.shutdown) else {
-            return Ok(());
-        };
-        let taken = take(shared, &mut conn, stream, min_idle, &after, room)?;
-        if taken.claimed > 0 {
-            log::info!(
-                "{stream}: reclaimed {} entries idle for over {:?}",
-                taken.claimed,
-                config.reclaim_min_idle
-            );
-            Stats::add(&shared.stats.reclaimed, taken.claimed as u64);
-        }
-        if !taken.job.is_empty() && jobs.send(taken.job).is_err() {
-            return Ok(());
-        }
-        shared.health.up(Server::Redis);
-        match taken.last {
-            Some(last) if !shared.shutdown.is_shutdown() => after = last,
-            _ => return Ok(()),
+    /// Claims every idle entry of one stream, in batches that fit the
+    /// in-flight room.
+    fn reclaim_stream(&self, stream: &Arc<str>, jobs: &Sender<Job>) -> redis::RedisResult<()> {
+        let common = &self.common;
+        let mut conn = common.redis_conn()?;
+        let min_idle = self.min_idle.as_millis() as u64;
+        let mut after = "-".to_string();
+        loop {
+            let Some(room) = self.flow.reserve(self.count, &common.shutdown) else {
+                return Ok(());
+            };
+            let taken = take(
+                common,
+                &self.flow,
+                &self.claim,
+                &mut conn,
+                stream,
+                min_idle,
+                &after,
+                room,
+            )?;
+            if taken.claimed > 0 {
+                log::info!(
+                    "{stream}: reclaimed {} entries idle for over {:?}",
+                    taken.claimed,
+                    self.min_idle
+                );
+                Stats::add(&common.stats.reclaimed, taken.claimed as u64);
+            }
+            if !taken.job.is_empty() && jobs.send(taken.job).is_err() {
+                return Ok(());
+            }
+            common.health.up(Server::Redis);
+            match taken.last {
+                Some(last) if !common.shutdown.is_shutdown() => after = last,
+                _ => return Ok(()),
+            }
         }
     }
 }
@@ -99,25 +118,25 @@ pub(crate) struct Taken {
 /// of its own), claims those this process does not hold, and turns them into
 /// deliveries: entries cut down to the size limit, and `trimmed` deliveries
 /// for entries deleted from the stream meanwhile.
+#[allow(clippy::too_many_arguments)] // what a claim needs, each used once
 pub(crate) fn take(
-    shared: &Shared,
+    common: &Common,
+    flow: &InFlight,
+    claim: &Claim,
     conn: &mut RedisConn,
     stream: &Arc<str>,
     min_idle_ms: u64,
     after: &str,
     room: Reservation,
 ) -> redis::RedisResult<Taken> {
-    let config = &shared.config;
-    let own = (min_idle_ms == 0).then_some(config.consumer.as_str());
+    let own = (min_idle_ms == 0).then_some(claim.consumer.as_str());
     let places = room.places();
     let sent_at = Instant::now();
-    let rows = streams::pending_rows(conn, stream, &config.group, min_idle_ms, after, places, own)?;
+    let rows = streams::pending_rows(conn, stream, &claim.group, min_idle_ms, after, places, own)?;
     let last = (rows.len() == places)
         .then(|| rows.last().map(|r| r.id.clone()))
         .flatten();
-    let held = shared
-        .in_flight
-        .holds(stream, rows.iter().map(|r| r.id.as_str()));
+    let held = flow.holds(stream, rows.iter().map(|r| r.id.as_str()));
     let free: Vec<streams::PendingRow> = rows
         .into_iter()
         .zip(held)
@@ -126,11 +145,11 @@ pub(crate) fn take(
     let claimed = streams::claim(
         conn,
         stream,
-        &config.group,
-        &config.consumer,
+        &claim.group,
+        &claim.consumer,
         min_idle_ms,
         &free,
-        shared.limits.max_entry_bytes,
+        claim.limits.max_entry_bytes,
     )?;
     let (entries, counts): (Vec<_>, Vec<u64>) = claimed.entries.into_iter().unzip();
     let admitted = entries
@@ -148,42 +167,34 @@ pub(crate) fn take(
     let n = tickets.iter().filter(|t| t.is_some()).count();
     let counts: std::collections::HashMap<String, u64> =
         entries.iter().map(|e| e.id.clone()).zip(counts).collect();
-    let mut job = deliveries(shared, stream, entries, tickets, sent_at, |id| {
-        counts.get(id).copied().unwrap_or(1)
-    });
-    job.extend(trimmed(stream, claimed.deleted, deleted_tickets, sent_at));
+    let mut job = Delivery::from_entries(
+        &common.stats,
+        claim.limits,
+        stream,
+        entries,
+        tickets,
+        sent_at,
+        |id| counts.get(id).copied().unwrap_or(1),
+    );
+    // Entries deleted meanwhile: `trimmed` dead letters with nothing but
+    // their ids (what was known). One this process still holds is left to
+    // its holder, which knows more.
+    job.extend(claimed.deleted.into_iter().zip(deleted_tickets).filter_map(
+        |((id, fence), ticket)| {
+            let ticket = ticket?;
+            Some(Delivery::trimmed(
+                stream,
+                id,
+                Vec::new(),
+                fence,
+                Some(ticket),
+                sent_at,
+            ))
+        },
+    ));
     Ok(Taken {
         job,
         claimed: n,
         last,
     })
-}
-
-/// Deliveries for entries deleted from the stream while pending: `trimmed`
-/// dead letters with nothing but their ids (what was known). One this
-/// process still holds is left to its holder, which knows more.
-fn trimmed(
-    stream: &Arc<str>,
-    ids: Vec<(String, Option<u64>)>,
-    tickets: Vec<Option<crate::worker::flow::Ticket>>,
-    sent_at: Instant,
-) -> impl Iterator<Item = Delivery> + '_ {
-    ids.into_iter()
-        .zip(tickets)
-        .filter_map(move |((entry_id, fence), ticket)| {
-            let ticket = ticket?;
-            Some(Delivery {
-                stream: stream.clone(),
-                entry_id,
-                body: Err((Vec::new(), Invalid(TRIMMED.into()))),
-                delivery_count: 1,
-                token: fence,
-                trimmed: true,
-                held_since: sent_at,
-                failures: Vec::new(),
-                strikes: 0,
-                start_counted: false,
-                ticket: Some(ticket),
-            })
-        })
 }

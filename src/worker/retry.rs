@@ -26,11 +26,16 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender};
 use crate::dlq::Attempt;
 use crate::event::{Event, Invalid};
 use crate::redis::streams::{self, Owned};
-use crate::worker::delivery::{Delivery, Job};
+use crate::worker::context::{outage_backoff, Claim, Common};
+use crate::worker::delivery::{Delivery, Job, TRIMMED};
 use crate::worker::flow::Ticket;
-use crate::worker::read::TRIMMED;
 use crate::worker::stats::{Server, Stats};
-use crate::worker::Shared;
+
+/// What the retry thread holds.
+pub(crate) struct Retrier {
+    pub common: Common,
+    pub claim: Claim,
+}
 
 /// A failed delivery waiting for its retry.
 #[derive(Debug)]
@@ -91,146 +96,150 @@ const TICK: Duration = Duration::from_millis(100);
 /// Retries read back from Redis in one round trip.
 const FETCH: usize = 64;
 
-/// The retry thread.
-pub(crate) fn retry_thread(shared: &Shared, incoming: &Receiver<Retry>, jobs: &Sender<Job>) {
-    let mut waiting: BinaryHeap<Retry> = BinaryHeap::new();
-    let mut failures = 0u32;
-    while !shared.shutdown.is_shutdown() {
-        let now = Instant::now();
-        let mut due = Vec::new();
-        while due.len() < FETCH && waiting.peek().is_some_and(|r| r.due <= now) {
-            due.push(waiting.pop().expect("peeked"));
-        }
-        if !due.is_empty() {
-            let sent_at = Instant::now();
-            match fetch(shared, &due) {
-                Ok(owned) => {
-                    shared.health.up(Server::Redis);
-                    failures = 0;
-                    for (retry, owned) in due.into_iter().zip(owned) {
-                        hand_back(shared, jobs, retry, owned, sent_at);
-                    }
-                }
-                Err(e) => {
-                    // Redis is down: try these again a little later.
-                    shared.health.down(Server::Redis, &e);
-                    failures += 1;
-                    let later = Instant::now() + shared.outage_backoff(failures);
-                    for mut retry in due {
-                        retry.due = later;
-                        waiting.push(retry);
-                    }
-                }
+impl Retrier {
+    /// The retry thread.
+    pub fn run(self, incoming: &Receiver<Retry>, jobs: &Sender<Job>) {
+        let mut waiting: BinaryHeap<Retry> = BinaryHeap::new();
+        let mut failures = 0u32;
+        while !self.common.shutdown.is_shutdown() {
+            let now = Instant::now();
+            let mut due = Vec::new();
+            while due.len() < FETCH && waiting.peek().is_some_and(|r| r.due <= now) {
+                due.push(waiting.pop().expect("peeked"));
             }
-            continue;
+            if !due.is_empty() {
+                let sent_at = Instant::now();
+                match self.fetch(&due) {
+                    Ok(owned) => {
+                        self.common.health.up(Server::Redis);
+                        failures = 0;
+                        for (retry, owned) in due.into_iter().zip(owned) {
+                            self.hand_back(jobs, retry, owned, sent_at);
+                        }
+                    }
+                    Err(e) => {
+                        // Redis is down: try these again a little later.
+                        self.common.health.down(Server::Redis, &e);
+                        failures += 1;
+                        let later = Instant::now() + outage_backoff(failures);
+                        for mut retry in due {
+                            retry.due = later;
+                            waiting.push(retry);
+                        }
+                    }
+                }
+                continue;
+            }
+            let wait = waiting
+                .peek()
+                .map_or(TICK, |r| r.due.saturating_duration_since(now).min(TICK));
+            match incoming.recv_timeout(wait) {
+                Ok(retry) => waiting.push(retry),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) if waiting.is_empty() => break,
+                Err(RecvTimeoutError::Disconnected) => std::thread::sleep(wait),
+            }
         }
-        let wait = waiting
-            .peek()
-            .map_or(TICK, |r| r.due.saturating_duration_since(now).min(TICK));
-        match incoming.recv_timeout(wait) {
-            Ok(retry) => waiting.push(retry),
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) if waiting.is_empty() => break,
-            Err(RecvTimeoutError::Disconnected) => std::thread::sleep(wait),
-        }
-    }
-    let left = waiting.len() + incoming.len();
-    if left > 0 {
-        log::info!(
-            "retry: {left} deliveries waiting for a retry stay pending until the next start"
-        );
-    }
-    // Dropping them releases their tickets; the entries stay pending.
-}
-
-/// Checks that each due retry is still this consumer's, refreshes its idle
-/// time and reads its fields back, in one pipelined round trip.
-fn fetch(shared: &Shared, due: &[Retry]) -> redis::RedisResult<Vec<Owned>> {
-    let mut conn = shared.redis_conn()?;
-    let mut pipe = conn.pipe();
-    let config = &shared.config;
-    for retry in due {
-        pipe.add_command(streams::claim_if_owned(
-            &retry.stream,
-            &config.group,
-            &config.consumer,
-            &retry.entry_id,
-            retry
-                .ticket
-                .as_ref()
-                .and_then(Ticket::token)
-                .or(retry.token)
-                .unwrap_or(0),
-            Some(shared.limits.max_entry_bytes),
-        ));
-    }
-    let replies: Vec<redis::Value> = pipe.query(&mut conn)?;
-    replies.into_iter().map(streams::parse_owned).collect()
-}
-
-fn hand_back(shared: &Shared, jobs: &Sender<Job>, mut retry: Retry, owned: Owned, at: Instant) {
-    let mut bytes = 0;
-    let (body, trimmed) = match owned {
-        Owned::Yes(Some(crate::event::RawEntry {
-            fields: Some(fields),
-            cut,
-            ..
-        })) => {
-            bytes = fields.iter().map(|(k, v)| k.len() + v.len()).sum();
-            let event = Event::parse(
-                retry.stream.clone(),
-                retry.entry_id.clone(),
-                fields,
-                cut,
-                retry.delivery_count,
-                shared.limits,
-            );
-            (event, false)
-        }
-        Owned::Lost | Owned::Yes(None) => {
-            // Claimed by another consumer while it waited (its wait plus
-            // its runs outlasted reclaim_min_idle), or finished by one: the
-            // new owner decides its outcome, not us.
+        let left = waiting.len() + incoming.len();
+        if left > 0 {
             log::info!(
+                "retry: {left} deliveries waiting for a retry stay pending until the next start"
+            );
+        }
+        // Dropping them releases their tickets; the entries stay pending.
+    }
+
+    /// Checks that each due retry is still this consumer's, refreshes its idle
+    /// time and reads its fields back, in one pipelined round trip.
+    fn fetch(&self, due: &[Retry]) -> redis::RedisResult<Vec<Owned>> {
+        let mut conn = self.common.redis_conn()?;
+        let mut pipe = conn.pipe();
+        let claim = &self.claim;
+        for retry in due {
+            pipe.add_command(streams::claim_if_owned(
+                &retry.stream,
+                &claim.group,
+                &claim.consumer,
+                &retry.entry_id,
+                retry
+                    .ticket
+                    .as_ref()
+                    .and_then(Ticket::token)
+                    .or(retry.token)
+                    .unwrap_or(0),
+                Some(claim.limits.max_entry_bytes),
+            ));
+        }
+        let replies: Vec<redis::Value> = pipe.query(&mut conn)?;
+        replies.into_iter().map(streams::parse_owned).collect()
+    }
+
+    fn hand_back(&self, jobs: &Sender<Job>, mut retry: Retry, owned: Owned, at: Instant) {
+        let mut bytes = 0;
+        let (body, trimmed) = match owned {
+            Owned::Yes(Some(crate::event::RawEntry {
+                fields: Some(fields),
+                cut,
+                ..
+            })) => {
+                bytes = fields.iter().map(|(k, v)| k.len() + v.len()).sum();
+                let event = Event::parse(
+                    retry.stream.clone(),
+                    retry.entry_id.clone(),
+                    fields,
+                    cut,
+                    retry.delivery_count,
+                    self.claim.limits,
+                );
+                (event, false)
+            }
+            Owned::Lost | Owned::Yes(None) => {
+                // Claimed by another consumer while it waited (its wait plus
+                // its runs outlasted reclaim_min_idle), or finished by one: the
+                // new owner decides its outcome, not us.
+                log::info!(
                 "{}/{}: no longer this consumer's (another consumer claimed it); leaving it to its new owner",
                 retry.stream,
                 retry.entry_id
             );
-            Stats::add(&shared.stats.lost_ownership, 1);
-            return;
+                Stats::add(&self.common.stats.lost_ownership, 1);
+                return;
+            }
+            Owned::Trimmed { .. } | Owned::Yes(Some(_)) => {
+                let known = retry
+                    .event_id
+                    .take()
+                    .map(|id| vec![(b"event_id".to_vec(), id.into_bytes())])
+                    .unwrap_or_default();
+                (Err((known, Invalid(TRIMMED.into()))), true)
+            }
+        };
+        if let Some(ticket) = &mut retry.ticket {
+            ticket.unpark(bytes);
         }
-        Owned::Trimmed { .. } | Owned::Yes(Some(_)) => {
-            let known = retry
-                .event_id
-                .take()
-                .map(|id| vec![(b"event_id".to_vec(), id.into_bytes())])
-                .unwrap_or_default();
-            (Err((known, Invalid(TRIMMED.into()))), true)
-        }
-    };
-    if let Some(ticket) = &mut retry.ticket {
-        ticket.unpark(bytes);
-    }
-    let job = vec![Delivery {
-        stream: retry.stream,
-        entry_id: retry.entry_id,
-        body,
-        delivery_count: retry.delivery_count,
-        token: retry.token,
-        trimmed,
-        held_since: at,
-        failures: retry.failures,
-        strikes: retry.strikes,
-        start_counted: false,
-        ticket: retry.ticket,
-    }];
-    let mut job = job;
-    loop {
-        match jobs.send_timeout(job, TICK) {
-            Ok(()) => return,
-            Err(SendTimeoutError::Timeout(back)) if !shared.shutdown.is_shutdown() => job = back,
-            // Shutdown: dropping it leaves the entry pending.
-            Err(SendTimeoutError::Timeout(_) | SendTimeoutError::Disconnected(_)) => return,
+        let job = vec![Delivery {
+            stream: retry.stream,
+            entry_id: retry.entry_id,
+            body,
+            delivery_count: retry.delivery_count,
+            token: retry.token,
+            trimmed,
+            held_since: at,
+            failures: retry.failures,
+            strikes: retry.strikes,
+            start_counted: false,
+            ticket: retry.ticket,
+        }];
+        let mut job = job;
+        loop {
+            match jobs.send_timeout(job, TICK) {
+                Ok(()) => return,
+                Err(SendTimeoutError::Timeout(back)) if !self.common.shutdown.is_shutdown() => {
+                    job = back
+                }
+                // Shutdown: dropping it leaves the entry pending.
+                Err(SendTimeoutError::Timeout(_) | SendTimeoutError::Disconnected(_)) => return,
+            }
         }
     }
 }

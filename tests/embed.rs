@@ -1,0 +1,111 @@
+//! The library embedded in other programs: called from async code (the sync
+//! PostgreSQL client runs a small tokio runtime of its own, and starting one
+//! inside another panics), and watched through its Monitor.
+
+mod support;
+
+use std::time::Duration;
+
+use support::*;
+use taskhub::SqlHandler;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Called on the runtime's own thread (inside `block_on`), where the sync
+/// PostgreSQL client would panic: both calls still work.
+#[test]
+fn on_an_async_thread_the_blocking_calls_work_instead_of_panicking() {
+    let db = TestDb::new();
+    let stream = unique("embed-inside");
+    let mut conn = redis(&redis_url());
+    for i in 0..10 {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &format!("e{i}")), ("payload", "p")],
+        );
+    }
+    let worker = fast_builder(&redis_url(), &db.url, &stream, &stream)
+        .until_idle(true)
+        .build(SqlHandler::default())
+        .unwrap();
+    let (migrated, ran) = runtime().block_on(async { (taskhub::migrate(&db.url), worker.run()) });
+    assert_eq!(migrated.unwrap(), 0, "already migrated");
+    assert_eq!(ran.unwrap().applied, 10);
+    assert_eq!(db.count("SELECT count(*) FROM notifications"), 10);
+}
+
+#[test]
+fn the_spawn_blocking_recipe_runs_a_worker_from_async_code() {
+    let db = TestDb::new();
+    let stream = unique("embed-recipe");
+    let mut conn = redis(&redis_url());
+    for i in 0..20 {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &format!("e{i}")), ("payload", "p")],
+        );
+    }
+    let worker = fast_builder(&redis_url(), &db.url, &stream, &stream)
+        .until_idle(true)
+        .build(SqlHandler::default())
+        .unwrap();
+    let url = db.url.clone();
+    let summary = runtime()
+        .block_on(async move {
+            tokio::task::spawn_blocking(move || {
+                taskhub::migrate(&url)?;
+                worker.run()
+            })
+            .await
+        })
+        .expect("the blocking task did not panic")
+        .expect("the worker ran");
+    assert_eq!(summary.applied, 20);
+    assert_eq!(db.count("SELECT count(*) FROM notifications"), 20);
+}
+
+#[test]
+fn the_monitor_answers_before_during_and_after_run() {
+    let db = TestDb::new();
+    let stream = unique("embed-monitor");
+    let mut conn = redis(&redis_url());
+    for i in 0..5 {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &format!("e{i}")), ("payload", "p")],
+        );
+    }
+    let worker = fast_builder(&redis_url(), &db.url, &stream, &stream)
+        .build(SqlHandler::default())
+        .unwrap();
+    let monitor = worker.monitor();
+    let before = monitor.ready().unwrap_err();
+    assert!(
+        before.iter().any(|p| p.starts_with("starting")),
+        "{before:?}"
+    );
+    let stop = worker.shutdown_handle();
+    let thread = std::thread::spawn(move || worker.run());
+    assert!(
+        wait_until(Duration::from_secs(20), || monitor.summary().applied == 5),
+        "{}",
+        monitor.summary()
+    );
+    assert_eq!(monitor.ready(), Ok(()));
+    assert_eq!(monitor.streams(), std::slice::from_ref(&stream));
+    let durations = monitor.handler_durations();
+    assert!((1..=5).contains(&durations.count), "{durations:?}");
+    assert_eq!(durations.buckets.last().unwrap().1, durations.count);
+    stop.shutdown();
+    thread.join().unwrap().unwrap();
+    let after = monitor.ready().unwrap_err();
+    assert!(after.iter().any(|p| p == "shutting down"), "{after:?}");
+}
