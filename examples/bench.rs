@@ -285,7 +285,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut redis = redis::Client::open(redis_url.as_str())?.get_connection()?;
     redis::cmd("DEL")
         .arg(&stream)
-        .arg(taskhub::dead_letter_stream(&stream))
+        .arg(taskhub::dlq::dead_letter_stream(&stream))
         .query::<()>(&mut redis)?;
     if applied as usize != args.events {
         return Err(format!("expected {} effects, found {applied}", args.events).into());

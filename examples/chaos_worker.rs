@@ -834,7 +834,7 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
     let (pending, delivered, last) = group_state(&mut conn, &a.stream, &a.group)?;
     let xlen: u64 = redis::cmd("XLEN").arg(&a.stream).query(&mut conn)?;
     let dlq: Vec<(String, taskhub::Fields)> = redis::cmd("XRANGE")
-        .arg(taskhub::dead_letter_stream(&a.stream))
+        .arg(taskhub::dlq::dead_letter_stream(&a.stream))
         .arg("-")
         .arg("+")
         .query(&mut conn)?;

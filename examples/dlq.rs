@@ -8,7 +8,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use taskhub::{handler_fn, Backoff, DeadLetter, Event, HandlerError, Producer, Tls, Tx, Worker};
+use taskhub::{handler_fn, DeadLetter, Event, HandlerError, Producer, Tls, Tx, Worker};
 
 const MAX_ATTEMPTS: u32 = 4; // the first attempt and 3 retries
 
@@ -20,11 +20,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let run = uuid::Uuid::new_v4().simple().to_string();
     let stream = format!("demo:dlq:{run}");
-    let backoff = Backoff {
-        base: Duration::from_millis(20),
-        cap: Duration::from_secs(1),
-        max_retry_after: Duration::from_secs(60),
-    };
+    // The book's backoff: 20 ms doubling per attempt, at most 1 s (the
+    // worker draws each delay from [d/2, d]).
+    let (base, cap) = (Duration::from_millis(20), Duration::from_secs(1));
+    let ceiling = move |attempt: u32| (base * 2u32.pow(attempt - 1)).min(cap);
     Producer::connect(&redis_url, &Tls::default(), &stream)?
         .send_event("msg-2", Some("{\"to\":\"ops\"}"))?;
 
@@ -35,7 +34,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!(
                 "{} 第 {attempt} 次失败(downstream 500)，退避 {}ms",
                 event.event_id(),
-                backoff.ceiling(attempt).as_millis()
+                ceiling(attempt).as_millis()
             );
         } else {
             println!("{} 超过重试上限 -> 进死信", event.event_id());
@@ -50,15 +49,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .workers(1)
         .block(Duration::from_millis(100))
         .max_attempts(MAX_ATTEMPTS)
-        .backoff_base(backoff.base)
-        .backoff_cap(backoff.cap)
+        .backoff_base(base)
+        .backoff_cap(cap)
         .until_idle(true)
         .build(handler)?
         .run()?;
 
     let mut redis = redis::Client::open(redis_url.as_str())?.get_connection()?;
     let dead: Vec<(String, taskhub::Fields)> = redis::cmd("XRANGE")
-        .arg(taskhub::dead_letter_stream(&stream))
+        .arg(taskhub::dlq::dead_letter_stream(&stream))
         .arg("-")
         .arg("+")
         .query(&mut redis)?;

@@ -69,7 +69,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     run_once(Box::new(failing))?;
     let mut redis = redis::Client::open(redis_url.as_str())?.get_connection()?;
     let dead: Vec<(String, taskhub::Fields)> = redis::cmd("XRANGE")
-        .arg(taskhub::dead_letter_stream(&stream))
+        .arg(taskhub::dlq::dead_letter_stream(&stream))
         .arg("-")
         .arg("+")
         .query(&mut redis)?;

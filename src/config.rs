@@ -132,7 +132,7 @@ impl fmt::Debug for Config {
 /// The default consumer name: the host name, which stays the same across
 /// restarts of one instance. Run a second instance on the same host with its
 /// own `consumer` name.
-pub fn default_consumer_name() -> String {
+pub(crate) fn default_consumer_name() -> String {
     let host = gethostname::gethostname().to_string_lossy().into_owned();
     if host.is_empty() {
         "taskhub".to_owned()

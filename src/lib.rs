@@ -3,31 +3,32 @@
 //!
 //! # The path of a message
 //!
-//! 1. A **reader** thread per stream (`reader.rs`) blocks in
-//!    `XREADGROUP ... BLOCK` and sends batches over a bounded channel.
-//! 2. A fixed pool of **worker** threads (`pool.rs`) takes them and
-//!    **processes** each event (`process.rs`): a Redis marker as fast path,
-//!    then one PostgreSQL transaction that inserts `(scope, event_id)` into
-//!    `processed_events` and runs your [`Handler`], then COMMIT, marker, XACK.
-//! 3. A retryable failure goes to the **retry** thread (`retry.rs`), which
-//!    hands it back after a [`Backoff`] without blocking other events; a
-//!    permanent one, or one out of attempts, goes to the **dead-letter**
-//!    writer (`dead_letter.rs`), which moves it to `<stream>:dlq` and acks it
-//!    in one atomic step.
-//! 4. The **reclaimer** (`reclaim.rs`) takes over entries left pending by
+//! Read the files of `src/worker/` in this order:
+//!
+//! 1. `read.rs`: a **reader** thread per stream blocks in
+//!    `XREADGROUP ... BLOCK` and sends batches over a bounded channel, once
+//!    `flow.rs` gave it room: every entry read holds a **ticket** that gives
+//!    its place back when dropped, so no path can forget to.
+//! 2. `pool.rs`: a fixed pool of **worker** threads takes the batches;
+//!    `process.rs` decides what happens to each entry: a Redis marker as the
+//!    fast path, else `apply.rs` runs one PostgreSQL transaction that
+//!    inserts `(scope, event_id)` into `processed_events` and runs your
+//!    [`Handler`], then COMMIT; `ack.rs` sets the markers and XACKs.
+//! 3. `fail.rs`: a retryable failure goes to the **retry** thread
+//!    (`retry.rs`), which
+//!    hands it back after an exponential backoff with jitter (`backoff.rs`)
+//!    without blocking other events; a permanent one, or one out of
+//!    attempts, goes to the **dead-letter** writer (`dead_letter.rs`), which
+//!    moves it to `<stream>:dlq` and acks it in one atomic step.
+//! 4. `reclaim.rs`: the **reclaimer** takes over entries left pending by
 //!    consumers that died.
 //!
-//! Every thread talks to Redis through a [`RedisConn`] (`redis_conn.rs`):
-//! one server, or a Redis Cluster, found out from the URL. On a cluster,
-//! name streams with a hash tag (`{tasks}:events`) so each stream and its
-//! dead-letter stream share a slot.
-//!
-//! Every TLS connection (PostgreSQL, Redis, the [`HttpHandler`], the alert
-//! webhook) goes through rustls (`tls/`). PostgreSQL takes libpq's URL
-//! parameters (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`); Redis and the
-//! HTTP side take a [`Tls`] (a CA file, a client certificate) from
-//! [`Builder::redis_tls`] and [`Builder::http_tls`]. Without a CA file, the
-//! system's trust store is used.
+//! `worker/mod.rs` is the main loop that starts, watches and joins them;
+//! each stage gets only what it uses (`context.rs`). Beside the worker, not
+//! inside it: [`HttpServer`] (`http/`) and [`Alerts`] watch it through its
+//! [`Monitor`]; [`dlq`] operates the dead-letter streams; `redis/` and
+//! `postgres/` hold the connections (one server or a Redis Cluster, found
+//! out from the URL; TLS through rustls in `tls/`).
 //!
 //! # Embedding
 //!
@@ -83,10 +84,9 @@ mod tls;
 mod worker;
 
 pub use alerts::Alerts;
-pub use backoff::Backoff;
-pub use config::{default_consumer_name, Builder, Config, Mode};
+pub use config::{Builder, Config, Mode};
 pub use consumers::{consumers, remove_consumer, ConsumerInfo};
-pub use dlq::{dead_letter_stream, Attempt, DeadLetter, Kind as DeadLetterKind};
+pub use dlq::{DeadLetter, Kind as DeadLetterKind};
 pub use error::{
     classify_postgres, classify_sqlstate, Error, ErrorKind, FailureClass, HandlerError,
 };
@@ -97,8 +97,6 @@ pub use handler::{handler_fn, FnHandler, Handler, Tx};
 pub use http::{HttpServer, Serving};
 pub use postgres::migrate::migrate;
 pub use produce::Producer;
-pub use redact::redact;
-pub use redis::{Pipe, RedisConn};
 pub use shutdown::Shutdown;
 pub use tls::Tls;
 pub use worker::monitor::{Durations, Monitor};

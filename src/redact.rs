@@ -13,19 +13,11 @@
 
 /// `url` as it may be shown: `scheme://host:port/path` for each element of
 /// a comma-separated list, the host, port and database of a PostgreSQL
-/// key-value string, and a placeholder for anything that does not parse.
-///
-/// ```
-/// assert_eq!(
-///     taskhub::redact("postgres://app:s3cret@db:5432/orders?sslmode=require"),
-///     "postgres://db:5432/orders"
-/// );
-/// assert_eq!(
-///     taskhub::redact("host=db user=app password='a b' dbname=orders"),
-///     "host=db dbname=orders"
-/// );
-/// ```
-pub fn redact(url: &str) -> String {
+/// key-value string, and a placeholder for anything that does not parse:
+/// `postgres://app:s3cret@db:5432/orders?sslmode=require` is shown as
+/// `postgres://db:5432/orders`, `host=db user=app password='a b'
+/// dbname=orders` as `host=db dbname=orders`.
+pub(crate) fn redact(url: &str) -> String {
     let url = url.trim();
     if !url.contains("://") && url.contains('=') {
         return key_value(url)
@@ -137,6 +129,18 @@ pub(crate) fn scrub(text: &str, url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_documented_examples() {
+        assert_eq!(
+            redact("postgres://app:s3cret@db:5432/orders?sslmode=require"),
+            "postgres://db:5432/orders"
+        );
+        assert_eq!(
+            redact("host=db user=app password='a b' dbname=orders"),
+            "host=db dbname=orders"
+        );
+    }
 
     #[test]
     fn only_scheme_host_port_and_path_are_shown() {

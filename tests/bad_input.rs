@@ -286,7 +286,7 @@ fn five_megabyte_payload_is_dead_lettered_by_default_and_applied_when_allowed() 
     assert_eq!(db.effects("big-1"), 1);
     assert_eq!(pending(&mut conn, &stream2, &group), 0);
     assert!(dead_letters(&mut conn, &stream2).is_empty());
-    let dlq = taskhub::dead_letter_stream(&stream);
+    let dlq = taskhub::dlq::dead_letter_stream(&stream);
     del(&mut conn, &[&stream, &stream2, &dlq]);
 }
 
@@ -428,6 +428,6 @@ fn very_wide_invalid_entries_are_dead_lettered_whole() {
         assert!(l.reason.contains("missing field event_id"), "{}", l.reason);
         assert!(&l.fields == fields, "{} fields kept whole", fields.len());
     }
-    let dlq = taskhub::dead_letter_stream(&stream);
+    let dlq = taskhub::dlq::dead_letter_stream(&stream);
     del(&mut conn, &[&stream, &dlq]);
 }

@@ -609,7 +609,7 @@ fn a_bad_sql_statement_fails_at_start_up_and_dead_letters_nothing() {
         );
         assert!(stderr.contains(needle), "{sql}: {stderr}");
     }
-    assert_eq!(xlen(&mut r, &taskhub::dead_letter_stream(&stream)), 0);
+    assert_eq!(xlen(&mut r, &taskhub::dlq::dead_letter_stream(&stream)), 0);
     assert_eq!(db.count("SELECT count(*) FROM notifications"), 0);
 }
 

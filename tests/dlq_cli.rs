@@ -15,7 +15,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
 use support::*;
-use taskhub::{Attempt, DeadLetter, DeadLetterKind};
+use taskhub::dlq::Attempt;
+use taskhub::{DeadLetter, DeadLetterKind};
 
 const T: Duration = Duration::from_secs(30);
 
@@ -92,38 +93,24 @@ fn letter(
     for (k, v) in extra {
         fields.push((k.as_bytes().to_vec(), v.to_vec()));
     }
-    DeadLetter {
-        id: None,
-        original_id: "1-0".into(),
-        stream: stream.into(),
-        group: "g".into(),
-        consumer: "c".into(),
-        event_id: Some(event_id.into()),
-        kind,
-        reason: reason.into(),
-        attempts: 2,
-        history: vec![
-            Attempt {
-                attempt: 1,
-                at: None,
-                error: "delivered but never finished".into(),
-            },
-            Attempt {
-                attempt: 2,
-                at: Some(UNIX_EPOCH + Duration::from_millis(dead_at)),
-                error: reason.into(),
-            },
-        ],
-        first_failed_at: dead_at,
-        dead_at,
-        fields,
-    }
+    let mut letter = DeadLetter::new(stream, "1-0", kind, reason, fields);
+    letter.group = "g".into();
+    letter.consumer = "c".into();
+    letter.event_id = Some(event_id.into());
+    letter.attempts = 2;
+    letter.history = vec![
+        Attempt::new(1, None, "delivered but never finished"),
+        Attempt::new(2, Some(UNIX_EPOCH + Duration::from_millis(dead_at)), reason),
+    ];
+    letter.first_failed_at = dead_at;
+    letter.dead_at = dead_at;
+    letter
 }
 
 /// Writes `letter` to `<stream>:dlq` as the worker would; returns its id.
 fn put(conn: &mut redis::Connection, letter: &DeadLetter) -> String {
     let mut cmd = redis::cmd("XADD");
-    cmd.arg(taskhub::dead_letter_stream(&letter.stream))
+    cmd.arg(taskhub::dlq::dead_letter_stream(&letter.stream))
         .arg("*");
     for (k, v) in letter.to_fields() {
         cmd.arg(k).arg(v);
@@ -172,7 +159,7 @@ fn list_json(db_url: &str, stream: &str, args: &[&str]) -> Vec<Value> {
 fn cleanup(conn: &mut redis::Connection, stream: &str) {
     let _: i64 = redis::cmd("DEL")
         .arg(stream)
-        .arg(taskhub::dead_letter_stream(stream))
+        .arg(taskhub::dlq::dead_letter_stream(stream))
         .query(conn)
         .unwrap();
 }

@@ -109,7 +109,7 @@ fn setup(db: &TestDb, token: Option<&str>) -> (Proc, String, String, String) {
         cmd.env("TASKHUB_ADMIN_TOKEN", t);
     }
     let p = Proc::spawn(cmd);
-    let dlq = taskhub::dead_letter_stream(&stream);
+    let dlq = taskhub::dlq::dead_letter_stream(&stream);
     assert!(
         wait_until(Duration::from_secs(20), || xlen(&mut r, &dlq) == 1),
         "{}",
@@ -182,7 +182,7 @@ fn list_and_detail_render_hostile_payloads_as_text() {
     );
     let mut r = redis(&redis_url());
     assert_eq!(
-        xlen(&mut r, &taskhub::dead_letter_stream(&stream)),
+        xlen(&mut r, &taskhub::dlq::dead_letter_stream(&stream)),
         1,
         "refused means unchanged"
     );
@@ -207,7 +207,7 @@ fn list_and_detail_render_hostile_payloads_as_text() {
         .unwrap_or_default()
         .to_owned();
     assert!(csp.contains("default-src 'none'"), "CSP: {csp:?}");
-    assert_eq!(xlen(&mut r, &taskhub::dead_letter_stream(&stream)), 1);
+    assert_eq!(xlen(&mut r, &taskhub::dlq::dead_letter_stream(&stream)), 1);
     // With the token: back to its stream (where it fails again, being the
     // same bad payload, and comes back as a new dead letter).
     let (status, body) = post(&format!("{base}/dlq/replay"), &form(TOKEN));
@@ -303,7 +303,7 @@ fn without_a_token_the_page_is_read_only() {
     assert_eq!(post(&format!("{base}/dlq/replay"), &form).0, 403);
     assert_eq!(post(&format!("{base}/dlq/delete"), &form).0, 403);
     let mut r = redis(&redis_url());
-    assert_eq!(xlen(&mut r, &taskhub::dead_letter_stream(&stream)), 1);
+    assert_eq!(xlen(&mut r, &taskhub::dlq::dead_letter_stream(&stream)), 1);
     p.signal("TERM");
     assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
 }

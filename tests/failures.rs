@@ -321,7 +321,7 @@ fn a_dead_letter_that_cannot_be_written_stays_pending() {
         &stream,
         &[("event_id", "bad-1"), ("payload", "p")],
     );
-    let dlq = taskhub::dead_letter_stream(&stream);
+    let dlq = taskhub::dlq::dead_letter_stream(&stream);
     let _: () = redis::cmd("SET")
         .arg(&dlq)
         .arg("not a stream")

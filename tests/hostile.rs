@@ -705,7 +705,7 @@ fn entries_of_four_mib_leave_worker_page_and_cli_memory_bounded() {
         let () = pipe.query(&mut conn).unwrap();
     }
     // Dead letters written whole by an older version, 4 MiB each.
-    let dlq = taskhub::dead_letter_stream(&stream);
+    let dlq = taskhub::dlq::dead_letter_stream(&stream);
     for i in 0..60 {
         let mut cmd = redis::cmd("XADD");
         cmd.arg(&dlq).arg("*");
@@ -959,7 +959,7 @@ fn a_filter_that_matches_nothing_stops_at_its_budget() {
     let http = format!("127.0.0.1:{}", free_port());
     let (p, stream) = worker(&db, &http, &[]);
     let mut conn = redis(&redis_url());
-    let dlq = taskhub::dead_letter_stream(&stream);
+    let dlq = taskhub::dlq::dead_letter_stream(&stream);
     for chunk in 0..12 {
         let mut pipe = redis::pipe();
         for i in 0..1000 {

@@ -104,7 +104,7 @@ fn metrics_health_and_readiness_match_what_the_run_did() {
     let mut cmd = run_on(&db.url, &stream);
     cmd.args(["--sql", INT_SQL, "--http", &port.to_string()]);
     let mut p = Proc::spawn(cmd);
-    let dlq = taskhub::dead_letter_stream(&stream);
+    let dlq = taskhub::dlq::dead_letter_stream(&stream);
     assert!(
         wait_until(Duration::from_secs(20), || {
             db.count("SELECT count(*) FROM notifications") == 30 && xlen(&mut r, &dlq) == 4

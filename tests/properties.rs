@@ -1,10 +1,6 @@
-//! Property tests (proptest) of the pure parts the guarantees rest on:
+//! Property tests (proptest) of the pure parts the guarantees rest on (the
+//! backoff's are unit tests in src/backoff.rs):
 //!
-//! - the retry backoff stays within its bounds (`[ceiling/2, ceiling]`, the
-//!   ceiling never above the cap; a `Retry-After` is a floor bounded by
-//!   `max_retry_after`) and is monotone: the ceiling never decreases with the
-//!   attempt number, so neither does the expected delay (3/4 of it), nor the
-//!   delay for any one jitter draw;
 //! - SQLSTATE classification is total: any string gets a class without a
 //!   panic, and every code of the classes the README names gets that class;
 //! - the dead-letter entry format round-trips through
@@ -18,126 +14,8 @@ mod support;
 use std::time::{Duration, UNIX_EPOCH};
 
 use proptest::prelude::*;
-use taskhub::{classify_sqlstate, Attempt, Backoff, DeadLetter, DeadLetterKind, FailureClass};
-
-// ---------------------------------------------------------------------------
-// Backoff
-// ---------------------------------------------------------------------------
-
-/// A duration from 1 ns to `max_ms` milliseconds, biased towards small ones.
-fn duration_up_to(max_ms: u64) -> impl Strategy<Value = Duration> {
-    prop_oneof![
-        (1u64..1_000_000).prop_map(Duration::from_nanos),
-        (1u64..=max_ms).prop_map(Duration::from_millis),
-    ]
-}
-
-/// A backoff policy as `build()` accepts it: 0 < base <= cap.
-fn backoff() -> impl Strategy<Value = Backoff> {
-    (
-        duration_up_to(10_000),
-        duration_up_to(86_400_000),
-        prop_oneof![Just(Duration::ZERO), duration_up_to(3_600_000)],
-    )
-        .prop_map(|(base, cap, max_retry_after)| Backoff {
-            base,
-            cap: cap.max(base),
-            max_retry_after,
-        })
-}
-
-/// Attempt numbers: small ones, around the shift limit, and huge ones.
-fn retry() -> impl Strategy<Value = u32> {
-    prop_oneof![1u32..40, 1u32..=u32::MAX, Just(u32::MAX)]
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(2000))]
-
-    #[test]
-    fn ceiling_is_capped_starts_at_base_and_never_decreases(b in backoff(), r in retry()) {
-        let c = b.ceiling(r);
-        prop_assert!(c <= b.cap, "{c:?} above the cap {:?}", b.cap);
-        prop_assert_eq!(b.ceiling(1), b.base.min(b.cap));
-        prop_assert!(c >= b.ceiling(1), "below the first ceiling");
-        if r < u32::MAX {
-            let next = b.ceiling(r + 1);
-            prop_assert!(next >= c, "ceiling({}) = {next:?} < ceiling({r}) = {c:?}", r + 1);
-            prop_assert!(next <= c * 2, "more than doubled: {c:?} -> {next:?}");
-        }
-        // 0 is treated as the first retry.
-        prop_assert_eq!(b.ceiling(0), b.ceiling(1));
-    }
-
-    #[test]
-    fn ceiling_doubles_until_the_cap(b in backoff(), r in 1u32..32) {
-        let c = b.ceiling(r);
-        let expected = (c * 2).min(b.cap);
-        prop_assert_eq!(b.ceiling(r + 1), expected, "retry {} of {:?}", r + 1, b);
-    }
-
-    #[test]
-    fn delay_is_within_half_and_all_of_the_ceiling(
-        b in backoff(),
-        r in retry(),
-        unit in 0.0f64..1.0,
-    ) {
-        let c = b.ceiling(r);
-        let d = b.delay_with(r, unit, None);
-        prop_assert!(d >= c / 2 && d <= c, "{d:?} outside [{:?}, {c:?}]", c / 2);
-        let random = b.delay(r, None);
-        prop_assert!(random >= c / 2 && random <= c, "random {random:?} outside [{:?}, {c:?}]", c / 2);
-    }
-
-    #[test]
-    fn jitter_outside_its_range_is_clamped(
-        b in backoff(),
-        r in retry(),
-        unit in prop_oneof![-1e12f64..0.0, 1.0f64..1e12, Just(f64::INFINITY), Just(f64::NEG_INFINITY)],
-    ) {
-        let c = b.ceiling(r);
-        let d = b.delay_with(r, unit, None);
-        prop_assert!(d >= c / 2 && d <= c, "{d:?} outside [{:?}, {c:?}]", c / 2);
-    }
-
-    #[test]
-    fn retry_after_is_a_floor_bounded_by_max_retry_after(
-        b in backoff(),
-        r in retry(),
-        unit in 0.0f64..1.0,
-        asked in prop_oneof![Just(Duration::ZERO), duration_up_to(7_200_000)],
-    ) {
-        let jittered = b.delay_with(r, unit, None);
-        let floor = asked.min(b.max_retry_after);
-        let d = b.delay_with(r, unit, Some(asked));
-        prop_assert_eq!(d, jittered.max(floor));
-        prop_assert!(d >= floor, "retried before Retry-After: {d:?} < {floor:?}");
-        prop_assert!(
-            d <= b.ceiling(r).max(b.max_retry_after),
-            "{d:?} above both the ceiling and max_retry_after"
-        );
-        let random = b.delay(r, Some(asked));
-        prop_assert!(random >= floor && random <= b.ceiling(r).max(floor));
-    }
-
-    /// Monotone in expectation: for any fixed jitter draw (and so for the
-    /// mean over draws, 3/4 of the ceiling), a later retry never waits less.
-    #[test]
-    fn delay_never_decreases_with_the_attempt_for_a_fixed_draw(
-        b in backoff(),
-        r1 in retry(),
-        r2 in retry(),
-        unit in 0.0f64..1.0,
-        asked in proptest::option::of(duration_up_to(7_200_000)),
-    ) {
-        let (lo, hi) = (r1.min(r2), r1.max(r2));
-        prop_assert!(b.delay_with(lo, unit, asked) <= b.delay_with(hi, unit, asked));
-        let mean = |r: u32| -> f64 {
-            (0..=20).map(|i| b.delay_with(r, i as f64 / 20.0, None).as_secs_f64()).sum::<f64>() / 21.0
-        };
-        prop_assert!(mean(lo) <= mean(hi) + 1e-12);
-    }
-}
+use taskhub::dlq::Attempt;
+use taskhub::{classify_sqlstate, DeadLetter, DeadLetterKind, FailureClass};
 
 // ---------------------------------------------------------------------------
 // SQLSTATE classification
@@ -258,10 +136,12 @@ fn attempt() -> impl Strategy<Value = Attempt> {
         proptest::option::of(0u64..(1u64 << 50)),
         any::<String>(),
     )
-        .prop_map(|(attempt, at_ms, error)| Attempt {
-            attempt,
-            at: at_ms.map(|ms| UNIX_EPOCH + Duration::from_millis(ms)),
-            error,
+        .prop_map(|(attempt, at_ms, error)| {
+            Attempt::new(
+                attempt,
+                at_ms.map(|ms| UNIX_EPOCH + Duration::from_millis(ms)),
+                error,
+            )
         })
 }
 
@@ -281,21 +161,16 @@ prop_compose! {
         dead_at in any::<u64>(),
         fields in proptest::collection::vec((bytes(), bytes()), 0..12),
     ) -> DeadLetter {
-        DeadLetter {
-            id,
-            original_id,
-            stream,
-            group,
-            consumer,
-            event_id,
-            kind,
-            reason,
-            attempts,
-            history,
-            first_failed_at,
-            dead_at,
-            fields,
-        }
+        let mut letter = DeadLetter::new(&stream, &original_id, kind, reason, fields);
+        letter.id = id;
+        letter.group = group;
+        letter.consumer = consumer;
+        letter.event_id = event_id;
+        letter.attempts = attempts;
+        letter.history = history;
+        letter.first_failed_at = first_failed_at;
+        letter.dead_at = dead_at;
+        letter
     }
 }
 

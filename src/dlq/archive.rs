@@ -11,15 +11,16 @@ use std::collections::HashMap;
 use serde_json::{json, Value};
 
 use crate::dlq::filter::Filter;
+use crate::dlq::json::fields_json;
 use crate::dlq::letter::dead_letter_stream;
-use crate::dlq::letter::fields_json;
 use crate::dlq::read::{fetch, matching_ids};
 use crate::dlq::{pg_error, redis_error};
 use crate::error::{Error, ErrorKind};
 use crate::fault::{self, Point};
 use crate::redis::RedisConn;
 
-/// Where [`archive`] copies dead letters to.
+/// Where [`DeadLetters::archive`](crate::dlq::DeadLetters::archive) copies
+/// dead letters to.
 pub enum ArchiveTarget<'a> {
     /// The `dead_letters_archive` table (see `migrations/`).
     Postgres(&'a mut postgres::Client),
@@ -29,6 +30,7 @@ pub enum ArchiveTarget<'a> {
 
 /// What an archive did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ArchiveReport {
     /// Entries selected (older than the cutoff and matching the filter).
     pub selected: usize,

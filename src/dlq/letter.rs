@@ -8,13 +8,11 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use serde_json::{json, Map, Value};
-
-use crate::dlq::stats::fingerprint;
 use crate::event::Fields;
 
 /// One failed attempt, kept for the dead-letter history.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Attempt {
     /// 1-based attempt number across deliveries.
     pub attempt: u32,
@@ -71,6 +69,22 @@ impl Kind {
     }
 }
 
+/// Parses a kind name, as stored (`crash_loop`) or typed (`crash-loop`,
+/// any case).
+impl std::str::FromStr for Kind {
+    type Err = crate::Error;
+
+    fn from_str(text: &str) -> Result<Kind, crate::Error> {
+        Kind::parse(&text.trim().to_ascii_lowercase().replace('-', "_")).ok_or_else(|| {
+            let names: Vec<&str> = Kind::ALL.iter().map(|k| k.as_str()).collect();
+            crate::Error::config(format!(
+                "unknown kind {text:?} (expected one of {})",
+                names.join(", ")
+            ))
+        })
+    }
+}
+
 impl std::fmt::Display for Kind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
@@ -79,6 +93,7 @@ impl std::fmt::Display for Kind {
 
 /// One dead letter, as written to and read from `<stream>:dlq`.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DeadLetter {
     /// Its entry id in the dead-letter stream (`None` before it is written).
     pub id: Option<String>,
@@ -170,7 +185,7 @@ fn unpack(packed: &[u8]) -> Result<Fields, String> {
 }
 
 /// `t` in milliseconds since the epoch (0 before it).
-pub fn millis(t: SystemTime) -> u64 {
+pub(crate) fn millis(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
@@ -215,7 +230,53 @@ fn parse_history(text: &str) -> Result<Vec<Attempt>, String> {
         .collect()
 }
 
+impl Attempt {
+    /// Attempt `attempt` (1-based), failed at `at` with `error`.
+    pub fn new(attempt: u32, at: Option<SystemTime>, error: impl Into<String>) -> Attempt {
+        Attempt {
+            attempt,
+            at,
+            error: error.into(),
+        }
+    }
+}
+
 impl DeadLetter {
+    /// A letter for entry `original_id` of `stream`, holding its `fields`;
+    /// the rest is empty or zero, to be filled in (as a tool that writes
+    /// letters of its own, or a test, does).
+    pub fn new(
+        stream: &str,
+        original_id: &str,
+        kind: Kind,
+        reason: impl Into<String>,
+        fields: Fields,
+    ) -> DeadLetter {
+        DeadLetter {
+            id: None,
+            original_id: original_id.to_owned(),
+            stream: stream.to_owned(),
+            group: String::new(),
+            consumer: String::new(),
+            event_id: None,
+            kind,
+            reason: reason.into(),
+            attempts: 0,
+            history: Vec::new(),
+            first_failed_at: 0,
+            dead_at: 0,
+            fields,
+        }
+    }
+
+    /// This letter as one JSON object (what `taskhub dlq list --json`
+    /// prints): ids, kind, reason and its fingerprint, times in ms and RFC
+    /// 3339, the attempt history, and the original fields (text as strings,
+    /// bytes that are not UTF-8 as `{"base64": ...}`).
+    pub fn to_json(&self) -> serde_json::Value {
+        crate::dlq::json::letter_json(self)
+    }
+
     /// The fields written to the dead-letter stream.
     pub fn to_fields(&self) -> Fields {
         let mut out: Fields = Vec::with_capacity(12 + self.fields.len());
@@ -295,107 +356,12 @@ impl DeadLetter {
             .map(|(_, v)| v.as_slice())
     }
 }
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Raw fields as a JSON object: a UTF-8 value (without NUL, which
-/// PostgreSQL's jsonb refuses) as a string, any other as `{"hex": "..."}`; a
-/// name that is not UTF-8 as `hex:<hex>`. `None` when two fields share a name
-/// (an object cannot keep both).
-pub fn fields_json(fields: &[(Vec<u8>, Vec<u8>)]) -> Option<Map<String, Value>> {
-    let mut map = Map::with_capacity(fields.len());
-    for (k, v) in fields {
-        let key = match std::str::from_utf8(k) {
-            Ok(s) if !s.contains('\0') => s.to_owned(),
-            _ => format!("hex:{}", hex(k)),
-        };
-        let value = match std::str::from_utf8(v) {
-            Ok(s) if !s.contains('\0') => Value::String(s.to_owned()),
-            _ => json!({ "hex": hex(v) }),
-        };
-        if map.insert(key, value).is_some() {
-            return None;
-        }
-    }
-    Some(map)
-}
-
-/// A time in ms since the epoch as RFC 3339 (with milliseconds when
-/// `with_millis`), or `"<n> ms"` for a time humantime cannot format (year
-/// 10000 and later): a corrupted field must not crash a command or a page.
-pub fn format_time(ms: u64, with_millis: bool) -> String {
-    const MAX_MS: u64 = 253_402_300_799_999; // 9999-12-31T23:59:59.999Z
-    if ms > MAX_MS {
-        return format!("{ms} ms");
-    }
-    let t = UNIX_EPOCH + Duration::from_millis(ms);
-    if with_millis {
-        humantime::format_rfc3339_millis(t).to_string()
-    } else {
-        humantime::format_rfc3339_seconds(t).to_string()
-    }
-}
-
-fn rfc3339(ms: u64) -> String {
-    format_time(ms, true)
-}
-
-/// A dead letter as one JSON object, for tools (`taskhub dlq list --json`)
-/// and pages: ids, kind, reason and its fingerprint, times in ms and RFC 3339,
-/// the attempt history, and the original fields (see [`fields_json`]).
-pub fn letter_json(letter: &DeadLetter) -> Value {
-    let history: Vec<Value> = letter
-        .history
-        .iter()
-        .map(|a| {
-            let at = a.at.map(millis);
-            json!({
-                "attempt": a.attempt,
-                "at": at,
-                "at_rfc3339": at.map(rfc3339),
-                "error": a.error,
-            })
-        })
-        .collect();
-    let fields = fields_json(&letter.fields).unwrap_or_else(|| {
-        // Repeated names: keep them all, suffixed with their position.
-        let mut map = Map::new();
-        for (i, (k, v)) in letter.fields.iter().enumerate() {
-            let one = fields_json(&[(k.clone(), v.clone())]).unwrap_or_default();
-            for (name, value) in one {
-                map.insert(format!("{name}#{i}"), value);
-            }
-        }
-        map
-    });
-    json!({
-        "id": letter.id,
-        "original_id": letter.original_id,
-        "stream": letter.stream,
-        "group": letter.group,
-        "consumer": letter.consumer,
-        "event_id": letter.event_id,
-        "kind": letter.kind.as_str(),
-        "reason": letter.reason,
-        "fingerprint": fingerprint(&letter.reason),
-        "attempts": letter.attempts,
-        "first_failed_at": letter.first_failed_at,
-        "first_failed_at_rfc3339": rfc3339(letter.first_failed_at),
-        "dead_at": letter.dead_at,
-        "dead_at_rfc3339": rfc3339(letter.dead_at),
-        "history": history,
-        "fields": fields,
-    })
-}
-
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A permanent dead letter of entry 1-0 on stream `s`, with `fields`.
-    fn sample_letter(fields: Fields) -> DeadLetter {
+    pub(crate) fn sample_letter(fields: Fields) -> DeadLetter {
         DeadLetter {
             id: Some("9-0".into()),
             original_id: "1-0".into(),
@@ -446,37 +412,5 @@ mod tests {
         };
         let back = DeadLetter::from_fields(Some("5-0".into()), &letter.to_fields()).unwrap();
         assert_eq!(back, letter);
-    }
-
-    #[test]
-    fn times_past_year_9999_are_shown_raw_not_a_crash() {
-        assert_eq!(format_time(0, true), "1970-01-01T00:00:00.000Z");
-        assert_eq!(format_time(1_500, false), "1970-01-01T00:00:01Z");
-        assert_eq!(format_time(u64::MAX, true), format!("{} ms", u64::MAX));
-        let letter = DeadLetter {
-            first_failed_at: u64::MAX,
-            dead_at: 253_402_300_800_000,
-            ..sample_letter(Vec::new())
-        };
-        let json = letter_json(&letter);
-        assert_eq!(json["dead_at_rfc3339"], "253402300800000 ms");
-    }
-
-    #[test]
-    fn fields_json_is_lossless_or_refuses() {
-        let map = fields_json(&[
-            (b"a".to_vec(), b"x".to_vec()),
-            (b"b".to_vec(), vec![0, 255]),
-            (b"c".to_vec(), b"nul\0".to_vec()),
-        ])
-        .unwrap();
-        assert_eq!(map["a"], "x");
-        assert_eq!(map["b"], json!({"hex": "00ff"}));
-        assert_eq!(map["c"], json!({"hex": "6e756c00"}));
-        assert!(fields_json(&[
-            (b"a".to_vec(), b"1".to_vec()),
-            (b"a".to_vec(), b"2".to_vec())
-        ])
-        .is_none());
     }
 }

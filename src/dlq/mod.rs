@@ -2,12 +2,14 @@
 //! as plain functions over a Redis connection (and a PostgreSQL client where
 //! one is needed), so a program or a web page can do the same.
 //!
-//! - [`list`] reads dead letters newest first, through a [`Filter`] (kind,
-//!   reason substring or regex, time window, original fields, limit, and a
-//!   `before` cursor for pagination); [`show`] reads one; [`stats`] counts
-//!   them by kind and by reason [`fingerprint`]; [`check`] is the one-line
-//!   summary of a monitoring probe.
-//! - [`replay`] puts dead letters back on their original stream with every
+//! Everything goes through a [`DeadLetters`] handle, one per stream:
+//!
+//! - [`list`](DeadLetters::list) reads dead letters newest first, through a
+//!   [`Filter`] (kind, reason substring or regex, time window, original
+//!   fields, limit, and a `before` cursor for pagination);
+//!   [`show`](DeadLetters::show) reads one; [`stats`](DeadLetters::stats)
+//!   counts them by kind and by reason [`fingerprint`].
+//! - [`replay`](DeadLetters::replay) puts dead letters back on their original stream with every
 //!   original field (so the same `event_id`) plus the audit fields
 //!   `replayed_from`, `replayed_at` and `replay_count`. The XADD and the XDEL
 //!   from the dead-letter stream happen in one server-side script: atomic
@@ -18,8 +20,8 @@
 //!   when a worker reads them; the report says how many there are, checked in
 //!   `processed_events` (the arbiter) when PostgreSQL is at hand (else not
 //!   checked).
-//! - [`purge`] deletes dead letters.
-//! - [`archive`] moves dead letters older than a cutoff to the
+//! - [`purge`](DeadLetters::purge) deletes dead letters.
+//! - [`archive`](DeadLetters::archive) moves dead letters older than a cutoff to the
 //!   `dead_letters_archive` table or to a JSONL file, in chunks: copy (commit,
 //!   or write + fsync), read the copy back and compare, and only then XDEL
 //!   what was verified. An interruption at any moment leaves every entry in
@@ -30,33 +32,31 @@
 
 mod archive;
 pub(crate) mod filter;
+mod handle;
+mod json;
 pub(crate) mod letter;
-mod present;
 mod purge;
 mod read;
 mod replay;
 mod stats;
 
-pub use archive::{archive, ArchiveReport, ArchiveTarget};
-pub use filter::{parse_kind, parse_time, Filter, ReasonMatch, Selection};
-pub use letter::{dead_letter_stream, format_time, letter_json, millis, Attempt, DeadLetter, Kind};
-pub use present::{age, age_secs, check, one_line, summary_line};
-pub use purge::{purge, PurgeReport};
-pub use read::{list, show, Listing};
-pub use replay::{
-    replay, replay_fields, ProcessedCheck, ReplayItem, ReplayOptions, ReplayReport, REPLAY_FIELDS,
-};
-pub use stats::{fingerprint, stats, ReasonCount, Stats};
+pub use archive::{ArchiveReport, ArchiveTarget};
+pub use filter::{Filter, ReasonMatch, Selection};
+pub use handle::DeadLetters;
+pub use letter::{dead_letter_stream, Attempt, DeadLetter, Kind};
+pub use purge::PurgeReport;
+pub use read::Listing;
+pub use replay::{ProcessedCheck, ReplayItem, ReplayOptions, ReplayReport};
+pub use stats::{fingerprint, ReasonCount, Stats};
+
+pub(crate) use json::format_time;
+pub(crate) use letter::millis;
+pub(crate) use purge::purge;
+pub(crate) use read::{list, show};
+pub(crate) use replay::replay;
 
 use crate::error::{Error, ErrorKind};
 use crate::postgres::connect;
-use crate::redis::RedisConn;
-
-/// A Redis connection with the library's timeouts, for these functions
-/// (with `tls` for a `rediss://` URL).
-pub fn connect_redis(redis_url: &str, tls: &crate::Tls) -> Result<RedisConn, Error> {
-    crate::redis::connect(redis_url, tls)
-}
 
 /// A PostgreSQL client with the library's connect timeout.
 pub fn connect_postgres(database_url: &str) -> Result<postgres::Client, Error> {

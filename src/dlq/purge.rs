@@ -10,6 +10,7 @@ use crate::redis::RedisConn;
 
 /// What a purge did (or, in a dry run, would do).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PurgeReport {
     /// Nothing was removed.
     pub dry_run: bool,

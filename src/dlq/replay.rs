@@ -51,6 +51,7 @@ impl ProcessedCheck {
 
 /// One dead letter of a replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ReplayItem {
     /// Its dead-letter id.
     pub id: String,
@@ -69,6 +70,7 @@ pub struct ReplayItem {
 
 /// What a replay did (or, in a dry run, would do).
 #[derive(Debug, Clone, Default)]
+#[non_exhaustive]
 pub struct ReplayReport {
     /// Nothing was changed.
     pub dry_run: bool,

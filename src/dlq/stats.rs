@@ -12,6 +12,7 @@ use crate::redis::RedisConn;
 
 /// A reason fingerprint and how many dead letters have it.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ReasonCount {
     /// The reason with numbers, hex ids and UUIDs masked as `#`.
     pub fingerprint: String,
@@ -23,6 +24,7 @@ pub struct ReasonCount {
 
 /// Counts over a dead-letter stream.
 #[derive(Debug, Clone, Default)]
+#[non_exhaustive]
 pub struct Stats {
     /// Dead letters matched.
     pub count: u64,

@@ -11,9 +11,12 @@ use crate::error::{Error, ErrorKind};
 use crate::worker::monitor::Monitor;
 
 pub(crate) mod access;
+pub(crate) mod html;
+pub(crate) mod message;
 pub(crate) mod metrics;
 pub(crate) mod page;
 pub(crate) mod server;
+pub(crate) mod view;
 pub(crate) mod wire;
 
 /// `/metrics`, `/healthz`, `/readyz` and the `/dlq` page of one worker.

@@ -1,100 +1,22 @@
-//! The dead-letter web page of `--http`: a list with filters and pages, a
-//! detail view, and, only when an admin token is configured, replay and
-//! delete buttons (POST with the token; a GET never changes anything). Who
-//! may see and change it is `http_access.rs`'s business.
+//! The dead-letter web page of `--http`: its routes, the login, and, only
+//! when an admin token is configured, the replay and delete actions (POST
+//! with the token; a GET never changes anything). What it shows is
+//! `view.rs`; who may see and change it, `access.rs`.
 //!
-//! Payloads are untrusted input: every byte that reaches the page goes
-//! through [`escape`], and a strict Content-Security-Policy forbids scripts
-//! altogether, so even a missed escape could not run anything. The URL
-//! never puts words on the page: the message box after an action shows one
-//! of a fixed set of texts, chosen by a code (see [`message`]).
+//! The URL never puts words on the page: the message box after an action
+//! shows one of a fixed set of texts, chosen by a code (see [`message`]).
 
-use std::fmt::Write as _;
-
-use crate::dlq::{self, Filter, ReasonMatch, ReplayOptions, Selection};
-use crate::dlq::{DeadLetter, Kind};
+use crate::dlq::{self, ReplayOptions, Selection};
 use crate::http::access::{cross_site, Access, Denied};
+use crate::http::html::{escape, html, param, params};
 use crate::http::server::text;
+use crate::http::view::{list_page, show_page};
 use crate::http::wire::{Request, Response};
 use crate::net::percent_encode as encode;
 use crate::worker::monitor::Monitor;
 
-const PAGE_SIZE: usize = 50;
-const CSP: &str = "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'";
-
 /// Largest form a POST may carry (login, replay, delete).
 const MAX_FORM: usize = 64 * 1024;
-
-/// HTML-escapes text for element content and quoted attributes.
-pub(crate) fn escape(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c if c.is_control() && c != '\n' && c != '\t' => {
-                let _ = write!(out, "\\u{{{:x}}}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out
-}
-
-/// Decodes `application/x-www-form-urlencoded` text.
-fn decode(text: &str) -> String {
-    // `+` first: an encoded `%2B` must stay a plus sign.
-    crate::net::percent_decode(&text.replace('+', " "))
-}
-
-fn params(query: &str) -> Vec<(String, String)> {
-    query
-        .split('&')
-        .filter(|p| !p.is_empty())
-        .map(|p| match p.split_once('=') {
-            Some((k, v)) => (decode(k), decode(v)),
-            None => (decode(p), String::new()),
-        })
-        .collect()
-}
-
-fn param<'a>(params: &'a [(String, String)], name: &str) -> Option<&'a str> {
-    params
-        .iter()
-        .find(|(k, _)| k == name)
-        .map(|(_, v)| v.as_str())
-        .filter(|v| !v.is_empty())
-}
-
-fn html(status: u16, title: &str, body: &str) -> Response {
-    let page = format!(
-        "<!doctype html><html><head><meta charset=\"utf-8\"><title>{}</title><style>\
-         body{{font-family:sans-serif;margin:1.5em;color:#222}}table{{border-collapse:collapse;width:100%}}\
-         td,th{{border-bottom:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top;font-size:14px}}\
-         th{{background:#f4f4f4}}pre{{background:#f7f7f7;padding:8px;white-space:pre-wrap;word-break:break-all}}\
-         .kind{{font-family:monospace}}.msg{{padding:6px;background:#eef}}form.inline{{display:inline}}\
-         </style></head><body>{body}</body></html>",
-        escape(title)
-    );
-    text(status, "text/html; charset=utf-8", page).with_header("Content-Security-Policy", CSP)
-}
-
-fn time(ms: u64) -> String {
-    crate::dlq::format_time(ms, false)
-}
-
-fn field_text(value: &[u8]) -> String {
-    match std::str::from_utf8(value) {
-        Ok(text) => text.to_owned(),
-        Err(_) => {
-            let hex: String = value.iter().map(|b| format!("{b:02x}")).collect();
-            format!("0x{hex} (binary)")
-        }
-    }
-}
 
 /// The page's routes and who may use them.
 pub(crate) struct Page {
@@ -256,7 +178,7 @@ impl Page {
 
 /// The answer to a replay or delete of an id the dead-letter stream does
 /// not hold.
-fn not_found(stream: &str, id: &str) -> Response {
+pub(crate) fn not_found(stream: &str, id: &str) -> Response {
     html(
         404,
         "Not found",
@@ -303,7 +225,7 @@ fn login_page(denied: Denied) -> Response {
 /// (`/dlq?msg=replayed&n=3&skipped=1`). Only these texts can appear: the
 /// URL picks one and gives numbers, never words, so a link cannot put an
 /// attacker's sentence in the page's own box. Unknown codes show nothing.
-fn message(query: &[(String, String)]) -> Option<String> {
+pub(crate) fn message(query: &[(String, String)]) -> Option<String> {
     let number = |name: &str| {
         param(query, name)
             .and_then(|v| v.parse::<u64>().ok())
@@ -322,7 +244,7 @@ fn message(query: &[(String, String)]) -> Option<String> {
     })
 }
 
-fn stream_param<'a>(
+pub(crate) fn stream_param<'a>(
     monitor: &'a Monitor,
     query: &'a [(String, String)],
 ) -> Result<&'a str, Response> {
@@ -334,7 +256,7 @@ fn stream_param<'a>(
     }
 }
 
-fn redis(
+pub(crate) fn redis(
     monitor: &Monitor,
 ) -> Result<r2d2::PooledConnection<crate::redis::pool::RedisManager>, Response> {
     monitor.redis_conn().map_err(|e| {
@@ -346,232 +268,9 @@ fn redis(
     })
 }
 
-fn list_page(monitor: &Monitor, query: &[(String, String)]) -> Response {
-    let stream = match stream_param(monitor, query) {
-        Ok(s) => s,
-        Err(r) => return r,
-    };
-    let kind = param(query, "kind").and_then(Kind::parse);
-    let reason = param(query, "reason");
-    let filter = Filter {
-        kinds: kind.into_iter().collect(),
-        reason: reason.map(ReasonMatch::substring),
-        limit: Some(PAGE_SIZE),
-        before: param(query, "before").map(str::to_owned),
-        ..Filter::default()
-    };
-    let mut conn = match redis(monitor) {
-        Ok(c) => c,
-        Err(r) => return r,
-    };
-    let listing = match dlq::list(&mut conn, stream, &filter) {
-        Ok(l) => l,
-        Err(e) => return html(400, "Error", &format!("<p>{}</p>", escape(&e.to_string()))),
-    };
-    let letters = &listing.letters;
-    let dlq_name = crate::dlq::dead_letter_stream(stream);
-    let total: u64 = redis::cmd("XLEN")
-        .arg(&dlq_name)
-        .query(&mut *conn)
-        .unwrap_or(0);
-    let mut body = format!("<h1>Dead letters of {}</h1>", escape(stream));
-    if let Some(msg) = message(query) {
-        let _ = write!(body, "<p class=\"msg\" id=\"msg\">{}</p>", escape(&msg));
-    }
-    let _ = write!(
-        body,
-        "<p>{total} in <code>{}</code>, newest first.</p>",
-        escape(&dlq_name)
-    );
-    body.push_str("<form method=\"get\" action=\"/dlq\">");
-    if monitor.streams().len() > 1 {
-        body.push_str("Stream <select name=\"stream\">");
-        for s in monitor.streams() {
-            let selected = if s == stream { " selected" } else { "" };
-            let _ = write!(body, "<option{selected}>{}</option>", escape(s));
-        }
-        body.push_str("</select> ");
-    } else {
-        let _ = write!(
-            body,
-            "<input type=\"hidden\" name=\"stream\" value=\"{}\">",
-            escape(stream)
-        );
-    }
-    body.push_str("Kind <select name=\"kind\"><option value=\"\">any</option>");
-    for k in Kind::ALL {
-        let selected = if Some(k) == kind { " selected" } else { "" };
-        let _ = write!(body, "<option{selected}>{k}</option>");
-    }
-    let _ = write!(
-        body,
-        "</select> Reason contains <input name=\"reason\" value=\"{}\"> <button type=\"submit\">Filter</button></form>",
-        escape(reason.unwrap_or(""))
-    );
-    body.push_str(
-        "<table id=\"letters\"><tr><th>dead at</th><th>kind</th><th>event_id</th><th>attempts</th><th>reason</th><th>entry</th></tr>",
-    );
-    for l in letters {
-        let id = l.id.as_deref().unwrap_or("");
-        let _ = write!(
-            body,
-            "<tr><td>{}</td><td class=\"kind\">{}</td><td>{}</td><td>{}</td><td>{}</td>\
-             <td><a href=\"/dlq/show?stream={}&amp;id={}\">{}</a></td></tr>",
-            time(l.dead_at),
-            l.kind,
-            escape(l.event_id.as_deref().unwrap_or("")),
-            l.attempts,
-            escape(&dlq::one_line(&l.reason, 200)),
-            encode(stream),
-            encode(id),
-            escape(id)
-        );
-    }
-    body.push_str("</table>");
-    let next = match &listing.stopped_at {
-        // The scan stopped at its budget: say so, and offer to go on.
-        Some(at) => {
-            let _ = write!(
-                body,
-                "<p id=\"stopped\">Looked at {} dead letters without filling the page; older ones may match.</p>",
-                listing.scanned
-            );
-            Some(at.as_str())
-        }
-        None if letters.len() == PAGE_SIZE => letters.last().and_then(|l| l.id.as_deref()),
-        None => None,
-    };
-    {
-        if let Some(last) = next {
-            let _ = write!(
-                body,
-                "<p><a id=\"next\" href=\"/dlq?stream={}&amp;kind={}&amp;reason={}&amp;before={}\">Older &rarr;</a></p>",
-                encode(stream),
-                kind.map_or("", |k| k.as_str()),
-                encode(reason.unwrap_or("")),
-                encode(last)
-            );
-        }
-    }
-    html(200, "taskhub dead letters", &body)
-}
-
-fn show_page(monitor: &Monitor, access: &Access, query: &[(String, String)]) -> Response {
-    let stream = match stream_param(monitor, query) {
-        Ok(s) => s,
-        Err(r) => return r,
-    };
-    let Some(id) = param(query, "id") else {
-        return html(400, "Bad request", "<p>missing id</p>");
-    };
-    let mut conn = match redis(monitor) {
-        Ok(c) => c,
-        Err(r) => return r,
-    };
-    let letter = match dlq::show(&mut conn, stream, id) {
-        Ok(Some(l)) => l,
-        Ok(None) => {
-            return html(
-                404,
-                "Not found",
-                "<p>no such dead letter (replayed, purged or archived?)</p>",
-            )
-        }
-        Err(e) => return html(400, "Error", &format!("<p>{}</p>", escape(&e.to_string()))),
-    };
-    html(
-        200,
-        "taskhub dead letter",
-        &detail(access.can_change(), stream, id, &letter),
-    )
-}
-
-fn detail(can_change: bool, stream: &str, id: &str, l: &DeadLetter) -> String {
-    let mut body = format!(
-        "<p><a href=\"/dlq?stream={}\">&larr; all dead letters</a></p><h1>Dead letter {}</h1><table id=\"meta\">",
-        encode(stream),
-        escape(id)
-    );
-    for (name, value) in [
-        ("event_id", l.event_id.clone().unwrap_or_default()),
-        ("kind", l.kind.to_string()),
-        ("reason", l.reason.clone()),
-        ("attempts", l.attempts.to_string()),
-        ("stream", l.stream.clone()),
-        ("original entry", l.original_id.clone()),
-        ("group", l.group.clone()),
-        ("consumer", l.consumer.clone()),
-        ("first failed", time(l.first_failed_at)),
-        ("dead at", time(l.dead_at)),
-    ] {
-        let _ = write!(body, "<tr><th>{name}</th><td>{}</td></tr>", escape(&value));
-    }
-    body.push_str("</table><h2>Payload</h2>");
-    let payload =
-        l.field("payload")
-            .map(|p| match serde_json::from_slice::<serde_json::Value>(p) {
-                Ok(json) => serde_json::to_string_pretty(&json).unwrap_or_default(),
-                Err(_) => field_text(p),
-            });
-    let _ = write!(
-        body,
-        "<pre id=\"payload\">{}</pre><h2>Fields</h2><table id=\"fields\">",
-        escape(payload.as_deref().unwrap_or("(no payload field)"))
-    );
-    for (k, v) in &l.fields {
-        let _ = write!(
-            body,
-            "<tr><th>{}</th><td>{}</td></tr>",
-            escape(&field_text(k)),
-            escape(&field_text(v))
-        );
-    }
-    body.push_str("</table><h2>Attempts</h2><table id=\"history\"><tr><th>#</th><th>at</th><th>error</th></tr>");
-    for a in &l.history {
-        let at = a.at.map_or("(never reported: crashed)".to_owned(), |t| {
-            time(crate::dlq::millis(t))
-        });
-        let _ = write!(
-            body,
-            "<tr><td>{}</td><td>{}</td><td>{}</td></tr>",
-            a.attempt,
-            at,
-            escape(&a.error)
-        );
-    }
-    body.push_str("</table>");
-    if can_change {
-        for (action, label) in [("replay", "Replay"), ("delete", "Delete")] {
-            let _ = write!(
-                body,
-                "<form class=\"inline\" method=\"post\" action=\"/dlq/{action}\" id=\"{action}-form\">\
-                 <input type=\"hidden\" name=\"stream\" value=\"{}\"><input type=\"hidden\" name=\"id\" value=\"{}\">\
-                 Admin token <input type=\"password\" name=\"token\" autocomplete=\"off\"> \
-                 <button type=\"submit\">{label}</button></form> ",
-                escape(stream),
-                escape(id)
-            );
-        }
-    }
-    body
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn escaping_and_form_decoding() {
-        assert_eq!(
-            escape(r#""><img src=x onerror=alert(1)><script>"#),
-            "&quot;&gt;&lt;img src=x onerror=alert(1)&gt;&lt;script&gt;"
-        );
-        assert_eq!(escape("a\u{1b}[31m"), "a\\u{1b}[31m");
-        assert_eq!(decode("a+b%20c%3D%26"), "a b c=&");
-        assert_eq!(decode("100%"), "100%");
-        assert_eq!(encode("a b/é"), "a%20b%2F%C3%A9");
-        assert_eq!(decode("%e9%"), "\u{fffd}%");
-    }
 
     #[test]
     fn the_message_box_shows_fixed_texts_only() {

@@ -199,11 +199,6 @@ impl Pipe {
         both!(self, p => p.ignore())
     }
 
-    /// Whether no command was added.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// Sends the commands and returns their replies.
     pub fn query<T: FromRedisValue>(&self, conn: &mut RedisConn) -> RedisResult<T> {
         if self.len == 0 {

@@ -22,4 +22,4 @@ pub(crate) mod streams;
 
 pub(crate) use client::{check_slots, connect, redis_unreachable, RedisClient};
 pub(crate) use conn::is_redirection;
-pub use conn::{Pipe, RedisConn};
+pub(crate) use conn::RedisConn;

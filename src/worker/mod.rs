@@ -34,6 +34,7 @@ pub(crate) mod apply;
 pub(crate) mod context;
 pub(crate) mod dead_letter;
 pub(crate) mod delivery;
+pub(crate) mod fail;
 pub(crate) mod flow;
 pub(crate) mod monitor;
 pub(crate) mod pool;

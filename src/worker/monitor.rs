@@ -7,7 +7,6 @@ use std::time::{Duration, SystemTime};
 
 use crate::postgres::pool::{PgConn, PgPool};
 use crate::redis::pool::{PooledRedis, RedisPool};
-use crate::redis::RedisConn;
 use crate::shutdown::Shutdown;
 use crate::worker::flow::InFlight;
 use crate::worker::stats::{Health, Stats, Summary, DURATION_BUCKETS};
@@ -164,13 +163,6 @@ impl Monitor {
         let (_, pg) = self.inner.servers.get().ok_or("not connected yet")?;
         pg.get_timeout(WAIT)
             .map_err(|e| format!("no connection: {e}"))
-    }
-
-    /// Runs `f` with one of the worker's Redis connections (`None` before
-    /// `run()` connected, or when the pool has none to give in time).
-    pub fn with_redis<T>(&self, f: impl FnOnce(&mut RedisConn) -> T) -> Option<T> {
-        let mut conn = self.redis_conn().ok()?;
-        Some(f(&mut conn))
     }
 
     /// Runs `f` with one of the worker's PostgreSQL sessions (read-only

@@ -263,7 +263,7 @@ pub fn dead_letters(
     stream: &str,
 ) -> Vec<taskhub::DeadLetter> {
     let rows: Vec<(String, taskhub::Fields)> = redis::cmd("XRANGE")
-        .arg(taskhub::dead_letter_stream(stream))
+        .arg(taskhub::dlq::dead_letter_stream(stream))
         .arg("-")
         .arg("+")
         .query(conn)

@@ -1,0 +1,283 @@
+//! `taskhub dlq`: look at, replay, purge and archive dead letters. Tables for
+//! people, `--json` for tools; the work is done by `taskhub::dlq`.
+
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime};
+
+use clap::{Args, Subcommand};
+use taskhub::dlq::dead_letter_stream;
+use taskhub::dlq::{DeadLetters, Filter, ReasonMatch, Selection};
+
+use crate::cli::format::parse_time;
+use crate::cli::report;
+
+mod change;
+mod view;
+
+/// The long help of `taskhub dlq`.
+pub const LONG_ABOUT: &str = "\
+Look at, replay, purge and archive the dead letters of a stream (kept in <stream>:dlq).
+
+Times (--since, --until) are a duration ago (90s, 2h, 3d) or an RFC 3339 time
+(2024-05-01T12:00:00Z, 2024-05-01T14:00:00+02:00, 2024-05-01). A dead letter's time is
+when it was dead-lettered. Exit status: 0 done, 1 failure (or, for check, dead letters
+present; for purge without --yes, nothing removed), 2 bad usage.";
+
+/// `taskhub dlq`.
+#[derive(Args, Debug)]
+pub struct DlqArgs {
+    /// The stream whose dead letters to work on (they are in <STREAM>:dlq).
+    #[arg(long, default_value = "tasks:events", global = true)]
+    stream: String,
+    /// Print JSON instead of tables: one document, or one object per line for list.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: DlqCommand,
+}
+
+#[derive(Subcommand, Debug)]
+enum DlqCommand {
+    /// Count dead letters by kind and by reason (numbers and ids masked), with the oldest and newest age.
+    Stats,
+    /// List dead letters, newest first.
+    List(ListArgs),
+    /// Show one dead letter in full: origin, reason, attempt history, every field (payload pretty-printed when it is JSON).
+    Show {
+        /// Its id in the dead-letter stream (see list).
+        id: String,
+    },
+    /// Put dead letters back on their original stream.
+    #[command(long_about = "\
+Put dead letters back on their original stream, oldest first (ids: in the order given).
+
+Each goes back with every original field, so the same event_id, plus the audit fields
+replayed_from (its dead-letter id), replayed_at (ms since the epoch) and replay_count; the
+XADD and its removal from the dead-letter stream are one atomic step, and an entry already
+gone (replayed or purged meanwhile) is not added twice. Events whose effect is already
+committed are skipped by the worker's idempotency layer (as duplicates); the summary says
+how many, looked up in PostgreSQL's processed_events (DATABASE_URL) under each dead letter's
+group as scope (--scope to change); not checked when PostgreSQL is unreachable.")]
+    Replay(ReplayArgs),
+    /// Delete dead letters (needs --yes; without it, says how many would go).
+    Purge(PurgeArgs),
+    /// Move dead letters older than a given age to PostgreSQL or a JSONL file.
+    #[command(long_about = "\
+Move dead letters older than --older-than to the dead_letters_archive table (--to postgres,
+the default; run `taskhub migrate` first) or to a JSONL file (--to FILE, appended to), in
+chunks: copy (commit, or write + fsync), read the copy back and compare, then delete from
+the dead-letter stream. Nothing is removed that was not safely copied; if interrupted, run it
+again: each entry is in the stream, in the archive, or in both (a file may then hold an entry
+twice; key on stream + dead_letter_id). A JSONL line: {\"stream\", \"dead_letter_id\",
+\"event_id\", \"kind\", \"reason\", \"archived_at\", \"fields\": the whole dead-letter entry,
+values as strings, or {\"hex\": ...} when not UTF-8}.")]
+    Archive(ArchiveArgs),
+    /// Exit 0 when there are no dead letters; else print a one-line summary and exit 1 (for cron and probes).
+    Check,
+}
+
+#[derive(Args, Debug, Default)]
+struct FilterArgs {
+    /// Only this kind: permanent, exhausted, crash_loop, invalid (repeat or comma-separate for several).
+    #[arg(long, value_name = "KIND", value_delimiter = ',')]
+    kind: Vec<String>,
+    /// Only reasons containing TEXT (case-sensitive).
+    #[arg(long, value_name = "TEXT", conflicts_with = "reason_regex")]
+    reason: Option<String>,
+    /// Only reasons matching this regular expression (unanchored; (?i) ignores case).
+    #[arg(long, value_name = "REGEX")]
+    reason_regex: Option<String>,
+    /// Only dead-lettered at or after TIME (2h = two hours ago, or RFC 3339).
+    #[arg(long, value_name = "TIME")]
+    since: Option<String>,
+    /// Only dead-lettered at or before TIME (2h = two hours ago, or RFC 3339).
+    #[arg(long, value_name = "TIME")]
+    until: Option<String>,
+    /// Only entries whose original field NAME equals VALUE (repeat: all must match).
+    #[arg(long = "field", value_name = "NAME=VALUE")]
+    fields: Vec<String>,
+    /// Only entries older than this dead-letter id (the next page after it).
+    #[arg(long, value_name = "ID")]
+    before: Option<String>,
+}
+
+impl FilterArgs {
+    fn build(&self, limit: Option<usize>) -> Result<Filter, String> {
+        let now = SystemTime::now();
+        let err = |e: taskhub::Error| report(&e);
+        let reason = match (&self.reason, &self.reason_regex) {
+            (Some(text), _) => Some(ReasonMatch::substring(text)),
+            (None, Some(re)) => Some(ReasonMatch::regex(re).map_err(err)?),
+            (None, None) => None,
+        };
+        Ok(Filter {
+            kinds: self
+                .kind
+                .iter()
+                .filter(|k| !k.trim().is_empty())
+                .map(|k| k.parse::<taskhub::DeadLetterKind>())
+                .collect::<Result<_, _>>()
+                .map_err(err)?,
+            reason,
+            since: self
+                .since
+                .as_deref()
+                .map(|t| parse_time(t, now))
+                .transpose()?,
+            until: self
+                .until
+                .as_deref()
+                .map(|t| parse_time(t, now))
+                .transpose()?,
+            fields: self
+                .fields
+                .iter()
+                .map(|kv| {
+                    kv.split_once('=')
+                        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                        .ok_or_else(|| format!("--field {kv:?}: expected NAME=VALUE"))
+                })
+                .collect::<Result<_, _>>()?,
+            limit,
+            before: self.before.clone(),
+        })
+    }
+}
+
+#[derive(Args, Debug)]
+struct ListArgs {
+    #[command(flatten)]
+    filter: FilterArgs,
+    /// Show at most N (0: all).
+    #[arg(long, default_value_t = 100, value_name = "N")]
+    limit: usize,
+}
+
+#[derive(Args, Debug)]
+struct ReplayArgs {
+    /// Dead-letter ids to replay (or use filter flags, or --all).
+    ids: Vec<String>,
+    #[command(flatten)]
+    filter: FilterArgs,
+    /// With filter flags: only the newest N that match.
+    #[arg(long, value_name = "N")]
+    limit: Option<usize>,
+    /// Replay every dead letter of the stream.
+    #[arg(long)]
+    all: bool,
+    /// Say what would be replayed (and how many are already processed); change nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// At most N entries per second.
+    #[arg(long, value_name = "N", value_parser = positive)]
+    rate: Option<f64>,
+    /// Idempotency scope to check for "already processed" [default: each dead letter's group].
+    #[arg(long)]
+    scope: Option<String>,
+}
+
+#[derive(Args, Debug)]
+struct PurgeArgs {
+    /// Dead-letter ids to delete (or use filter flags, or --all).
+    ids: Vec<String>,
+    #[command(flatten)]
+    filter: FilterArgs,
+    /// With filter flags: only the newest N that match.
+    #[arg(long, value_name = "N")]
+    limit: Option<usize>,
+    /// Delete every dead letter of the stream.
+    #[arg(long)]
+    all: bool,
+    /// Really delete (without it: say how many would be deleted, and exit 1).
+    #[arg(long)]
+    yes: bool,
+}
+
+#[derive(Args, Debug)]
+struct ArchiveArgs {
+    /// Archive dead letters older than this (dead-lettered more than D ago), e.g. 7d.
+    #[arg(long, value_name = "D", value_parser = super::duration)]
+    older_than: Duration,
+    /// `postgres` (the dead_letters_archive table of DATABASE_URL) or a JSONL file path.
+    #[arg(long, value_name = "postgres|FILE", default_value = "postgres")]
+    to: String,
+    /// Entries copied, verified and removed per step.
+    #[arg(long, value_name = "N", default_value_t = 500)]
+    chunk: usize,
+}
+
+fn positive(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(n) if n.is_finite() && n > 0.0 => Ok(n),
+        _ => Err(format!("{s:?} is not a positive number")),
+    }
+}
+
+/// Runs `taskhub dlq ...`. `Err` is a failure message (exit 1).
+pub fn run(
+    redis_url: &str,
+    redis_tls: &taskhub::Tls,
+    database_url: &str,
+    args: DlqArgs,
+) -> Result<ExitCode, String> {
+    let mut dead =
+        DeadLetters::connect(redis_url, redis_tls, &args.stream).map_err(|e| report(&e))?;
+    let ctx = Ctx {
+        dlq: dead_letter_stream(&args.stream),
+        stream: args.stream,
+        json: args.json,
+        now: SystemTime::now(),
+    };
+    let dead = &mut dead;
+    match args.command {
+        DlqCommand::Stats => ctx.stats(dead),
+        DlqCommand::List(a) => ctx.list(dead, &a),
+        DlqCommand::Show { id } => ctx.show(dead, &id),
+        DlqCommand::Replay(a) => ctx.replay(dead, database_url, a),
+        DlqCommand::Purge(a) => ctx.purge(dead, a),
+        DlqCommand::Archive(a) => ctx.archive(dead, database_url, &a),
+        DlqCommand::Check => ctx.check(dead),
+    }
+}
+
+struct Ctx {
+    stream: String,
+    dlq: String,
+    json: bool,
+    now: SystemTime,
+}
+
+fn ok() -> Result<ExitCode, String> {
+    Ok(ExitCode::SUCCESS)
+}
+
+fn err(e: taskhub::Error) -> String {
+    report(&e)
+}
+
+/// `n thing` or `n things`.
+fn plural(n: usize, thing: &str) -> String {
+    format!("{n} {thing}{}", if n == 1 { "" } else { "s" })
+}
+
+/// Ids, a filter or --all → a selection; anything else is a usage mistake.
+fn selection(
+    ids: Vec<String>,
+    filter: &FilterArgs,
+    limit: Option<usize>,
+    all: bool,
+) -> Result<Selection, String> {
+    let filter = filter.build(limit)?;
+    match (ids.is_empty(), filter.is_everything(), all) {
+        (false, true, false) => Ok(Selection::Ids(ids)),
+        (false, _, _) => Err("give dead-letter ids or filter flags (or --all), not both".into()),
+        (true, false, false) | (true, true, true) => Ok(Selection::Filter(filter)),
+        (true, false, true) => {
+            Err("--all selects every dead letter: drop it or the filter flags".into())
+        }
+        (true, true, false) => Err(
+            "say which dead letters: ids, filter flags (--kind, --reason, --since, ...), or --all"
+                .into(),
+        ),
+    }
+}

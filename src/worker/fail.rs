@@ -1,0 +1,181 @@
+//! When an attempt does not succeed: outages waited out (they are not the
+//! event's fault and count no attempt), failures retried after a backoff
+//! or, when permanent or out of attempts, dead-lettered; and entries that
+//! are not ours any more, or were deleted from their stream.
+
+use std::time::{Instant, SystemTime};
+
+use crate::dlq::{millis, Attempt, DeadLetter, Kind};
+use crate::error::{FailureClass, HandlerError};
+use crate::event::Invalid;
+use crate::redis::RedisConn;
+use crate::worker::apply::Applied;
+use crate::worker::context::outage_backoff;
+use crate::worker::dead_letter;
+use crate::worker::delivery::Delivery;
+use crate::worker::process::{Flow, Processor};
+use crate::worker::retry::Retry;
+use crate::worker::stats::{Server, Stats};
+
+impl Processor {
+    /// An event rolled back because the entry is not ours any more (drop
+    /// it: its new owner decides) or was deleted from the stream (dead-letter
+    /// it as trimmed, with the fields we still hold).
+    pub(crate) fn not_applied(&mut self, delivery: Delivery, why: Applied) {
+        if let Applied::Trimmed = why {
+            let reason = crate::worker::delivery::TRIMMED.to_owned();
+            return self.dead_letter(delivery, Kind::Trimmed, reason);
+        }
+        log::info!(
+            "{}/{}: another consumer claimed it while this one held it; rolled back and left to the new owner",
+            delivery.stream,
+            delivery.entry_id
+        );
+        Stats::add(&self.stage.common.stats.lost_ownership, 1);
+    }
+
+    /// Runs `apply` (one event or a batch), waiting out outages: they are
+    /// not the events' fault, so they count no attempt. But a connection
+    /// lost while this attempt ran, after the attempt had reached the
+    /// database and while other transactions committed, is a strike
+    /// against it: at `max` strikes it is [`Flow::Struck`] (an event that
+    /// kills its session would otherwise stall a worker for ever).
+    pub(crate) fn through_outages<T>(
+        &mut self,
+        strikes: &mut u32,
+        max: u32,
+        mut apply: impl FnMut(&mut Processor) -> Result<T, HandlerError>,
+    ) -> Flow<T> {
+        let mut outages = 0u32;
+        let mut commits_before = self
+            .stage
+            .common
+            .stats
+            .commits
+            .load(std::sync::atomic::Ordering::SeqCst);
+        loop {
+            self.reached_database = false;
+            match apply(self) {
+                Err(e) if e.class() == FailureClass::Outage => {
+                    // A fresh connection for the next try: this one is
+                    // closed, or its session is unusable (read-only).
+                    if let Some(mut conn) = self.pg.take() {
+                        conn.discard();
+                    }
+                    let from_redis = std::error::Error::source(&e)
+                        .is_some_and(|cause| cause.is::<redis::RedisError>());
+                    let server = if from_redis {
+                        Server::Redis
+                    } else {
+                        Server::Postgres
+                    };
+                    self.stage.common.health.down(server, &e);
+                    let commits = self
+                        .stage
+                        .common
+                        .stats
+                        .commits
+                        .load(std::sync::atomic::Ordering::SeqCst);
+                    if self.reached_database && commits > commits_before {
+                        *strikes += 1;
+                        log::warn!("postgres: the connection was lost while this worker's transaction ran, others committing meanwhile ({e}; strike {strikes} of {max})");
+                        if *strikes >= max {
+                            return Flow::Struck;
+                        }
+                    }
+                    commits_before = commits;
+                    outages += 1;
+                    if self.stage.common.shutdown.sleep(outage_backoff(outages)) {
+                        return Flow::Stopped;
+                    }
+                }
+                result => {
+                    if result.is_ok() {
+                        self.stage.common.health.up(Server::Postgres);
+                    }
+                    return Flow::Done(result);
+                }
+            }
+        }
+    }
+
+    /// Runs `f` with a pooled Redis connection, through outages (see
+    /// [`Common::with_redis`]).
+    pub(crate) fn with_redis<T>(
+        &self,
+        f: impl FnMut(&mut RedisConn) -> redis::RedisResult<T>,
+    ) -> Option<T> {
+        self.stage.common.with_redis(f)
+    }
+
+    /// A failed attempt: retry later or dead-letter.
+    pub(crate) fn failed(&mut self, mut delivery: Delivery, error: HandlerError) {
+        let attempt = delivery.attempts() + 1;
+        delivery.failures.push(Attempt {
+            attempt,
+            at: Some(SystemTime::now()),
+            error: error.to_string(),
+        });
+        let config = &self.stage.settings;
+        let kind = match error.class() {
+            FailureClass::Permanent => Some(Kind::Permanent),
+            FailureClass::Invalid => Some(Kind::Invalid),
+            _ if attempt >= config.max_attempts => Some(Kind::Exhausted),
+            _ => None,
+        };
+        if let Some(kind) = kind {
+            return self.dead_letter(delivery, kind, error.to_string());
+        }
+        let delay = self
+            .stage
+            .settings
+            .backoff
+            .delay(attempt, error.retry_after());
+        log::debug!(
+            "{}/{}: attempt {attempt} failed ({error}); retrying in {delay:?}",
+            delivery.stream,
+            delivery.entry_id
+        );
+        Stats::add(&self.stage.common.stats.retries, 1);
+        // On failure (the retry thread is gone at shutdown) the retry is
+        // dropped, which leaves the entry pending.
+        let _ = self.retry.send(Retry::of(delivery, Instant::now() + delay));
+    }
+
+    pub(crate) fn dead_letter(&mut self, mut delivery: Delivery, kind: Kind, reason: String) {
+        let config = &self.stage.settings;
+        let now = SystemTime::now();
+        let history = delivery.history();
+        let first_failed = delivery.failures.first().and_then(|a| a.at).unwrap_or(now);
+        let event_id = delivery.event_id().map(str::to_owned);
+        let letter = DeadLetter {
+            id: None,
+            original_id: delivery.entry_id.clone(),
+            stream: delivery.stream.to_string(),
+            group: config.group.clone(),
+            consumer: config.consumer.clone(),
+            event_id,
+            kind,
+            reason,
+            attempts: delivery.attempts(),
+            history,
+            first_failed_at: millis(first_failed),
+            dead_at: millis(now),
+            fields: match std::mem::replace(
+                &mut delivery.body,
+                Err((Vec::new(), Invalid(String::new()))),
+            ) {
+                Ok(event) => event.fields,
+                Err((fields, _)) => fields,
+            },
+        };
+        let job = dead_letter::Job {
+            letter,
+            token: delivery.fence(),
+            ticket: delivery.ticket.take(),
+        };
+        if self.dead.send(job).is_err() {
+            log::error!("dead-letter writer is gone; the entry stays pending");
+        }
+    }
+}
