@@ -2,14 +2,11 @@
 //! `build()` that validates it.
 
 use std::fmt;
-use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::Error;
-use crate::handler::Handler;
 use crate::redact::redact;
 use crate::tls::Tls;
-use crate::worker::Worker;
 
 /// The validated settings of a [`Worker`]. Build one with [`Worker::builder`].
 #[derive(Clone)]
@@ -321,13 +318,6 @@ impl Builder {
     pub fn scope(mut self, scope: &str) -> Builder {
         self.config.scope = Some(scope.to_owned());
         self
-    }
-
-    /// Validates the configuration and returns a worker that runs `handler`.
-    /// Nothing is connected yet; [`Worker::run`] does that.
-    pub fn build(self, handler: impl Handler) -> Result<Worker, Error> {
-        let config = self.validate()?;
-        Ok(Worker::new(config, Arc::new(handler)))
     }
 
     /// Checks the configuration without building a worker.

@@ -116,7 +116,7 @@ pub struct HandlerError {
 }
 
 impl HandlerError {
-    fn new(class: FailureClass, message: String, source: Option<Cause>) -> HandlerError {
+    pub(crate) fn new(class: FailureClass, message: String, source: Option<Cause>) -> HandlerError {
         HandlerError {
             class,
             retry_after: None,
@@ -275,26 +275,6 @@ pub fn classify_postgres(err: &postgres::Error) -> FailureClass {
     }
 }
 
-/// Whether a Redis error means the connection or server is unavailable.
-pub(crate) fn redis_is_outage(err: &redis::RedisError) -> bool {
-    err.is_io_error()
-        || err.is_connection_dropped()
-        || err.is_connection_refusal()
-        || err.is_timeout()
-        || matches!(
-            err.kind(),
-            redis::ErrorKind::Server(redis::ServerErrorKind::BusyLoading)
-                | redis::ErrorKind::Server(redis::ServerErrorKind::TryAgain)
-                | redis::ErrorKind::Server(redis::ServerErrorKind::ClusterDown)
-                | redis::ErrorKind::Server(redis::ServerErrorKind::MasterDown)
-                | redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly)
-                | redis::ErrorKind::ClusterConnectionNotFound
-        )
-        // A cluster's slot moved (failover, resharding): sent again on a
-        // connection with a fresh slot map.
-        || crate::redis::is_redirection(err)
-}
-
 impl From<postgres::Error> for HandlerError {
     fn from(err: postgres::Error) -> HandlerError {
         let class = classify_postgres(&err);
@@ -303,17 +283,6 @@ impl From<postgres::Error> for HandlerError {
             None => format!("postgres: {err}"),
         };
         HandlerError::new(class, message, Some(Box::new(err)))
-    }
-}
-
-impl From<redis::RedisError> for HandlerError {
-    fn from(err: redis::RedisError) -> HandlerError {
-        let class = if redis_is_outage(&err) {
-            FailureClass::Outage
-        } else {
-            FailureClass::Retryable
-        };
-        HandlerError::new(class, format!("redis: {err}"), Some(Box::new(err)))
     }
 }
 

@@ -123,11 +123,7 @@ pub struct DeadLetter {
     pub fields: Fields,
 }
 
-/// The dead-letter stream of `stream`. With a hash tag in the stream name
-/// (`{tasks}:events`), both land in the same Redis Cluster slot.
-pub fn dead_letter_stream(stream: &str) -> String {
-    format!("{stream}:dlq")
-}
+pub use crate::redis::keys::dead_letter_stream;
 
 /// Prefix of original fields inside a dead letter.
 const FIELD_PREFIX: &[u8] = b"f:";

@@ -57,7 +57,7 @@ impl RedisClient {
             Err(e) if e.code() == Some("NOPERM") => {
                 match redis::cmd("CLUSTER").arg("INFO").query::<String>(&mut conn) {
                     Ok(info) => info.contains("cluster_state"),
-                    Err(e) if crate::error::redis_is_outage(&e) => {
+                    Err(e) if crate::redis::is_outage(&e) => {
                         return Err(crate::redis::redis_unreachable(url, e))
                     }
                     Err(e) if e.code() == Some("NOPERM") => {
@@ -201,7 +201,7 @@ fn cluster_client(url: &str, nodes: &[&str], tls: &Tls) -> Result<RedisClient, E
 pub(crate) fn check_slots(streams: &[String]) -> Result<(), Error> {
     use redis::cluster_routing::Slot;
     for stream in streams {
-        let dlq = crate::dlq::dead_letter_stream(stream);
+        let dlq = crate::redis::keys::dead_letter_stream(stream);
         if Slot::for_key(stream) != Slot::for_key(&dlq) {
             return Err(Error::new(
                 ErrorKind::Config,

@@ -23,6 +23,12 @@
 use std::fmt;
 use std::sync::{Arc, RwLock};
 
+/// The dead-letter stream of `stream`. With a hash tag in the stream name
+/// (`{tasks}:events`), both land in the same Redis Cluster slot.
+pub fn dead_letter_stream(stream: &str) -> String {
+    format!("{stream}:dlq")
+}
+
 /// The identity of the database history the markers speak for: the
 /// cluster's `system_identifier` (new for every `initdb`, kept by replicas),
 /// the database's OID (new when it is created again), the timeline (new

@@ -23,3 +23,36 @@ pub(crate) mod streams;
 pub(crate) use client::{check_slots, connect, redis_unreachable, RedisClient};
 pub(crate) use conn::is_redirection;
 pub(crate) use conn::RedisConn;
+
+/// Whether a Redis error means the connection or server is unavailable.
+pub(crate) fn is_outage(err: &redis::RedisError) -> bool {
+    err.is_io_error()
+        || err.is_connection_dropped()
+        || err.is_connection_refusal()
+        || err.is_timeout()
+        || matches!(
+            err.kind(),
+            redis::ErrorKind::Server(redis::ServerErrorKind::BusyLoading)
+                | redis::ErrorKind::Server(redis::ServerErrorKind::TryAgain)
+                | redis::ErrorKind::Server(redis::ServerErrorKind::ClusterDown)
+                | redis::ErrorKind::Server(redis::ServerErrorKind::MasterDown)
+                | redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly)
+                | redis::ErrorKind::ClusterConnectionNotFound
+        )
+        // A cluster's slot moved (failover, resharding): sent again on a
+        // connection with a fresh slot map.
+        || is_redirection(err)
+}
+
+/// A Redis failure inside a handler: an outage when the server is
+/// unreachable, else retryable.
+impl From<redis::RedisError> for crate::error::HandlerError {
+    fn from(err: redis::RedisError) -> crate::error::HandlerError {
+        let class = if is_outage(&err) {
+            crate::error::FailureClass::Outage
+        } else {
+            crate::error::FailureClass::Retryable
+        };
+        crate::error::HandlerError::new(class, format!("redis: {err}"), Some(Box::new(err)))
+    }
+}

@@ -47,7 +47,7 @@ impl Processor {
             let ids: Vec<&str> = finished.iter().map(|d| d.entry_id.as_str()).collect();
             pipe.cmd("XACK").arg(stream).arg(&group).arg(&ids).ignore();
             match pipe.query::<()>(conn) {
-                Err(e) if !crate::error::redis_is_outage(&e) => {
+                Err(e) if !crate::redis::is_outage(&e) => {
                     log::warn!(
                         "{stream}: duplicate markers not written ({e}); acking without them"
                     );

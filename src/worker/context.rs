@@ -74,7 +74,7 @@ impl Common {
                 }
                 Err(e) => {
                     failures += 1;
-                    if crate::error::redis_is_outage(&e) {
+                    if crate::redis::is_outage(&e) {
                         self.health.down(Server::Redis, &e);
                     } else {
                         log::error!("redis: {e}");

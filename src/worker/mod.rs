@@ -62,6 +62,15 @@ pub struct Worker {
     monitor: Monitor,
 }
 
+impl Builder {
+    /// Validates the configuration and returns a worker that runs `handler`.
+    /// Nothing is connected yet; [`Worker::run`] does that.
+    pub fn build(self, handler: impl Handler) -> Result<Worker, Error> {
+        let config = self.validate()?;
+        Ok(Worker::new(config, Arc::new(handler)))
+    }
+}
+
 impl Worker {
     /// Starts configuring a worker.
     pub fn builder() -> Builder {

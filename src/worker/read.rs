@@ -150,7 +150,7 @@ impl Reader {
                         self.create_group_again(c, last_seen.as_deref());
                         continue;
                     }
-                    if crate::error::redis_is_outage(&e) {
+                    if crate::redis::is_outage(&e) {
                         common.health.down(Server::Redis, &e);
                     } else {
                         log::error!("{stream}: reading failed: {e}");

@@ -51,7 +51,7 @@ impl Reclaimer {
         while !self.common.shutdown.sleep(self.interval) {
             for stream in &self.streams {
                 if let Err(e) = self.reclaim_stream(stream, jobs) {
-                    if crate::error::redis_is_outage(&e) {
+                    if crate::redis::is_outage(&e) {
                         self.common.health.down(Server::Redis, &e);
                     } else if !streams::is_nogroup(&e) {
                         log::error!("{stream}: reclaiming failed: {e}");
