@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use crate::error::{Error, ErrorKind};
 use crate::redis::connect as connect_redis;
+use crate::redis::RedisConn;
 use crate::tls::Tls;
 
 /// One consumer of a group, as `XINFO CONSUMERS` reports it.
@@ -33,11 +34,20 @@ pub fn consumers(
     group: &str,
 ) -> Result<Vec<ConsumerInfo>, Error> {
     let mut conn = connect_redis(redis_url, tls)?;
+    list_consumers(&mut conn, stream, group)
+}
+
+/// The consumers of `group` on `stream`, by name, over `conn`.
+pub(crate) fn list_consumers(
+    conn: &mut RedisConn,
+    stream: &str,
+    group: &str,
+) -> Result<Vec<ConsumerInfo>, Error> {
     let rows: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
         .arg("CONSUMERS")
         .arg(stream)
         .arg(group)
-        .query(&mut conn)
+        .query(conn)
         .map_err(|e| redis_error(format!("{stream}: cannot list the consumers of {group}"), e))?;
     let int = |row: &std::collections::HashMap<String, redis::Value>, k: &str| match row.get(k) {
         Some(redis::Value::Int(n)) => u64::try_from(*n).unwrap_or(0),

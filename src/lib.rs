@@ -80,6 +80,7 @@ mod redact;
 mod redis;
 mod runtime;
 mod shutdown;
+mod status;
 mod tls;
 mod worker;
 
@@ -98,6 +99,7 @@ pub use http::{HttpServer, Serving};
 pub use postgres::migrate::migrate;
 pub use produce::Producer;
 pub use shutdown::Shutdown;
+pub use status::{status, GroupStatus};
 pub use tls::Tls;
 pub use worker::monitor::{Durations, Monitor};
 pub use worker::stats::Summary;

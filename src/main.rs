@@ -63,6 +63,8 @@ enum Command {
     /// Dead letters: stats, list, show, replay, purge, archive, check.
     #[command(long_about = cli::dlq::LONG_ABOUT)]
     Dlq(Box<cli::dlq::DlqArgs>),
+    /// Where each stream and its group stand: length, lag, pending, retrying, dead letters, consumers.
+    Status(cli::status::StatusArgs),
     /// List a group's consumers (pending entries, idle time), or remove one that left for good.
     Consumers(cli::consumers::ConsumersArgs),
 }
@@ -82,6 +84,10 @@ fn main() -> ExitCode {
         Command::Run(args) => cli::run::run(&cli.servers, *args),
         Command::Produce(args) => cli::produce::produce(&cli.servers, args),
         Command::Consumers(args) => cli::consumers::consumers(&cli.servers, args),
+        Command::Status(args) => match cli::status::status(&cli.servers, args) {
+            Ok(code) => return code,
+            Err(message) => Err(message),
+        },
         Command::Dlq(args) => {
             let tls = cli.servers.redis_tls();
             match cli::dlq::run(

@@ -7,6 +7,7 @@ pub mod format;
 pub mod produce;
 pub mod run;
 pub mod servers;
+pub mod status;
 
 use std::io::Write;
 

@@ -1,0 +1,113 @@
+//! `taskhub status`: where each stream and its group stand, as a table or
+//! as one JSON object per stream and group.
+
+use std::process::ExitCode;
+
+use clap::Args;
+use serde_json::json;
+use taskhub::GroupStatus;
+
+use super::servers::Servers;
+use super::{print, report, table};
+
+#[derive(Args, Debug)]
+pub struct StatusArgs {
+    /// Stream to look at (repeat for several).
+    #[arg(long, default_value = "tasks:events")]
+    pub stream: Vec<String>,
+    /// Consumer group.
+    #[arg(long, default_value = "workers")]
+    pub group: String,
+    /// One JSON object per stream and group per line, instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Prints each stream's status; exit 1 when one of them (or its group) is
+/// missing, after printing the others.
+pub fn status(servers: &Servers, args: StatusArgs) -> Result<ExitCode, String> {
+    let mut code = ExitCode::SUCCESS;
+    let mut out = String::new();
+    for stream in &args.stream {
+        let found = taskhub::status(
+            &servers.redis_url,
+            &servers.redis_tls(),
+            std::slice::from_ref(stream),
+            &args.group,
+        );
+        match found {
+            Ok(list) => {
+                for s in &list {
+                    out.push_str(&if args.json { json_line(s) } else { text(s) });
+                }
+            }
+            Err(e) if e.kind() == taskhub::ErrorKind::Config => {
+                eprintln!("taskhub: {}", report(&e));
+                code = ExitCode::FAILURE;
+            }
+            Err(e) => return Err(report(&e)),
+        }
+    }
+    print(&out)?;
+    Ok(code)
+}
+
+fn json_line(s: &GroupStatus) -> String {
+    let consumers: Vec<serde_json::Value> = s
+        .consumers
+        .iter()
+        .map(|c| json!({"name": c.name, "pending": c.pending, "idle_seconds": c.idle.as_secs()}))
+        .collect();
+    let doc = json!({
+        "stream": s.stream,
+        "group": s.group,
+        "length": s.length,
+        "last_id": s.last_id,
+        "lag": s.lag,
+        "pending": s.pending,
+        "oldest_pending_seconds": s.oldest_pending.map(|d| d.as_secs()),
+        "retrying": s.retrying,
+        "dead_letters": s.dead_letters,
+        "consumers": consumers,
+    });
+    format!("{doc}\n")
+}
+
+fn secs(d: std::time::Duration) -> String {
+    humantime::format_duration(std::time::Duration::from_secs(d.as_secs())).to_string()
+}
+
+fn text(s: &GroupStatus) -> String {
+    let mut out = format!("{} (group {})\n", s.stream, s.group);
+    let rows = vec![vec![
+        s.length.to_string(),
+        s.lag.map_or("?".into(), |n| n.to_string()),
+        s.pending.to_string(),
+        s.oldest_pending.map_or("-".into(), secs),
+        s.retrying.to_string(),
+        s.dead_letters.to_string(),
+        s.last_id.clone(),
+    ]];
+    out.push_str(&table(
+        &[
+            "LENGTH",
+            "LAG",
+            "PENDING",
+            "OLDEST PENDING",
+            "RETRYING",
+            "DEAD LETTERS",
+            "LAST ID",
+        ],
+        &rows,
+    ));
+    if !s.consumers.is_empty() {
+        let rows: Vec<Vec<String>> = s
+            .consumers
+            .iter()
+            .map(|c| vec![c.name.clone(), c.pending.to_string(), secs(c.idle)])
+            .collect();
+        out.push_str(&table(&["CONSUMER", "PENDING", "IDLE"], &rows));
+    }
+    out.push('\n');
+    out
+}
