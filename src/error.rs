@@ -71,6 +71,13 @@ impl Error {
     pub fn kind(&self) -> ErrorKind {
         self.kind
     }
+
+    /// What failed and why, on one line: this error's message and each of
+    /// its causes', once each (some causes repeat their own source's text),
+    /// separated by `: `. What the binary prints.
+    pub fn chain(&self) -> String {
+        chain(self)
+    }
 }
 
 impl fmt::Display for Error {
@@ -79,6 +86,21 @@ impl fmt::Display for Error {
         // "what: why: why", as anyhow's `{:#}` does).
         f.write_str(&self.message)
     }
+}
+
+/// `e` and its causes on one line (see [`Error::chain`]).
+pub(crate) fn chain(e: &(dyn StdError + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let more = c.to_string();
+        if !more.is_empty() && !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        cause = c.source();
+    }
+    text
 }
 
 impl StdError for Error {

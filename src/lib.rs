@@ -102,6 +102,7 @@ pub use shutdown::Shutdown;
 pub use status::{status, GroupStatus};
 pub use tls::Tls;
 pub use worker::monitor::{Durations, Monitor};
+pub use worker::retry::Retrying;
 pub use worker::stats::Summary;
 pub use worker::Worker;
 

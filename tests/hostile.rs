@@ -585,7 +585,7 @@ fn a_wide_bind_with_a_read_token_needs_it() {
     let login = post(port, "/dlq/login", &format!("token={READ}"), "");
     assert_eq!(login.status, Some(303), "{login:?}");
     let cookie = login.header("Set-Cookie").unwrap_or_default().to_owned();
-    for part in ["HttpOnly", "SameSite=Strict", "Path=/dlq"] {
+    for part in ["HttpOnly", "SameSite=Strict", "Path=/"] {
         assert!(cookie.contains(part), "{cookie}");
     }
     let pair = cookie.split(';').next().unwrap();

@@ -55,20 +55,9 @@ pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
-/// An error and its causes on one line, "what: why: why", each cause once
-/// (some errors repeat their source's text in their own).
-pub fn report(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let more = c.to_string();
-        if !more.is_empty() && !text.contains(&more) {
-            text.push_str(": ");
-            text.push_str(&more);
-        }
-        cause = c.source();
-    }
-    text
+/// A library error and its causes on one line, "what: why: why".
+pub fn report(e: &taskhub::Error) -> String {
+    e.chain()
 }
 
 /// Parses a duration flag (`20ms`, `1s`, `5m`).

@@ -37,7 +37,7 @@ pub fn produce(servers: &Servers, args: ProduceArgs) -> Result<(), String> {
         batch.clear();
         if !args.quiet {
             for id in ids {
-                writeln!(out, "{id}").map_err(|e| report(&e))?;
+                writeln!(out, "{id}").map_err(|e| format!("cannot write to stdout: {e}"))?;
             }
         }
         Ok(())

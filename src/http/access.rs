@@ -4,7 +4,7 @@
 //!   unless a read token is configured. On any other address a token is
 //!   required: the read token (`--read-token`) or the admin token, given as
 //!   `Authorization: Bearer <token>` or as the `token` cookie that
-//!   `POST /dlq/login` sets (`HttpOnly; SameSite=Strict; Path=/dlq`). With
+//!   `POST /dlq/login` sets (`HttpOnly; SameSite=Strict; Path=/`). With
 //!   neither configured there, the page refuses and says how to set one:
 //!   dead letters carry payloads, and a wide bind must not publish them.
 //! - **Changing** (`POST /dlq/replay`, `/dlq/delete`) needs the admin token
@@ -83,7 +83,7 @@ impl Access {
         }
         self.check(given, &self.read_tokens, shutdown)?;
         Ok(format!(
-            "token={}; HttpOnly; SameSite=Strict; Path=/dlq",
+            "token={}; HttpOnly; SameSite=Strict; Path=/",
             percent_encode(given.unwrap_or_default())
         ))
     }

@@ -55,8 +55,22 @@ pub(crate) fn param<'a>(params: &'a [(String, String)], name: &str) -> Option<&'
 }
 
 pub(crate) fn html(status: u16, title: &str, body: &str) -> Response {
+    page(status, title, body, "")
+}
+
+/// A page that reloads itself every `secs` seconds (no script needed).
+pub(crate) fn refreshing(title: &str, body: &str, secs: u32) -> Response {
+    page(
+        200,
+        title,
+        body,
+        &format!("<meta http-equiv=\"refresh\" content=\"{secs}\">"),
+    )
+}
+
+fn page(status: u16, title: &str, body: &str, head: &str) -> Response {
     let page = format!(
-        "<!doctype html><html><head><meta charset=\"utf-8\"><title>{}</title><style>\
+        "<!doctype html><html><head><meta charset=\"utf-8\">{head}<title>{}</title><style>\
          body{{font-family:sans-serif;margin:1.5em;color:#222}}table{{border-collapse:collapse;width:100%}}\
          td,th{{border-bottom:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top;font-size:14px}}\
          th{{background:#f4f4f4}}pre{{background:#f7f7f7;padding:8px;white-space:pre-wrap;word-break:break-all}}\

@@ -14,6 +14,7 @@ pub(crate) mod access;
 pub(crate) mod html;
 pub(crate) mod message;
 pub(crate) mod metrics;
+pub(crate) mod overview;
 pub(crate) mod page;
 pub(crate) mod server;
 pub(crate) mod view;

@@ -9,6 +9,7 @@
 use crate::dlq::{self, ReplayOptions, Selection};
 use crate::http::access::{cross_site, Access, Denied};
 use crate::http::html::{escape, html, param, params};
+use crate::http::overview::{overview_page, Rates};
 use crate::http::server::text;
 use crate::http::view::{list_page, show_page};
 use crate::http::wire::{Request, Response};
@@ -21,12 +22,14 @@ const MAX_FORM: usize = 64 * 1024;
 /// The page's routes and who may use them.
 pub(crate) struct Page {
     access: Access,
+    rates: Rates,
 }
 
 impl Page {
     pub fn new(loopback: bool, admin: Option<String>, read: Option<String>) -> Page {
         Page {
             access: Access::new(loopback, admin, read),
+            rates: Rates::default(),
         }
     }
 
@@ -42,10 +45,16 @@ impl Page {
     /// Serves `/dlq...`; `None` when the path is not the page's.
     pub fn route(&self, monitor: &Monitor, request: &Request) -> Option<Response> {
         let path = request.path();
-        if path != "/dlq" && !path.starts_with("/dlq/") {
+        if path != "/" && path != "/dlq" && !path.starts_with("/dlq/") {
             return None;
         }
         let response = match (request.method(), path) {
+            ("GET" | "HEAD", "/") => {
+                match self.access.may_read(request, &monitor.shutdown_handle()) {
+                    Err(denied) => login_page(denied),
+                    Ok(()) => overview_page(monitor, &self.rates),
+                }
+            }
             ("GET" | "HEAD", "/dlq" | "/dlq/show") => {
                 match self.access.may_read(request, &monitor.shutdown_handle()) {
                     Err(denied) => login_page(denied),

@@ -89,6 +89,7 @@ impl Worker {
                 consumer: config.consumer.clone(),
                 started: SystemTime::now(),
                 thread_died: Mutex::new(None),
+                retrying: Arc::default(),
                 servers: OnceLock::new(),
             }),
         };
@@ -325,6 +326,7 @@ impl Worker {
             let retrier = Retrier {
                 common: common.clone(),
                 claim: claim.clone(),
+                board: self.monitor.inner.retrying.clone(),
             };
             let tx = jobs_tx.clone();
             spawn("taskhub-retry".into(), move || retrier.run(&retry_rx, &tx))?

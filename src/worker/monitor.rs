@@ -33,6 +33,8 @@ pub(crate) struct Inner {
     pub started: SystemTime,
     /// The name of a thread that stopped unexpectedly, if any.
     pub thread_died: Mutex<Option<String>>,
+    /// The retries waiting in this process.
+    pub retrying: Arc<crate::worker::retry::Board>,
     /// The pools, once `run()` made them.
     pub servers: OnceLock<(RedisPool, PgPool)>,
 }
@@ -99,6 +101,12 @@ impl Monitor {
     /// The shutdown handle the worker stops on.
     pub fn shutdown_handle(&self) -> Shutdown {
         self.inner.shutdown.clone()
+    }
+
+    /// The deliveries waiting for a retry in this process: how many, and
+    /// the 100 due first (earliest first). Updated a few times a second.
+    pub fn retrying(&self) -> (usize, Vec<crate::worker::retry::Retrying>) {
+        self.inner.retrying.read()
     }
 
     /// The thread that stopped unexpectedly (the worker then shuts down).

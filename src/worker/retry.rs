@@ -18,8 +18,8 @@
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender};
 
@@ -35,6 +35,66 @@ use crate::worker::stats::{Server, Stats};
 pub(crate) struct Retrier {
     pub common: Common,
     pub claim: Claim,
+    /// Where it shows what waits (for the monitor).
+    pub board: Arc<Board>,
+}
+
+/// A delivery waiting for its retry, as a monitor shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Retrying {
+    /// The stream.
+    pub stream: String,
+    /// Its entry id.
+    pub entry_id: String,
+    /// Its event_id.
+    pub event_id: Option<String>,
+    /// Attempts failed so far.
+    pub attempts: u32,
+    /// The last attempt's error.
+    pub last_error: String,
+    /// When it is tried again.
+    pub due: SystemTime,
+}
+
+/// The waiting retries as last published: how many, and the earliest
+/// [`BOARD`] of them by due time.
+#[derive(Debug, Default)]
+pub(crate) struct Board {
+    shown: Mutex<(usize, Vec<Retrying>)>,
+}
+
+/// How many waiting retries the board lists.
+const BOARD: usize = 100;
+
+impl Board {
+    /// How many wait, and the earliest of them.
+    pub fn read(&self) -> (usize, Vec<Retrying>) {
+        self.shown.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn publish(&self, waiting: &BinaryHeap<Retry>) {
+        let (now, clock) = (Instant::now(), SystemTime::now());
+        let mut first: Vec<&Retry> = waiting.iter().collect();
+        first.sort_by_key(|r| r.due);
+        first.truncate(BOARD);
+        let list = first
+            .into_iter()
+            .map(|r| Retrying {
+                stream: r.stream.to_string(),
+                entry_id: r.entry_id.clone(),
+                event_id: r.event_id.clone(),
+                attempts: r.failures.len() as u32,
+                last_error: r
+                    .failures
+                    .last()
+                    .map(|a| a.error.clone())
+                    .unwrap_or_default(),
+                due: clock + r.due.saturating_duration_since(now),
+            })
+            .collect();
+        *self.shown.lock().unwrap_or_else(|e| e.into_inner()) = (waiting.len(), list);
+    }
 }
 
 /// A failed delivery waiting for its retry.
@@ -101,8 +161,16 @@ impl Retrier {
     pub fn run(self, incoming: &Receiver<Retry>, jobs: &Sender<Job>) {
         let mut waiting: BinaryHeap<Retry> = BinaryHeap::new();
         let mut failures = 0u32;
+        let mut published = (0usize, Instant::now());
         while !self.common.shutdown.is_shutdown() {
             let now = Instant::now();
+            // The board follows the heap, at most four times a second.
+            let changed = waiting.len() != published.0;
+            let since = now.saturating_duration_since(published.1);
+            if (changed && since >= Duration::from_millis(250)) || since >= Duration::from_secs(1) {
+                self.board.publish(&waiting);
+                published = (waiting.len(), now);
+            }
             let mut due = Vec::new();
             while due.len() < FETCH && waiting.peek().is_some_and(|r| r.due <= now) {
                 due.push(waiting.pop().expect("peeked"));
@@ -140,6 +208,7 @@ impl Retrier {
                 Err(RecvTimeoutError::Disconnected) => std::thread::sleep(wait),
             }
         }
+        self.board.publish(&BinaryHeap::new());
         let left = waiting.len() + incoming.len();
         if left > 0 {
             log::info!(

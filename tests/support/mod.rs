@@ -8,6 +8,7 @@
 
 #![allow(dead_code)] // each test file uses a different part of this module
 
+pub mod browser;
 pub mod certs;
 pub mod cluster;
 pub mod downstream;
