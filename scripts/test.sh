@@ -9,8 +9,10 @@
 # What it does:
 # 1. makes sure the programs the tests start themselves are installed: they
 #    run private `redis-server` and `initdb`/`pg_ctl` instances (and a private
-#    Redis Cluster joined with `redis-cli --cluster create`), so it installs
-#    the Debian packages redis-server, redis-tools and postgresql if missing;
+#    Redis Cluster joined with `redis-cli --cluster create`), render pages in
+#    chromium, make certificates with openssl and check metrics with promtool,
+#    so it installs the Debian packages redis-server, redis-tools, postgresql,
+#    chromium, openssl and prometheus if missing;
 # 2. exports TASKHUB_PG_BIN, the directory holding initdb and pg_ctl (Debian
 #    keeps them in /usr/lib/postgresql/<version>/bin, outside PATH);
 # 3. makes sure Redis and PostgreSQL answer at the defaults (scripts/services.sh);
@@ -41,12 +43,21 @@ pg_bin_dir >/dev/null || missing+=(postgresql)
 # tests/tls.rs and tests/cluster.rs make their certificates with the openssl
 # command (the build itself needs no OpenSSL: TLS is rustls).
 command -v openssl >/dev/null 2>&1 || missing+=(openssl)
-if ((${#missing[@]})); then
-    echo "test.sh: installing ${missing[*]} (the tests start their own servers)" >&2
+# tests/operate.rs checks /metrics with `promtool check metrics`; the package
+# alone, not the services it recommends.
+lean=()
+command -v promtool >/dev/null 2>&1 || lean+=(prometheus)
+if ((${#missing[@]} + ${#lean[@]})); then
+    echo "test.sh: installing ${missing[*]} ${lean[*]} (the tests start their own servers)" >&2
     sudo=()
     [[ $EUID -eq 0 ]] || sudo=(sudo)
     "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    if ((${#missing[@]})); then
+        "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    fi
+    if ((${#lean[@]})); then
+        "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${lean[@]}" >/dev/null
+    fi
 fi
 TASKHUB_PG_BIN=$(pg_bin_dir) || {
     echo "test.sh: initdb/pg_ctl still not found; set TASKHUB_PG_BIN to their directory" >&2

@@ -133,9 +133,6 @@ pub(crate) fn group_status(
         .arg(dead_letter_stream(stream))
         .query(conn)
         .map_err(failed(format!("{stream}: cannot read its dead letters")))?;
-    let now_ms = now
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
     Ok(GroupStatus {
         stream: stream.to_owned(),
         group: group.to_owned(),
@@ -143,13 +140,62 @@ pub(crate) fn group_status(
         last_id: text(info.get("last-generated-id")),
         lag: int(found, "lag"),
         pending,
-        oldest_pending: oldest
-            .and_then(|id| id_millis(&id))
-            .map(|ms| Duration::from_millis(now_ms.saturating_sub(ms))),
+        oldest_pending: oldest.as_deref().and_then(|id| age(id, now)),
         retrying,
         dead_letters,
         consumers: list_consumers(conn, stream, group)?,
     })
+}
+
+/// The group-wide gauges of `/metrics`, cheaper than a whole status: one
+/// `XINFO GROUPS`, one `XPENDING` summary, one `XLEN`.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Gauges {
+    pub pending: u64,
+    pub lag: Option<u64>,
+    pub dead_letters: u64,
+    pub oldest_pending: Option<Duration>,
+}
+
+/// The [`Gauges`] of `group` on `stream` at `now`; `None` when the group is
+/// missing.
+pub(crate) fn gauges(
+    conn: &mut RedisConn,
+    stream: &str,
+    group: &str,
+    now: SystemTime,
+) -> Result<Option<Gauges>, Error> {
+    let groups: Vec<Map> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(stream)
+        .query(conn)
+        .map_err(failed(format!("{stream}: cannot list its groups")))?;
+    let Some(found) = groups.iter().find(|g| text(g.get("name")) == group) else {
+        return Ok(None);
+    };
+    // count, oldest id, newest id, per consumer
+    let (_, oldest, _, _): (u64, Option<String>, Option<String>, redis::Value) =
+        redis::cmd("XPENDING")
+            .arg(stream)
+            .arg(group)
+            .query(conn)
+            .map_err(failed(format!("{stream}: cannot read the pending entries")))?;
+    let dead_letters: u64 = redis::cmd("XLEN")
+        .arg(dead_letter_stream(stream))
+        .query(conn)
+        .map_err(failed(format!("{stream}: cannot read its dead letters")))?;
+    Ok(Some(Gauges {
+        pending: int(found, "pending").unwrap_or(0),
+        lag: int(found, "lag"),
+        dead_letters,
+        oldest_pending: oldest.as_deref().and_then(|id| age(id, now)),
+    }))
+}
+
+/// How old entry `id` is at `now`, from the time in its id.
+fn age(id: &str, now: SystemTime) -> Option<Duration> {
+    let now_ms = now.duration_since(UNIX_EPOCH).ok()?.as_millis() as u64;
+    Some(Duration::from_millis(now_ms.saturating_sub(id_millis(id)?)))
 }
 
 /// Counts the pending entries delivered more than once (over the first

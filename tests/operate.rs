@@ -67,6 +67,26 @@ fn parse_metrics(text: &str) -> Vec<(String, f64)> {
     samples
 }
 
+/// `promtool check metrics` (Debian's prometheus package) finds nothing
+/// wrong with a scrape.
+fn promtool_accepts(text: &str) {
+    let out = output(
+        {
+            let mut cmd = std::process::Command::new("promtool");
+            cmd.args(["check", "metrics"]);
+            cmd
+        },
+        Some(text.as_bytes()),
+        Duration::from_secs(30),
+    );
+    assert!(
+        out.status.success() && out.stdout.trim().is_empty() && out.stderr.trim().is_empty(),
+        "promtool check metrics:\n{}{}\n{text}",
+        out.stdout,
+        out.stderr
+    );
+}
+
 fn sample(samples: &[(String, f64)], series: &str) -> f64 {
     samples
         .iter()
@@ -120,18 +140,42 @@ fn metrics_health_and_readiness_match_what_the_run_did() {
 
     let (status, text) = get(&format!("{base}/metrics"));
     assert_eq!(status, 200);
+    promtool_accepts(&text);
     let m = parse_metrics(&text);
-    assert_eq!(sample(&m, "taskhub_events_read_total"), 34.0);
-    assert_eq!(sample(&m, "taskhub_events_applied_total"), 30.0);
-    assert_eq!(sample(&m, "taskhub_duplicates_total"), 0.0);
+    let of = |name: &str| format!(r#"{name}{{stream="{stream}"}}"#);
+    assert_eq!(sample(&m, &of("taskhub_events_read_total")), 34.0);
+    assert_eq!(sample(&m, &of("taskhub_events_applied_total")), 30.0);
+    assert_eq!(sample(&m, &of("taskhub_duplicates_total")), 0.0);
     assert_eq!(
-        sample(&m, r#"taskhub_dead_lettered_total{kind="permanent"}"#),
+        sample(
+            &m,
+            &format!(r#"taskhub_dead_lettered_total{{stream="{stream}",kind="permanent"}}"#)
+        ),
         4.0
     );
     assert_eq!(
-        sample(&m, r#"taskhub_dead_lettered_total{kind="invalid"}"#),
+        sample(
+            &m,
+            &format!(r#"taskhub_dead_lettered_total{{stream="{stream}",kind="invalid"}}"#)
+        ),
         0.0
     );
+    assert_eq!(sample(&m, &of("taskhub_oldest_pending_seconds")), 0.0);
+    assert_eq!(
+        sample(
+            &m,
+            &format!(r#"taskhub_build_info{{version="{}"}}"#, env!("CARGO_PKG_VERSION"))
+        ),
+        1.0
+    );
+    let rss = sample(&m, "process_resident_memory_bytes");
+    assert!((1e6..1e9).contains(&rss), "{rss}");
+    let started = sample(&m, "process_start_time_seconds");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    assert!(started <= now && started > now - 120.0, "{started} vs {now}");
     assert_eq!(
         sample(&m, &format!(r#"taskhub_dead_letters{{stream="{stream}"}}"#)),
         4.0
@@ -188,6 +232,7 @@ fn metrics_show_work_in_progress_and_duplicates() {
     let m = metrics();
     assert!(gauge(&m, "taskhub_pending") > 0.0, "{m:?}");
     assert!(gauge(&m, "taskhub_stream_lag") > 0.0, "{m:?}");
+    gauge(&m, "taskhub_oldest_pending_seconds");
     // Memory stays bounded: at most workers · count · 2 = 2 entries held.
     let mut most_held = 0;
     assert!(
@@ -201,9 +246,9 @@ fn metrics_show_work_in_progress_and_duplicates() {
     );
     assert!((1..=2).contains(&most_held), "{most_held} entries held");
     let m = metrics();
-    assert_eq!(sample(&m, "taskhub_events_read_total"), 7.0);
-    assert_eq!(sample(&m, "taskhub_events_applied_total"), 6.0);
-    assert_eq!(sample(&m, "taskhub_duplicates_total"), 1.0);
+    assert_eq!(gauge(&m, "taskhub_events_read_total"), 7.0);
+    assert_eq!(gauge(&m, "taskhub_events_applied_total"), 6.0);
+    assert_eq!(gauge(&m, "taskhub_duplicates_total"), 1.0);
     assert_eq!(sample(&m, "taskhub_in_flight"), 0.0);
     p.signal("TERM");
     assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());

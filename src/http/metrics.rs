@@ -1,36 +1,17 @@
-//! `/metrics` in the Prometheus text format: the worker's counters, its
-//! handler durations, what it holds, and per stream the group's pending
-//! count, its lag and the dead-letter length. A scrape costs a few Redis
-//! commands; nothing is added to the path of an event.
+//! `/metrics` in the Prometheus text format: this instance's counters per
+//! stream, its handler durations and what it holds; the process's memory
+//! and start time; and per stream the group-wide gauges (pending, lag,
+//! oldest pending age, dead letters), which every instance of a group
+//! reports alike (aggregate them with `max`, not `sum`). A scrape costs
+//! three Redis commands per stream; nothing is added to the path of an
+//! event.
 
 use std::fmt::Write as _;
+use std::time::{SystemTime, UNIX_EPOCH};
 
+use crate::status::{gauges, Gauges};
 use crate::worker::monitor::Monitor;
-
-/// Per stream: pending in the group, lag, dead-letter length.
-type Gauges = [u64; 3];
-
-/// The gauges of one stream; `None` when Redis cannot say.
-fn stream_gauges(monitor: &Monitor, stream: &str) -> Option<Gauges> {
-    let mut conn = monitor.redis_conn().ok()?;
-    let groups: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
-        .arg("GROUPS")
-        .arg(stream)
-        .query(&mut *conn)
-        .ok()?;
-    let group = groups.iter().find(|g| {
-        matches!(g.get("name"), Some(redis::Value::BulkString(b)) if b == monitor.group().as_bytes())
-    })?;
-    let int = |k: &str| match group.get(k) {
-        Some(redis::Value::Int(n)) => u64::try_from(*n).unwrap_or(0),
-        _ => 0,
-    };
-    let dead: u64 = redis::cmd("XLEN")
-        .arg(crate::dlq::dead_letter_stream(stream))
-        .query(&mut *conn)
-        .ok()?;
-    Some([int("pending"), int("lag"), dead])
-}
+use crate::worker::stats::Summary;
 
 /// Escapes a Prometheus label value.
 fn label(value: &str) -> String {
@@ -40,65 +21,109 @@ fn label(value: &str) -> String {
         .replace('\n', "\\n")
 }
 
-/// The text of one scrape.
-pub(crate) fn metrics(monitor: &Monitor) -> String {
-    let s = monitor.summary();
-    let mut out = String::with_capacity(4096);
-    let mut counter = |name: &str, help: &str, value: u64| {
-        let _ = writeln!(
-            out,
-            "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}"
-        );
-    };
-    counter(
+/// `# HELP` and `# TYPE` lines.
+fn head(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// The counters that have a `stream` label, and how to read each one.
+type PerStream = (&'static str, &'static str, fn(&Summary) -> u64);
+
+const COUNTERS: [PerStream; 5] = [
+    (
         "taskhub_events_read_total",
-        "Entries read from the streams, redeliveries included.",
-        s.read,
-    );
-    counter(
+        "Entries read from the stream, redeliveries included.",
+        |s| s.read,
+    ),
+    (
         "taskhub_events_applied_total",
-        "Events whose effect this worker committed.",
-        s.applied,
-    );
-    counter(
+        "Events whose effect this instance committed.",
+        |s| s.applied,
+    ),
+    (
         "taskhub_duplicates_total",
         "Deliveries skipped because the event was already applied.",
-        s.duplicates,
-    );
-    counter(
+        |s| s.duplicates,
+    ),
+    (
         "taskhub_retries_total",
         "Retries scheduled after a retryable failure.",
-        s.retries,
-    );
-    counter(
+        |s| s.retries,
+    ),
+    (
         "taskhub_reclaimed_total",
         "Entries taken over from other consumers.",
-        s.reclaimed,
-    );
-    counter(
-        "taskhub_handler_panics_total",
-        "Handler panics caught.",
-        s.panics,
-    );
-    let _ = writeln!(
-        out,
-        "# HELP taskhub_dead_lettered_total Events moved to the dead-letter stream.\n# TYPE taskhub_dead_lettered_total counter"
-    );
-    for (kind, n) in [
-        ("permanent", s.dead_permanent),
-        ("exhausted", s.dead_exhausted),
-        ("crash_loop", s.dead_crash_loop),
-        ("invalid", s.dead_invalid),
-        ("trimmed", s.dead_trimmed),
-    ] {
-        let _ = writeln!(out, "taskhub_dead_lettered_total{{kind=\"{kind}\"}} {n}");
+        |s| s.reclaimed,
+    ),
+];
+
+/// The text of one scrape.
+pub(crate) fn metrics(monitor: &Monitor) -> String {
+    let mut out = String::with_capacity(8192);
+    let streams: Vec<(String, Summary)> = monitor
+        .streams()
+        .iter()
+        .map(|s| (label(s), monitor.summary_of(s)))
+        .collect();
+    for (name, help, value) in COUNTERS {
+        head(&mut out, name, "counter", help);
+        for (stream, s) in &streams {
+            let _ = writeln!(out, "{name}{{stream=\"{stream}\"}} {}", value(s));
+        }
     }
-    let durations = monitor.handler_durations();
+    head(
+        &mut out,
+        "taskhub_dead_lettered_total",
+        "counter",
+        "Events moved to the dead-letter stream.",
+    );
+    for (stream, s) in &streams {
+        for (kind, n) in [
+            ("permanent", s.dead_permanent),
+            ("exhausted", s.dead_exhausted),
+            ("crash_loop", s.dead_crash_loop),
+            ("invalid", s.dead_invalid),
+            ("trimmed", s.dead_trimmed),
+        ] {
+            let _ = writeln!(
+                out,
+                "taskhub_dead_lettered_total{{stream=\"{stream}\",kind=\"{kind}\"}} {n}"
+            );
+        }
+    }
+    head(
+        &mut out,
+        "taskhub_handler_panics_total",
+        "counter",
+        "Handler panics caught.",
+    );
     let _ = writeln!(
         out,
-        "# HELP taskhub_handler_duration_seconds Duration of handler calls (one call per event, or per batch).\n# TYPE taskhub_handler_duration_seconds histogram"
+        "taskhub_handler_panics_total {}",
+        monitor.summary().panics
     );
-    for (bound, count) in &durations.buckets {
+    durations(&mut out, monitor);
+    head(
+        &mut out,
+        "taskhub_in_flight",
+        "gauge",
+        "Entries read and not finished by this instance.",
+    );
+    let _ = writeln!(out, "taskhub_in_flight {}", monitor.in_flight());
+    group_gauges(&mut out, monitor);
+    process(&mut out, monitor);
+    out
+}
+
+fn durations(out: &mut String, monitor: &Monitor) {
+    let d = monitor.handler_durations();
+    head(
+        out,
+        "taskhub_handler_duration_seconds",
+        "histogram",
+        "Duration of handler calls (one call per event, or per batch).",
+    );
+    for (bound, count) in &d.buckets {
         let _ = writeln!(
             out,
             "taskhub_handler_duration_seconds_bucket{{le=\"{bound}\"}} {count}"
@@ -106,53 +131,102 @@ pub(crate) fn metrics(monitor: &Monitor) -> String {
     }
     let _ = writeln!(
         out,
-        "taskhub_handler_duration_seconds_bucket{{le=\"+Inf\"}} {}",
-        durations.count
+        "taskhub_handler_duration_seconds_bucket{{le=\"+Inf\"}} {}\n\
+         taskhub_handler_duration_seconds_sum {}\n\
+         taskhub_handler_duration_seconds_count {}",
+        d.count, d.sum_seconds, d.count
     );
-    let _ = writeln!(
-        out,
-        "taskhub_handler_duration_seconds_sum {}",
-        durations.sum_seconds
-    );
-    let _ = writeln!(
-        out,
-        "taskhub_handler_duration_seconds_count {}",
-        durations.count
-    );
-    let _ = writeln!(
-        out,
-        "# HELP taskhub_in_flight Entries read and not finished by this worker.\n# TYPE taskhub_in_flight gauge\ntaskhub_in_flight {}",
-        monitor.in_flight()
-    );
-    let gauges: Vec<(String, Option<Gauges>)> = monitor
+}
+
+/// The group-wide gauges of every stream; a stream Redis cannot answer for
+/// is left out of this scrape.
+fn group_gauges(out: &mut String, monitor: &Monitor) {
+    let now = SystemTime::now();
+    let mut conn = monitor.redis_conn().ok();
+    let found: Vec<(String, Gauges)> = monitor
         .streams()
         .iter()
-        .map(|stream| (label(stream), stream_gauges(monitor, stream)))
+        .filter_map(|stream| {
+            let g = gauges(conn.as_mut()?, stream, monitor.group(), now).ok()??;
+            Some((label(stream), g))
+        })
         .collect();
-    for (name, help, pick) in [
+    type Pick = fn(&Gauges) -> Option<f64>;
+    let all: [(&str, &str, Pick); 4] = [
         (
             "taskhub_pending",
-            "Entries pending in the group (all consumers).",
-            0,
+            "Entries pending in the group (all consumers; the same from every instance).",
+            |g| Some(g.pending as f64),
         ),
         (
             "taskhub_stream_lag",
             "Entries in the stream not yet delivered to the group.",
-            1,
+            |g| g.lag.map(|n| n as f64),
+        ),
+        (
+            "taskhub_oldest_pending_seconds",
+            "Age of the oldest pending entry of the group (0 when none).",
+            |g| Some(g.oldest_pending.map_or(0.0, |d| d.as_secs_f64())),
         ),
         (
             "taskhub_dead_letters",
             "Length of the dead-letter stream.",
-            2,
+            |g| Some(g.dead_letters as f64),
         ),
-    ] {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
-        for (stream, values) in &gauges {
-            if let Some(v) = values {
-                let value = v[pick];
+    ];
+    for (name, help, pick) in all {
+        head(out, name, "gauge", help);
+        for (stream, g) in &found {
+            if let Some(value) = pick(g) {
                 let _ = writeln!(out, "{name}{{stream=\"{stream}\"}} {value}");
             }
         }
     }
-    out
+}
+
+/// Build and process metrics.
+fn process(out: &mut String, monitor: &Monitor) {
+    head(
+        out,
+        "taskhub_build_info",
+        "gauge",
+        "The running version of taskhub (always 1).",
+    );
+    let _ = writeln!(
+        out,
+        "taskhub_build_info{{version=\"{}\"}} 1",
+        env!("CARGO_PKG_VERSION")
+    );
+    if let Some(bytes) = resident_bytes() {
+        head(
+            out,
+            "process_resident_memory_bytes",
+            "gauge",
+            "Resident memory size in bytes.",
+        );
+        let _ = writeln!(out, "process_resident_memory_bytes {bytes}");
+    }
+    let started = monitor
+        .started()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    head(
+        out,
+        "process_start_time_seconds",
+        "gauge",
+        "Start time of the worker since the Unix epoch, in seconds.",
+    );
+    let _ = writeln!(
+        out,
+        "process_start_time_seconds {:.3}",
+        started.as_secs_f64()
+    );
+}
+
+/// `VmRSS` of `/proc/self/status` (Linux), in bytes.
+fn resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }

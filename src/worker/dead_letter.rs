@@ -168,6 +168,7 @@ fn report(stats: &Stats, l: &DeadLetter, written: Written) {
             l.original_id
         ),
         Written::Now => {
+            let stats = stats.of(&l.stream);
             let counter = match l.kind {
                 Kind::Permanent => &stats.dead_permanent,
                 Kind::Exhausted => &stats.dead_exhausted,

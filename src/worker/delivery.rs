@@ -75,7 +75,7 @@ impl Delivery {
         let mut job = Vec::with_capacity(entries.len());
         for (entry, ticket) in entries.into_iter().zip(tickets) {
             let Some(ticket) = ticket else { continue };
-            Stats::add(&stats.read, 1);
+            Stats::add(&stats.of(stream).read, 1);
             let count = delivery_count(&entry.id);
             let (body, trimmed) = match entry.fields {
                 Some(fields) => (

@@ -136,7 +136,7 @@ impl Processor {
             delivery.stream,
             delivery.entry_id
         );
-        Stats::add(&self.stage.common.stats.retries, 1);
+        Stats::add(&self.stage.common.stats.of(&delivery.stream).retries, 1);
         // On failure (the retry thread is gone at shutdown) the retry is
         // dropped, which leaves the entry pending.
         let _ = self.retry.send(Retry::of(delivery, Instant::now() + delay));

@@ -80,7 +80,7 @@ impl Worker {
     pub(crate) fn new(config: Config, handler: Arc<dyn Handler>) -> Worker {
         let monitor = Monitor {
             inner: Arc::new(monitor::Inner {
-                stats: Arc::new(Stats::default()),
+                stats: Arc::new(Stats::new(&config.streams)),
                 health: Arc::new(Health::default()),
                 flow: InFlight::new(config.max_in_flight(), config.max_in_flight_bytes()),
                 shutdown: Shutdown::new(),

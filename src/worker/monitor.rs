@@ -58,6 +58,12 @@ impl Monitor {
         self.inner.stats.snapshot()
     }
 
+    /// What the worker did so far with the events of `stream` (handler
+    /// panics are only counted in [`summary`](Monitor::summary)).
+    pub fn summary_of(&self, stream: &str) -> Summary {
+        self.inner.stats.snapshot_of(stream)
+    }
+
     /// Entries read and not finished (parked retries included).
     pub fn in_flight(&self) -> usize {
         self.inner.flow.len()

@@ -194,7 +194,7 @@ impl Processor {
                 );
                 done.push(delivery, false);
             } else if marked {
-                Stats::add(&self.stage.common.stats.duplicates, 1);
+                Stats::add(&self.stage.common.stats.of(&stream).duplicates, 1);
                 log::debug!(
                     "{}/{}: duplicate (marker)",
                     delivery.stream,
@@ -273,10 +273,11 @@ impl Processor {
                     }
                     Flow::Done(Ok(Batch::Applied(new))) => {
                         for (delivery, new) in std::mem::take(&mut chunk).into_iter().zip(new) {
+                            let counters = self.stage.common.stats.of(&delivery.stream);
                             let counter = if new {
-                                &self.stage.common.stats.applied
+                                &counters.applied
                             } else {
-                                &self.stage.common.stats.duplicates
+                                &counters.duplicates
                             };
                             Stats::add(counter, 1);
                             done.push(delivery, true);
@@ -359,11 +360,11 @@ impl Processor {
                 self.dead_letter(delivery, Kind::CrashLoop, reason);
             }
             Flow::Done(Ok(Applied::New)) => {
-                Stats::add(&self.stage.common.stats.applied, 1);
+                Stats::add(&self.stage.common.stats.of(&delivery.stream).applied, 1);
                 done.push(delivery, true);
             }
             Flow::Done(Ok(Applied::Duplicate)) => {
-                Stats::add(&self.stage.common.stats.duplicates, 1);
+                Stats::add(&self.stage.common.stats.of(&delivery.stream).duplicates, 1);
                 log::debug!(
                     "{}/{}: duplicate (processed_events)",
                     delivery.stream,

@@ -88,7 +88,7 @@ impl Reclaimer {
                     taken.claimed,
                     self.min_idle
                 );
-                Stats::add(&common.stats.reclaimed, taken.claimed as u64);
+                Stats::add(&common.stats.of(stream).reclaimed, taken.claimed as u64);
             }
             if !taken.job.is_empty() && jobs.send(taken.job).is_err() {
                 return Ok(());

@@ -1,15 +1,17 @@
 //! Counters of what a worker did, and the health of its two servers.
 //!
-//! Counters are plain atomics bumped on the hot path; [`Stats::snapshot`]
-//! copies them for the `--until-idle` summary and for metrics. [`Health`]
+//! Counters are plain atomics bumped on the hot path, one set per stream
+//! (found by a short scan: a worker reads a handful of streams);
+//! [`Stats::snapshot`] sums them for the `--until-idle` summary,
+//! [`Stats::snapshot_of`] gives one stream's for metrics. [`Health`]
 //! turns a stream of connection errors into one log line when a server goes
 //! away and one when it is back, instead of one line per event.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-/// Counters of one worker.
+/// What happened to the events of one stream.
 #[derive(Debug, Default)]
-pub(crate) struct Stats {
+pub(crate) struct Counters {
     pub read: AtomicU64,
     pub applied: AtomicU64,
     pub duplicates: AtomicU64,
@@ -19,12 +21,19 @@ pub(crate) struct Stats {
     pub dead_crash_loop: AtomicU64,
     pub dead_invalid: AtomicU64,
     pub dead_trimmed: AtomicU64,
+    pub reclaimed: AtomicU64,
+}
+
+/// Counters of one worker.
+#[derive(Debug, Default)]
+pub(crate) struct Stats {
+    /// Per stream, in the order of the configuration.
+    streams: Vec<(String, Counters)>,
     /// Entries this process dropped because another consumer owns them now.
     pub lost_ownership: AtomicU64,
     /// Transactions committed by this process (an event that kills its
     /// connection while others commit is a crash loop, not an outage).
     pub commits: AtomicU64,
-    pub reclaimed: AtomicU64,
     pub panics: AtomicU64,
     pub handler_seconds: Histogram,
 }
@@ -61,11 +70,67 @@ pub struct Summary {
 }
 
 impl Stats {
+    /// Counters for each of `streams`.
+    pub fn new(streams: &[String]) -> Stats {
+        Stats {
+            streams: streams
+                .iter()
+                .map(|s| (s.clone(), Counters::default()))
+                .collect(),
+            ..Stats::default()
+        }
+    }
+
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
     }
 
+    /// The counters of `stream` (one of the worker's; the first one's for
+    /// a stream it does not read, which cannot happen).
+    pub fn of(&self, stream: &str) -> &Counters {
+        static NONE: Counters = Counters::new();
+        self.streams
+            .iter()
+            .find(|(name, _)| name == stream)
+            .or(self.streams.first())
+            .map_or(&NONE, |(_, c)| c)
+    }
+
+    /// Everything so far, all streams together.
     pub fn snapshot(&self) -> Summary {
+        let mut total = Summary {
+            panics: self.panics.load(Ordering::Relaxed),
+            ..Summary::default()
+        };
+        for (_, c) in &self.streams {
+            total.add(&c.summary());
+        }
+        total
+    }
+
+    /// What happened on `stream` (`panics` are not counted per stream).
+    pub fn snapshot_of(&self, stream: &str) -> Summary {
+        self.of(stream).summary()
+    }
+}
+
+impl Counters {
+    const fn new() -> Counters {
+        Counters {
+            read: AtomicU64::new(0),
+            applied: AtomicU64::new(0),
+            duplicates: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
+            dead_permanent: AtomicU64::new(0),
+            dead_exhausted: AtomicU64::new(0),
+            dead_crash_loop: AtomicU64::new(0),
+            dead_invalid: AtomicU64::new(0),
+            dead_trimmed: AtomicU64::new(0),
+            reclaimed: AtomicU64::new(0),
+        }
+    }
+
+    fn summary(&self) -> Summary {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         let dead = [
             get(&self.dead_permanent),
@@ -86,8 +151,25 @@ impl Stats {
             dead_invalid: dead[3],
             dead_trimmed: dead[4],
             reclaimed: get(&self.reclaimed),
-            panics: get(&self.panics),
+            panics: 0,
         }
+    }
+}
+
+impl Summary {
+    fn add(&mut self, other: &Summary) {
+        self.read += other.read;
+        self.applied += other.applied;
+        self.duplicates += other.duplicates;
+        self.retries += other.retries;
+        self.dead_lettered += other.dead_lettered;
+        self.dead_permanent += other.dead_permanent;
+        self.dead_exhausted += other.dead_exhausted;
+        self.dead_crash_loop += other.dead_crash_loop;
+        self.dead_invalid += other.dead_invalid;
+        self.dead_trimmed += other.dead_trimmed;
+        self.reclaimed += other.reclaimed;
+        self.panics += other.panics;
     }
 }
 
