@@ -164,7 +164,10 @@ fn metrics_health_and_readiness_match_what_the_run_did() {
     assert_eq!(
         sample(
             &m,
-            &format!(r#"taskhub_build_info{{version="{}"}}"#, env!("CARGO_PKG_VERSION"))
+            &format!(
+                r#"taskhub_build_info{{version="{}"}}"#,
+                env!("CARGO_PKG_VERSION")
+            )
         ),
         1.0
     );
@@ -175,7 +178,10 @@ fn metrics_health_and_readiness_match_what_the_run_did() {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_secs_f64();
-    assert!(started <= now && started > now - 120.0, "{started} vs {now}");
+    assert!(
+        started <= now && started > now - 120.0,
+        "{started} vs {now}"
+    );
     assert_eq!(
         sample(&m, &format!(r#"taskhub_dead_letters{{stream="{stream}"}}"#)),
         4.0
@@ -434,4 +440,69 @@ fn webhook_fires_once_per_state_change() {
 
     p.signal("TERM");
     assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+}
+
+/// Two instances of one group: one alert per change, from the instance
+/// holding the lease; once it is SIGKILLed, the other takes over after the
+/// lease's TTL and says only what changed since (no repeated alert).
+#[test]
+fn one_instance_alerts_and_another_takes_over_when_it_dies() {
+    let (hook, posts) = receiver(0);
+    let db = TestDb::new();
+    let stream = unique("alert-lease");
+    let mut r = redis(&redis_url());
+    let start = |name: &str| {
+        let mut cmd = run_on(&db.url, &stream);
+        cmd.args(["--sql", INT_SQL, "--alert-webhook", &hook])
+            .args(["--alert-interval", "100ms", "--alert-min-gap", "0s"])
+            .env("TASKHUB_CONSUMER", name)
+            .env("RUST_LOG", "info,taskhub::alerts=debug");
+        Proc::spawn(cmd)
+    };
+    let mut procs = vec![start("vm-a"), start("vm-b")];
+    let count = || posts.lock().unwrap().len();
+    let waiting = |p: &Proc| {
+        p.stderr()
+            .matches("another instance holds the alert lease")
+            .count()
+    };
+
+    xadd(&mut r, &stream, &[("event_id", "bad-1"), ("payload", "x")]);
+    assert!(wait_until(Duration::from_secs(15), || count() == 1));
+    let holder = posts.lock().unwrap()[0]["consumer"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let (held, other) = if holder == "vm-a" { (0, 1) } else { (1, 0) };
+    // The other instance looked at the lease a few more times, and stayed
+    // quiet.
+    let seen = waiting(&procs[other]);
+    assert!(
+        wait_until(Duration::from_secs(10), || waiting(&procs[other])
+            >= seen + 3),
+        "{}",
+        procs[other].stderr()
+    );
+    assert_eq!(count(), 1, "{:?}", posts.lock().unwrap());
+    assert_eq!(posts.lock().unwrap()[0]["change"], "non_empty");
+
+    procs[held].kill();
+    xadd(&mut r, &stream, &[("event_id", "bad-2"), ("payload", "y")]);
+    assert!(
+        wait_until(Duration::from_secs(20), || count() == 2),
+        "{}",
+        procs[other].stderr()
+    );
+    {
+        let posts = posts.lock().unwrap();
+        assert_eq!(
+            posts[1]["consumer"],
+            if other == 0 { "vm-a" } else { "vm-b" }
+        );
+        assert_eq!(posts[1]["change"], "grew", "{:?}", *posts);
+        assert_eq!(posts[1]["count"], 2);
+    }
+    procs[other].signal("TERM");
+    assert!(procs[other].wait(Duration::from_secs(20)).success());
+    assert_eq!(count(), 2);
 }

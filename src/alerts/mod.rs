@@ -8,16 +8,20 @@
 //! (`min_gap`; changes in between are folded into the next call) and
 //! retried, all on this thread, so alerting never slows event processing.
 
-use std::collections::HashMap;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use std::thread::JoinHandle;
 
 use crate::dlq::{dead_letter_stream, millis, DeadLetter};
 use crate::error::{Error, ErrorKind};
 use crate::event::parse_entries;
+use crate::redis::RedisConn;
 use crate::tls::Tls;
 use crate::worker::monitor::Monitor;
+
+mod state;
+
+use state::{change, Change, Lease, State};
 
 /// Dead-letter alerts for one worker: log lines, and JSON posts to a
 /// webhook if one is given.
@@ -127,48 +131,16 @@ impl Alerts {
     }
 }
 
-/// What changed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Change {
-    NonEmpty,
-    Grew,
-    Old,
-}
-
-impl Change {
-    fn as_str(self) -> &'static str {
-        match self {
-            Change::NonEmpty => "non_empty",
-            Change::Grew => "grew",
-            Change::Old => "old",
-        }
-    }
-}
-
 /// What one look at a dead-letter stream found.
 #[derive(Debug, Default, Clone)]
-struct Look {
-    count: u64,
-    oldest_age: Duration,
-    latest: Option<DeadLetter>,
+pub(crate) struct Look {
+    pub count: u64,
+    pub oldest_age: Duration,
+    pub latest: Option<DeadLetter>,
 }
 
-/// Alert state of one stream.
-#[derive(Debug, Default)]
-struct State {
-    /// Count at the last look (`None` before the first).
-    count: Option<u64>,
-    /// Whether the age alert fired for the current oldest entry.
-    old_alerted: bool,
-    /// When the webhook was last called.
-    last_post: Option<Instant>,
-    /// A change not posted yet because of the rate limit.
-    unsent: Option<(Change, u64)>,
-}
-
-fn look(monitor: &Monitor, stream: &str) -> Result<Look, String> {
+fn look(conn: &mut RedisConn, stream: &str) -> redis::RedisResult<Look> {
     let dlq = dead_letter_stream(stream);
-    let mut conn = monitor.redis_conn()?;
     let (count, oldest, newest): (u64, redis::Value, redis::Value) = redis::pipe()
         .cmd("XLEN")
         .arg(&dlq)
@@ -184,8 +156,7 @@ fn look(monitor: &Monitor, stream: &str) -> Result<Look, String> {
         .arg("-")
         .arg("COUNT")
         .arg(1)
-        .query(&mut *conn)
-        .map_err(|e| e.to_string())?;
+        .query(conn)?;
     let first = |v| {
         parse_entries(v)
             .ok()
@@ -202,26 +173,6 @@ fn look(monitor: &Monitor, stream: &str) -> Result<Look, String> {
         oldest_age,
         latest,
     })
-}
-
-/// Decides whether this look is an alert, and updates the state.
-fn change(state: &mut State, look: &Look, age_limit: Duration) -> Option<Change> {
-    let previous = state.count.replace(look.count);
-    if look.oldest_age < age_limit {
-        state.old_alerted = false;
-    }
-    if look.count == 0 {
-        return None;
-    }
-    match previous {
-        None | Some(0) => Some(Change::NonEmpty),
-        Some(p) if look.count > p => Some(Change::Grew),
-        _ if look.oldest_age >= age_limit && !state.old_alerted => {
-            state.old_alerted = true;
-            Some(Change::Old)
-        }
-        _ => None,
-    }
 }
 
 impl Alerts {
@@ -243,63 +194,95 @@ impl Alerts {
     }
 
     /// The alert thread; `agent` posts to the webhook, if there is one.
+    /// Of all the instances of a group, only the lease holder looks and
+    /// alerts; the others wait to take over.
     fn watch(&self, monitor: &Monitor, agent: Option<&ureq::Agent>) {
         let shutdown = monitor.shutdown_handle();
-        let mut states: HashMap<&str, State> = HashMap::new();
+        let lease = Lease {
+            holder: format!("{}/{}", monitor.consumer(), uuid::Uuid::new_v4().simple()),
+            ttl: (self.interval * 3).max(Duration::from_secs(3)),
+        };
         loop {
-            for stream in monitor.streams() {
-                let state = states.entry(stream.as_str()).or_default();
-                let found = match look(monitor, stream) {
-                    Ok(found) => found,
-                    Err(e) => {
-                        log::debug!("alert: cannot read {}: {e}", dead_letter_stream(stream));
-                        continue;
-                    }
-                };
-                if let Some(change) = change(state, &found, self.age) {
-                    let (reason, kind) = found
-                        .latest
-                        .as_ref()
-                        .map_or(("?", "?"), |l| (l.reason.as_str(), l.kind.as_str()));
-                    log::error!(
-                        "{}: {} dead letters ({}); latest ({kind}): {reason}",
-                        dead_letter_stream(stream),
-                        found.count,
-                        match change {
-                            Change::NonEmpty => "no longer empty",
-                            Change::Grew => "growing",
-                            Change::Old => "oldest past the age limit",
-                        }
-                    );
-                    let previous = state.unsent.map_or(found.count, |(_, p)| p);
-                    state.unsent = Some((change, previous));
-                }
-                if let (Some(agent), Some(url)) = (agent, &self.webhook) {
-                    let due = state.last_post.is_none_or(|t| t.elapsed() >= self.min_gap);
-                    if let (true, Some((change, _))) = (due, state.unsent) {
-                        let body = serde_json::json!({
-                            "stream": stream,
-                            "dead_letter_stream": dead_letter_stream(stream),
-                            "group": monitor.group(),
-                            "consumer": monitor.consumer(),
-                            "change": change.as_str(),
-                            "count": found.count,
-                            "oldest_age_seconds": found.oldest_age.as_secs(),
-                            "latest_reason": found.latest.as_ref().map(|l| l.reason.clone()),
-                            "latest_kind": found.latest.as_ref().map(|l| l.kind.as_str()),
-                            "latest_event_id": found.latest.as_ref().and_then(|l| l.event_id.clone()),
-                        });
-                        if post(&shutdown, agent, url, &body) {
-                            state.unsent = None;
-                        }
-                        state.last_post = Some(Instant::now());
+            if let Ok(mut conn) = monitor.redis_conn() {
+                for stream in monitor.streams() {
+                    if let Err(e) = self.round(&mut conn, &lease, monitor, stream, agent) {
+                        log::debug!("alert: cannot look at {}: {e}", dead_letter_stream(stream));
                     }
                 }
             }
             if shutdown.sleep(self.interval) {
-                return;
+                break;
             }
         }
+        if let Ok(mut conn) = monitor.redis_conn() {
+            for stream in monitor.streams() {
+                let _ = lease.release(&mut conn, stream);
+            }
+        }
+    }
+
+    /// One look at the dead letters of `stream`: an alert if something
+    /// changed, a webhook call if one is due.
+    fn round(
+        &self,
+        conn: &mut RedisConn,
+        lease: &Lease,
+        monitor: &Monitor,
+        stream: &str,
+        agent: Option<&ureq::Agent>,
+    ) -> redis::RedisResult<()> {
+        if !lease.hold(conn, stream)? {
+            log::debug!("alert: {stream}: another instance holds the alert lease");
+            return Ok(());
+        }
+        let mut state = State::load(conn, stream)?;
+        let found = look(conn, stream)?;
+        if let Some(change) = change(&mut state, &found, self.age) {
+            let (reason, kind) = found
+                .latest
+                .as_ref()
+                .map_or(("?", "?"), |l| (l.reason.as_str(), l.kind.as_str()));
+            log::error!(
+                "{}: {} dead letters ({}); latest ({kind}): {reason}",
+                dead_letter_stream(stream),
+                found.count,
+                match change {
+                    Change::NonEmpty => "no longer empty",
+                    Change::Grew => "growing",
+                    Change::Old => "oldest past the age limit",
+                }
+            );
+            let previous = state.unsent.map_or(found.count, |(_, p)| p);
+            state.unsent = Some((change, previous));
+        }
+        if let (Some(agent), Some(url), Some((change, _))) = (agent, &self.webhook, state.unsent) {
+            let now = SystemTime::now();
+            if state.may_post(now, self.min_gap) {
+                let body = serde_json::json!({
+                    "stream": stream,
+                    "dead_letter_stream": dead_letter_stream(stream),
+                    "group": monitor.group(),
+                    "consumer": monitor.consumer(),
+                    "change": change.as_str(),
+                    "count": found.count,
+                    "oldest_age_seconds": found.oldest_age.as_secs(),
+                    "latest_reason": found.latest.as_ref().map(|l| l.reason.clone()),
+                    "latest_kind": found.latest.as_ref().map(|l| l.kind.as_str()),
+                    "latest_event_id": found.latest.as_ref().and_then(|l| l.event_id.clone()),
+                });
+                // Saved before the call: an instance taking over while it
+                // runs must not send it again.
+                state.last_post = Some(millis(now));
+                let sent = state.unsent.take();
+                state.save(conn, stream)?;
+                if !post(&monitor.shutdown_handle(), agent, url, &body) {
+                    state.unsent = sent;
+                }
+            }
+        } else if self.webhook.is_none() {
+            state.unsent = None;
+        }
+        state.save(conn, stream)
     }
 }
 
@@ -333,32 +316,4 @@ fn post(
         }
     }
     false
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn look(count: u64, age_secs: u64) -> Look {
-        Look {
-            count,
-            oldest_age: Duration::from_secs(age_secs),
-            latest: None,
-        }
-    }
-
-    #[test]
-    fn fires_once_per_state_change() {
-        let limit = Duration::from_secs(100);
-        let mut s = State::default();
-        assert_eq!(change(&mut s, &look(0, 0), limit), None);
-        assert_eq!(change(&mut s, &look(2, 1), limit), Some(Change::NonEmpty));
-        assert_eq!(change(&mut s, &look(2, 5), limit), None);
-        assert_eq!(change(&mut s, &look(3, 6), limit), Some(Change::Grew));
-        assert_eq!(change(&mut s, &look(3, 200), limit), Some(Change::Old));
-        assert_eq!(change(&mut s, &look(3, 300), limit), None);
-        assert_eq!(change(&mut s, &look(1, 10), limit), None); // archived some
-        assert_eq!(change(&mut s, &look(0, 0), limit), None);
-        assert_eq!(change(&mut s, &look(1, 0), limit), Some(Change::NonEmpty));
-    }
 }
