@@ -459,7 +459,7 @@ fn one_instance_alerts_and_another_takes_over_when_it_dies() {
             .env("RUST_LOG", "info,taskhub::alerts=debug");
         Proc::spawn(cmd)
     };
-    let mut procs = vec![start("vm-a"), start("vm-b")];
+    let mut procs = [start("vm-a"), start("vm-b")];
     let count = || posts.lock().unwrap().len();
     let waiting = |p: &Proc| {
         p.stderr()
