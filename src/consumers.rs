@@ -89,13 +89,48 @@ pub fn remove_consumer(
     consumer: &str,
 ) -> Result<(), Error> {
     let mut conn = connect_redis(redis_url, tls)?;
+    remove_if_idle(&mut conn, stream, group, consumer)
+}
+
+/// Removes every consumer of `group` that has nothing pending and has been
+/// idle for longer than `idle` (pods or hosts that are gone; a live one
+/// that is removed comes back at its next read). Returns their names.
+pub fn prune_consumers(
+    redis_url: &str,
+    tls: &Tls,
+    stream: &str,
+    group: &str,
+    idle: Duration,
+) -> Result<Vec<String>, Error> {
+    let mut conn = connect_redis(redis_url, tls)?;
+    let mut removed = Vec::new();
+    for c in list_consumers(&mut conn, stream, group)? {
+        if c.pending > 0 || c.idle <= idle {
+            continue;
+        }
+        match remove_if_idle(&mut conn, stream, group, &c.name) {
+            Ok(()) => removed.push(c.name),
+            // It took an entry since the listing: it is alive, keep it.
+            Err(e) if e.kind() == ErrorKind::Redis && e.to_string().contains("pending") => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(removed)
+}
+
+fn remove_if_idle(
+    conn: &mut RedisConn,
+    stream: &str,
+    group: &str,
+    consumer: &str,
+) -> Result<(), Error> {
     redis::cmd("EVAL")
         .arg(REMOVE_IF_IDLE)
         .arg(1)
         .arg(stream)
         .arg(group)
         .arg(consumer)
-        .query::<()>(&mut conn)
+        .query::<()>(conn)
         .map_err(|e| {
             if e.code() == Some("PENDING") {
                 Error::new(

@@ -86,7 +86,7 @@ mod worker;
 
 pub use alerts::Alerts;
 pub use config::{Builder, Config, Mode};
-pub use consumers::{consumers, remove_consumer, ConsumerInfo};
+pub use consumers::{consumers, prune_consumers, remove_consumer, ConsumerInfo};
 pub use dlq::{DeadLetter, Kind as DeadLetterKind};
 pub use error::{
     classify_postgres, classify_sqlstate, Error, ErrorKind, FailureClass, HandlerError,
@@ -97,6 +97,7 @@ pub use handler::sql::{SqlHandler, DEFAULT_STATEMENT};
 pub use handler::{handler_fn, FnHandler, Handler, Tx};
 pub use http::{HttpServer, Serving};
 pub use postgres::migrate::migrate;
+pub use postgres::prune::{prune, Pruned};
 pub use produce::Producer;
 pub use shutdown::Shutdown;
 pub use status::{status, GroupStatus};

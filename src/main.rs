@@ -63,6 +63,8 @@ enum Command {
     /// Dead letters: stats, list, show, replay, purge, archive, check.
     #[command(long_about = cli::dlq::LONG_ABOUT)]
     Dlq(Box<cli::dlq::DlqArgs>),
+    /// Delete processed_events rows older than a retention, in small transactions.
+    Prune(cli::prune::PruneArgs),
     /// Where each stream and its group stand: length, lag, pending, retrying, dead letters, consumers.
     Status(cli::status::StatusArgs),
     /// List a group's consumers (pending entries, idle time), or remove one that left for good.
@@ -84,6 +86,7 @@ fn main() -> ExitCode {
         Command::Run(args) => cli::run::run(&cli.servers, *args),
         Command::Produce(args) => cli::produce::produce(&cli.servers, args),
         Command::Consumers(args) => cli::consumers::consumers(&cli.servers, args),
+        Command::Prune(args) => cli::prune::prune(&cli.servers, args),
         Command::Status(args) => match cli::status::status(&cli.servers, args) {
             Ok(code) => return code,
             Err(message) => Err(message),

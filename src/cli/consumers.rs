@@ -15,8 +15,12 @@ pub struct ConsumersArgs {
     pub group: String,
     /// Remove this consumer; refused while it has pending entries (they
     /// would become unclaimable).
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", conflicts_with = "prune_idle")]
     pub remove: Option<String>,
+    /// Remove every consumer with nothing pending that has been idle longer
+    /// than D (e.g. 7d): instances or pods that are gone.
+    #[arg(long, value_name = "D", value_parser = super::duration)]
+    pub prune_idle: Option<std::time::Duration>,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -35,6 +39,29 @@ pub fn consumers(servers: &Servers, args: ConsumersArgs) -> Result<(), String> {
         println!(
             "removed consumer {name} from {}/{}",
             args.stream, args.group
+        );
+        return Ok(());
+    }
+    if let Some(idle) = args.prune_idle {
+        let removed = taskhub::prune_consumers(
+            &servers.redis_url,
+            &servers.redis_tls(),
+            &args.stream,
+            &args.group,
+            idle,
+        )
+        .map_err(|e| report(&e))?;
+        for name in &removed {
+            println!(
+                "removed consumer {name} from {}/{}",
+                args.stream, args.group
+            );
+        }
+        println!(
+            "{} consumer{} removed (idle over {}, nothing pending)",
+            removed.len(),
+            if removed.len() == 1 { "" } else { "s" },
+            humantime::format_duration(idle)
         );
         return Ok(());
     }

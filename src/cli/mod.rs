@@ -5,6 +5,7 @@ pub mod consumers;
 pub mod dlq;
 pub mod format;
 pub mod produce;
+pub mod prune;
 pub mod run;
 pub mod servers;
 pub mod status;

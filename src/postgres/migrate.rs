@@ -20,6 +20,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "dead_letters_archive",
         include_str!("../../migrations/0002_dead_letters_archive.sql"),
     ),
+    (
+        3,
+        "processed_events_handled_at",
+        include_str!("../../migrations/0003_processed_events_handled_at.sql"),
+    ),
 ];
 
 /// An arbitrary constant naming taskhub's advisory lock.

@@ -3,3 +3,4 @@
 pub(crate) mod connect;
 pub(crate) mod migrate;
 pub(crate) mod pool;
+pub(crate) mod prune;

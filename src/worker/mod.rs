@@ -177,6 +177,9 @@ impl Worker {
                 )?;
             }
         }
+        if let Ok(mut conn) = redis.get() {
+            warn_if_evicting(&mut conn);
+        }
         let _ = self.monitor.inner.servers.set((redis.clone(), pg.clone()));
         log::info!(
             "taskhub: consumer {} of group {} reading {} with {} workers ({})",
@@ -243,6 +246,27 @@ fn check_schema(pg: &PgPool, config: &Config, handler: &dyn Handler) -> Result<(
         )
     })?;
     Ok(())
+}
+
+/// Warns when Redis may evict keys that are not caches: with an
+/// `allkeys-*` policy and a memory limit, a stream or its pending list
+/// could vanish under memory pressure (the `volatile-*` policies only evict
+/// keys with a TTL: the duplicate markers, which are a cache). Silent when
+/// `CONFIG` is not allowed (managed services, ACL users).
+fn warn_if_evicting(conn: &mut crate::redis::RedisConn) {
+    let config: redis::RedisResult<std::collections::HashMap<String, String>> =
+        redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory*")
+            .query(conn);
+    let Ok(config) = config else { return };
+    let policy = config.get("maxmemory-policy").map_or("", String::as_str);
+    let limit = config.get("maxmemory").map_or("0", String::as_str);
+    if policy.starts_with("allkeys-") && limit != "0" {
+        log::warn!(
+            "redis: maxmemory-policy is {policy} with maxmemory {limit}: under memory pressure Redis may evict streams, pending lists and dead letters, and events would be lost; use noeviction (or a volatile-* policy, which only evicts the duplicate markers)"
+        );
+    }
 }
 
 fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>, Error> {
