@@ -92,9 +92,9 @@ pub use error::{
     classify_postgres, classify_sqlstate, Error, ErrorKind, FailureClass, HandlerError,
 };
 pub use event::{Event, Fields, Invalid};
-pub use handler::http::HttpHandler;
+pub use handler::http::{HttpHandler, HTTP_BUDGET};
 pub use handler::sql::{SqlHandler, DEFAULT_STATEMENT};
-pub use handler::{handler_fn, FnHandler, Handler, Tx};
+pub use handler::{handler_fn, FnHandler, Handler, RetryBudget, Tx};
 pub use http::{HttpServer, Serving};
 pub use postgres::migrate::migrate;
 pub use postgres::prune::{prune, Pruned};

@@ -866,6 +866,20 @@ fn secrets_never_show_in_letters_page_listings_logs_or_errors() {
     .env("RUST_LOG", "debug");
     let p = Proc::spawn(cmd);
     xadd(&mut conn, &stream, &[("event_id", "e1"), ("payload", "p")]);
+    // First nobody listens (an outage, logged with the URL), then the
+    // downstream answers 503 (a failure reason, then a dead letter).
+    assert!(
+        p.wait_for("Downstream: unavailable", Duration::from_secs(30)),
+        "{}",
+        p.stderr()
+    );
+    support::downstream::start_at(&format!("127.0.0.1:{closed}"), |request| {
+        support::downstream::Answer::status(if request.path.starts_with("/ingest") {
+            503
+        } else {
+            500
+        })
+    });
     assert!(wait_until(Duration::from_secs(30), || !dead_letters(
         &mut conn, &stream
     )

@@ -142,20 +142,86 @@ fn a_downstream_timeout_is_retried() {
     assert_eq!(pending(&mut r, &stream, &stream), 0);
 }
 
+/// A downstream that cannot be reached (connection refused, a name that
+/// does not resolve) is an outage, as a database that is down: the worker
+/// pauses and tries again, counting no attempt, so even one allowed attempt
+/// dead-letters nothing; once the downstream listens, everything is applied.
 #[test]
-fn connection_errors_are_retried_until_exhausted() {
+fn an_unreachable_downstream_is_an_outage_not_a_failure() {
     let db = TestDb::new();
     let stream = unique("http-down");
     let mut r = redis(&redis_url());
-    xadd(&mut r, &stream, &[("event_id", "e1"), ("payload", "p")]);
-    let url = format!("http://127.0.0.1:{}/nobody", free_port());
-    let mut p = run_http(&url, &stream, &db, &["--max-attempts", "3"]);
-    assert!(p.wait(Duration::from_secs(30)).success(), "{}", p.stderr());
+    for i in 0..5 {
+        xadd(
+            &mut r,
+            &stream,
+            &[("event_id", &format!("e{i}")), ("payload", "p")],
+        );
+    }
+    let addr = format!("127.0.0.1:{}", free_port());
+    let url = format!("http://{addr}/hook");
+    let mut p = run_http(&url, &stream, &db, &["--max-attempts", "1"]);
+    assert!(
+        p.wait_for("Downstream: unavailable", Duration::from_secs(20)),
+        "{}",
+        p.stderr()
+    );
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let s = seen.clone();
+    support::downstream::start_at(&addr, move |request| {
+        s.lock().unwrap().push(request.header("Idempotency-Key"));
+        Answer::status(200)
+    });
+    assert!(p.wait(Duration::from_secs(60)).success(), "{}", p.stderr());
+    assert!(
+        p.stderr().contains("Downstream: reachable again"),
+        "{}",
+        p.stderr()
+    );
+    assert!(dead_letters(&mut r, &stream).is_empty(), "{}", p.stderr());
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 5);
+    assert_eq!(seen.lock().unwrap().len(), 5);
+    assert_eq!(pending(&mut r, &stream, &stream), 0);
+
+    // A name that does not resolve: the same pause, nothing failed.
+    let stream = unique("http-dns");
+    xadd(&mut r, &stream, &[("event_id", "d1"), ("payload", "p")]);
+    let mut p = run_http(
+        "http://no-such-host.invalid/hook",
+        &stream,
+        &db,
+        &["--max-attempts", "1"],
+    );
+    assert!(
+        p.wait_for("Downstream: unavailable", Duration::from_secs(20)),
+        "{}",
+        p.stderr()
+    );
+    p.signal("TERM");
+    assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+    assert!(dead_letters(&mut r, &stream).is_empty());
+    assert_eq!(
+        pending(&mut r, &stream, &stream),
+        1,
+        "left for the next start"
+    );
+}
+
+/// Failures that are the downstream's answer follow the HTTP retry budget:
+/// eight attempts by default before the event is dead-lettered.
+#[test]
+fn a_failing_downstream_gets_the_http_retry_budget() {
+    let (url, seen) = downstream(|_, _| (503, None));
+    let db = TestDb::new();
+    let stream = unique("http-budget");
+    let mut r = redis(&redis_url());
+    xadd(&mut r, &stream, &[("event_id", "b1"), ("payload", "p")]);
+    let mut p = run_http(&url, &stream, &db, &[]);
+    assert!(p.wait(Duration::from_secs(60)).success(), "{}", p.stderr());
+    assert_eq!(seen.lock().unwrap().len(), 8);
     let dead = dead_letters(&mut r, &stream);
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].kind, taskhub::DeadLetterKind::Exhausted);
-    assert_eq!(dead[0].attempts, 3);
-    assert_eq!(dead[0].history.len(), 3);
-    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 0);
-    assert_eq!(pending(&mut r, &stream, &stream), 0);
+    assert_eq!(dead[0].attempts, 8);
+    assert!(dead[0].reason.contains("HTTP 503"), "{}", dead[0].reason);
 }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
-use taskhub::{Alerts, HttpHandler, HttpServer, SqlHandler, Worker};
+use taskhub::{Alerts, HttpHandler, HttpServer, RetryBudget, SqlHandler, Worker, HTTP_BUDGET};
 
 use super::duration;
 use super::servers::Servers;
@@ -81,15 +81,17 @@ pub struct RunArgs {
     /// event for a batch that fails); per-event: one transaction per event.
     #[arg(long, env = "TASKHUB_MODE", default_value = "batch")]
     pub mode: taskhub::Mode,
-    /// All attempts of an event, the first included, before it is dead-lettered.
-    #[arg(long, default_value_t = 5)]
-    pub max_attempts: u32,
-    /// First retry delay (doubles per attempt, equal jitter).
-    #[arg(long, default_value = "200ms", value_parser = duration, allow_hyphen_values = true)]
-    pub backoff_base: Duration,
-    /// Longest retry delay.
-    #[arg(long, default_value = "30s", value_parser = duration, allow_hyphen_values = true)]
-    pub backoff_cap: Duration,
+    /// All attempts of an event, the first included, before it is
+    /// dead-lettered [default: 5; 8 with --http-url].
+    #[arg(long)]
+    pub max_attempts: Option<u32>,
+    /// First retry delay, doubling per attempt, with jitter [default: 200ms;
+    /// 1s with --http-url].
+    #[arg(long, value_parser = duration, allow_hyphen_values = true)]
+    pub backoff_base: Option<Duration>,
+    /// Longest retry delay [default: 30s; 60s with --http-url].
+    #[arg(long, value_parser = duration, allow_hyphen_values = true)]
+    pub backoff_cap: Option<Duration>,
     /// Longest Retry-After honoured.
     #[arg(long, default_value = "2m", value_parser = duration, allow_hyphen_values = true)]
     pub max_retry_after: Duration,
@@ -227,9 +229,6 @@ pub fn run(servers: &Servers, mut args: RunArgs) -> Result<(), String> {
         .count(args.count)
         .block(Duration::from_millis(args.block_ms))
         .until_idle(args.until_idle)
-        .max_attempts(args.max_attempts)
-        .backoff_base(args.backoff_base)
-        .backoff_cap(args.backoff_cap)
         .max_retry_after(args.max_retry_after)
         .reclaim_interval(args.reclaim_interval)
         .reclaim_min_idle(args.reclaim_min_idle)
@@ -251,13 +250,31 @@ pub fn run(servers: &Servers, mut args: RunArgs) -> Result<(), String> {
     let worker = match &args.http_url {
         Some(url) => {
             let timeout = args.http_timeout.min(args.handler_timeout);
-            let mut handler = HttpHandler::new(url, timeout, &http_tls).map_err(|e| report(&e))?;
+            let budget = RetryBudget::new(
+                args.max_attempts.unwrap_or(HTTP_BUDGET.max_attempts),
+                args.backoff_base.unwrap_or(HTTP_BUDGET.base),
+                args.backoff_cap.unwrap_or(HTTP_BUDGET.cap),
+            );
+            let mut handler = HttpHandler::new(url, timeout, &http_tls)
+                .map_err(|e| report(&e))?
+                .retry_budget(budget);
             for (name, value) in &headers {
                 handler = handler.header(name, value).map_err(|e| report(&e))?;
             }
             builder.build(handler)
         }
-        None => builder.build(SqlHandler::new(args.sql)),
+        None => {
+            if let Some(n) = args.max_attempts {
+                builder = builder.max_attempts(n);
+            }
+            if let Some(base) = args.backoff_base {
+                builder = builder.backoff_base(base);
+            }
+            if let Some(cap) = args.backoff_cap {
+                builder = builder.backoff_cap(cap);
+            }
+            builder.build(SqlHandler::new(args.sql))
+        }
     }
     .map_err(|e| report(&e))?;
 

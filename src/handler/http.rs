@@ -3,9 +3,13 @@
 //!
 //! The request carries the payload as its body, `Idempotency-Key: <event_id>`,
 //! and the other fields in `X-Taskhub-Fields` (a JSON object, ASCII-escaped).
-//! A 2xx commits the event's `processed_events` row; 408, 429, 5xx, timeouts
-//! and connection errors are retryable and honour `Retry-After` (seconds or an
-//! HTTP date); other statuses are permanent. An HTTP call cannot be rolled
+//! A 2xx commits the event's `processed_events` row; 408, 429, 5xx and
+//! timeouts are retryable and honour `Retry-After` (seconds or an HTTP
+//! date); other statuses are permanent. A downstream that cannot be reached
+//! at all (connection refused or reset, a name that does not resolve) is an
+//! outage, like a database that is down: the worker pauses and tries again,
+//! and no attempt is counted. Retries follow the handler's own budget,
+//! [`HTTP_BUDGET`] unless told otherwise. An HTTP call cannot be rolled
 //! back: if the process dies after the downstream accepted the event but before
 //! the commit, the event is sent again with the same `Idempotency-Key`, which
 //! the downstream must use to deduplicate.
@@ -15,7 +19,7 @@ use std::time::{Duration, SystemTime};
 
 use crate::error::{Error, HandlerError};
 use crate::event::Event;
-use crate::handler::{Handler, Tx};
+use crate::handler::{Handler, RetryBudget, Tx};
 use crate::redact::{redact, scrub};
 use crate::tls::Tls;
 
@@ -24,10 +28,21 @@ use crate::tls::Tls;
 /// any size, and a request that can never be sent must not be retried).
 const MAX_FIELDS_HEADER: usize = 8 * 1024;
 
+/// The retry budget of [`HttpHandler`] by default: 8 attempts, waits from
+/// 1 s doubling up to 60 s (about 2 minutes in all before an event is
+/// dead-lettered as exhausted), enough to ride out a deploy or a rate
+/// limit of the downstream.
+pub const HTTP_BUDGET: RetryBudget = RetryBudget {
+    max_attempts: 8,
+    base: Duration::from_secs(1),
+    cap: Duration::from_secs(60),
+};
+
 /// POSTs each event to one URL.
 #[derive(Clone)]
 pub struct HttpHandler {
     url: String,
+    budget: RetryBudget,
     /// `url` as it may be shown (see `redact.rs`).
     shown: String,
     /// Extra headers for every request (downstream authentication).
@@ -59,11 +74,18 @@ impl HttpHandler {
             .tls_config(crate::tls::ureq_tls(url, tls)?)
             .build();
         Ok(HttpHandler {
+            budget: HTTP_BUDGET,
             url: url.to_owned(),
             shown: redact(url),
             headers: Vec::new(),
             agent: config.into(),
         })
+    }
+
+    /// Retries with `budget` instead of [`HTTP_BUDGET`].
+    pub fn retry_budget(mut self, budget: RetryBudget) -> HttpHandler {
+        self.budget = budget;
+        self
     }
 
     /// Adds a header to every request, such as `Authorization: Bearer ...`
@@ -148,6 +170,52 @@ fn ascii_json(value: &str) -> String {
     out
 }
 
+/// Whether `e` says the downstream could not be reached at all (nothing was
+/// sent, or the connection broke before an answer): its name does not
+/// resolve, it refuses or resets connections. Not a timeout: a request that
+/// timed out may have been processed and counts as an attempt.
+fn unreachable(e: &ureq::Error) -> bool {
+    use std::io::ErrorKind::{
+        BrokenPipe, ConnectionAborted, ConnectionRefused, ConnectionReset, HostUnreachable,
+        NetworkUnreachable, NotConnected, UnexpectedEof,
+    };
+    match e {
+        ureq::Error::HostNotFound | ureq::Error::ConnectionFailed => true,
+        ureq::Error::Io(io) => {
+            matches!(
+                io.kind(),
+                ConnectionRefused
+                    | ConnectionReset
+                    | ConnectionAborted
+                    | BrokenPipe
+                    | NotConnected
+                    | HostUnreachable
+                    | NetworkUnreachable
+                    | UnexpectedEof
+            )
+            // std's resolver errors have no kind of their own (getaddrinfo:
+            // "Name or service not known", "Temporary failure in name
+            // resolution").
+            || io.to_string().starts_with("failed to lookup address information")
+        }
+        _ => false,
+    }
+}
+
+/// Marks an outage as the downstream's (not the database's or Redis'):
+/// the worker says which server is down, and a lost connection to it is no
+/// strike against the event.
+#[derive(Debug)]
+pub(crate) struct Downstream;
+
+impl fmt::Display for Downstream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("the downstream HTTP service cannot be reached")
+    }
+}
+
+impl std::error::Error for Downstream {}
+
 /// Parses a `Retry-After` value: delay in seconds, or an HTTP date.
 pub(crate) fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     let value = value.trim();
@@ -177,10 +245,12 @@ impl Handler for HttpHandler {
             Ok(r) => r,
             Err(e) => {
                 let why = scrub(&e.to_string(), &self.url);
-                return Err(HandlerError::retryable(format!(
-                    "POST {}: {why}",
-                    self.shown
-                )));
+                let message = format!("POST {}: {why}", self.shown);
+                return Err(if unreachable(&e) {
+                    HandlerError::outage(message).with_source(Downstream)
+                } else {
+                    HandlerError::retryable(message)
+                });
             }
         };
         let status = response.status().as_u16();
@@ -208,6 +278,10 @@ impl Handler for HttpHandler {
     /// before any request is made.
     fn validate(&self, event: &Event) -> Result<(), HandlerError> {
         HttpHandler::fields_header(event).map(|_| ())
+    }
+
+    fn retry_budget(&self) -> Option<RetryBudget> {
+        Some(self.budget)
     }
 
     /// A POST cannot be rolled back: one event per transaction, so a

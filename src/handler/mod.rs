@@ -71,6 +71,15 @@ pub trait Handler: Send + Sync + 'static {
         true
     }
 
+    /// The retries this handler's failures deserve, when they differ from
+    /// the worker's (`max_attempts`, `backoff_base`, `backoff_cap`): an HTTP
+    /// downstream recovers in seconds to minutes (a deploy, a rate limit),
+    /// a database conflict in milliseconds. Defaults to `None`: the
+    /// worker's settings.
+    fn retry_budget(&self) -> Option<RetryBudget> {
+        None
+    }
+
     /// Called after the event's transaction committed (a lifecycle hook for
     /// metrics and tests; it cannot fail the event). Does nothing by default.
     fn committed(&self, _event: &Event) {}
@@ -78,6 +87,34 @@ pub trait Handler: Send + Sync + 'static {
     /// A short name for logs. Defaults to `"handler"`.
     fn name(&self) -> &str {
         "handler"
+    }
+}
+
+/// How many attempts an event gets and how long the waits between them are
+/// (exponential from `base`, capped at `cap`, with jitter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RetryBudget {
+    /// All attempts, the first included.
+    pub max_attempts: u32,
+    /// The first wait (before jitter).
+    pub base: std::time::Duration,
+    /// The longest wait (before jitter).
+    pub cap: std::time::Duration,
+}
+
+impl RetryBudget {
+    /// `max_attempts` attempts, waits from `base` doubling up to `cap`.
+    pub fn new(
+        max_attempts: u32,
+        base: std::time::Duration,
+        cap: std::time::Duration,
+    ) -> RetryBudget {
+        RetryBudget {
+            max_attempts,
+            base,
+            cap,
+        }
     }
 }
 
@@ -178,6 +215,10 @@ macro_rules! forward_handler {
 
             fn committed(&self, event: &Event) {
                 (**self).committed(event)
+            }
+
+            fn retry_budget(&self) -> Option<RetryBudget> {
+                (**self).retry_budget()
             }
 
             fn name(&self) -> &str {

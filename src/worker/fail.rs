@@ -57,18 +57,14 @@ impl Processor {
             self.reached_database = false;
             match apply(self) {
                 Err(e) if e.class() == FailureClass::Outage => {
-                    // A fresh connection for the next try: this one is
-                    // closed, or its session is unusable (read-only).
-                    if let Some(mut conn) = self.pg.take() {
-                        conn.discard();
+                    let server = server_of(&e);
+                    if server == Server::Postgres {
+                        // A fresh connection for the next try: this one is
+                        // closed, or its session is unusable (read-only).
+                        if let Some(mut conn) = self.pg.take() {
+                            conn.discard();
+                        }
                     }
-                    let from_redis = std::error::Error::source(&e)
-                        .is_some_and(|cause| cause.is::<redis::RedisError>());
-                    let server = if from_redis {
-                        Server::Redis
-                    } else {
-                        Server::Postgres
-                    };
                     self.stage.common.health.down(server, &e);
                     let commits = self
                         .stage
@@ -76,7 +72,12 @@ impl Processor {
                         .stats
                         .commits
                         .load(std::sync::atomic::Ordering::SeqCst);
-                    if self.reached_database && commits > commits_before {
+                    // Only a lost database session is a strike: an event
+                    // cannot kill the downstream's or Redis' connection.
+                    if server == Server::Postgres
+                        && self.reached_database
+                        && commits > commits_before
+                    {
                         *strikes += 1;
                         log::warn!("postgres: the connection was lost while this worker's transaction ran, others committing meanwhile ({e}; strike {strikes} of {max})");
                         if *strikes >= max {
@@ -92,6 +93,7 @@ impl Processor {
                 result => {
                     if result.is_ok() {
                         self.stage.common.health.up(Server::Postgres);
+                        self.stage.common.health.up(Server::Downstream);
                     }
                     return Flow::Done(result);
                 }
@@ -177,5 +179,14 @@ impl Processor {
         if self.dead.send(job).is_err() {
             log::error!("dead-letter writer is gone; the entry stays pending");
         }
+    }
+}
+
+/// Which server an outage is about, from its cause.
+fn server_of(e: &HandlerError) -> Server {
+    match std::error::Error::source(e) {
+        Some(cause) if cause.is::<redis::RedisError>() => Server::Redis,
+        Some(cause) if cause.is::<crate::handler::http::Downstream>() => Server::Downstream,
+        _ => Server::Postgres,
     }
 }

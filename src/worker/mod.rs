@@ -67,8 +67,34 @@ impl Builder {
     /// Nothing is connected yet; [`Worker::run`] does that.
     pub fn build(self, handler: impl Handler) -> Result<Worker, Error> {
         let config = self.validate()?;
+        if let Some(budget) = handler.retry_budget() {
+            check_budget(&config, &budget)?;
+        }
         Ok(Worker::new(config, Arc::new(handler)))
     }
+}
+
+/// A handler's retry budget obeys the worker's rules.
+fn check_budget(config: &Config, budget: &crate::handler::RetryBudget) -> Result<(), Error> {
+    if budget.max_attempts == 0 {
+        return Err(Error::config(
+            "the handler's max attempts must be at least 1",
+        ));
+    }
+    if budget.base.is_zero() || budget.cap < budget.base {
+        return Err(Error::config(format!(
+            "the handler's backoff base must be positive and not above its cap ({:?} > {:?})",
+            budget.base, budget.cap
+        )));
+    }
+    let longest = budget.cap.max(config.max_retry_after);
+    if config.reclaim_min_idle <= longest {
+        return Err(Error::config(format!(
+            "reclaim min-idle ({:?}) must exceed the handler's longest retry wait ({longest:?}), or entries waiting for a retry would be taken over by other consumers",
+            config.reclaim_min_idle
+        )));
+    }
+    Ok(())
 }
 
 impl Worker {
@@ -317,20 +343,7 @@ impl Worker {
             pg,
             namespace,
             handler: self.handler.clone(),
-            settings: Settings {
-                mode: config.mode,
-                scope: config.scope().to_owned(),
-                group: config.group.clone(),
-                consumer: config.consumer.clone(),
-                max_attempts: config.max_attempts,
-                marker_ttl: config.marker_ttl,
-                handler_timeout: config.handler_timeout,
-                backoff: Backoff {
-                    base: config.backoff_base,
-                    cap: config.backoff_cap,
-                    max_retry_after: config.max_retry_after,
-                },
-            },
+            settings: settings(config, self.handler.retry_budget()),
             suspects: Mutex::new(()),
         });
         let mut workers = Vec::new();
@@ -456,6 +469,29 @@ impl Worker {
             )),
             None => Ok(summary),
         }
+    }
+}
+
+/// What the processing stage follows: the configuration, with the
+/// handler's own retry budget when it has one.
+fn settings(config: &Config, budget: Option<crate::handler::RetryBudget>) -> Settings {
+    let (max_attempts, base, cap) = match budget {
+        Some(b) => (b.max_attempts, b.base, b.cap),
+        None => (config.max_attempts, config.backoff_base, config.backoff_cap),
+    };
+    Settings {
+        mode: config.mode,
+        scope: config.scope().to_owned(),
+        group: config.group.clone(),
+        consumer: config.consumer.clone(),
+        max_attempts,
+        marker_ttl: config.marker_ttl,
+        handler_timeout: config.handler_timeout,
+        backoff: Backoff {
+            base,
+            cap,
+            max_retry_after: config.max_retry_after,
+        },
     }
 }
 

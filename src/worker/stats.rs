@@ -199,6 +199,8 @@ impl std::fmt::Display for Summary {
 pub(crate) enum Server {
     Redis,
     Postgres,
+    /// The service an HTTP handler calls.
+    Downstream,
 }
 
 /// Whether each server is reachable, as last seen.
@@ -206,6 +208,7 @@ pub(crate) enum Server {
 pub(crate) struct Health {
     redis_down: AtomicBool,
     postgres_down: AtomicBool,
+    downstream_down: AtomicBool,
 }
 
 impl Health {
@@ -213,6 +216,7 @@ impl Health {
         match server {
             Server::Redis => &self.redis_down,
             Server::Postgres => &self.postgres_down,
+            Server::Downstream => &self.downstream_down,
         }
     }
 

@@ -51,7 +51,13 @@ impl Answer {
 
 /// Starts the downstream; returns its `host:port`.
 pub fn start(answer: impl Fn(Received) -> Answer + Send + Sync + 'static) -> String {
-    serve(answer, None)
+    serve(TcpListener::bind("127.0.0.1:0").unwrap(), answer, None)
+}
+
+/// Starts the downstream on `addr` (a port the test chose, say one a
+/// worker already tries to reach).
+pub fn start_at(addr: &str, answer: impl Fn(Received) -> Answer + Send + Sync + 'static) {
+    serve(TcpListener::bind(addr).unwrap(), answer, None);
 }
 
 /// Starts an HTTPS downstream with the server certificate of `certs`,
@@ -84,14 +90,18 @@ pub fn start_tls(
         .with_client_cert_verifier(clients)
         .with_single_cert(chain, key)
         .unwrap();
-    serve(answer, Some(Arc::new(config)))
+    serve(
+        TcpListener::bind("127.0.0.1:0").unwrap(),
+        answer,
+        Some(Arc::new(config)),
+    )
 }
 
 fn serve(
+    listener: TcpListener,
     answer: impl Fn(Received) -> Answer + Send + Sync + 'static,
     tls: Option<Arc<rustls::ServerConfig>>,
 ) -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let answer = Arc::new(answer);
     std::thread::spawn(move || {
