@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 mod cli;
 
@@ -63,6 +63,10 @@ enum Command {
     /// Dead letters: stats, list, show, replay, purge, archive, check.
     #[command(long_about = cli::dlq::LONG_ABOUT)]
     Dlq(Box<cli::dlq::DlqArgs>),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions(cli::docs::CompletionsArgs),
+    /// Print the man page (roff): `taskhub man > /usr/local/share/man/man1/taskhub.1`.
+    Man,
     /// Delete processed_events rows older than a retention, in small transactions.
     Prune(cli::prune::PruneArgs),
     /// Where each stream and its group stand: length, lag, pending, retrying, dead letters, consumers.
@@ -86,6 +90,8 @@ fn main() -> ExitCode {
         Command::Run(args) => cli::run::run(&cli.servers, *args),
         Command::Produce(args) => cli::produce::produce(&cli.servers, args),
         Command::Consumers(args) => cli::consumers::consumers(&cli.servers, args),
+        Command::Completions(args) => cli::docs::completions(Cli::command(), args),
+        Command::Man => cli::docs::man(Cli::command()),
         Command::Prune(args) => cli::prune::prune(&cli.servers, args),
         Command::Status(args) => match cli::status::status(&cli.servers, args) {
             Ok(code) => return code,

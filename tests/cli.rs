@@ -144,6 +144,131 @@ fn help_of_every_command_exits_0_and_names_the_key_flags() {
     }
 }
 
+/// Every `run` flag also reads `TASKHUB_<FLAG>` (or a documented standard
+/// name for the two URLs), `run --help` groups them under headings, and
+/// deploy/taskhub.env lists exactly those variables.
+#[test]
+fn every_run_flag_has_an_environment_variable_listed_in_the_env_file() {
+    let mut cmd = th("postgres://postgres@127.0.0.1:1/none");
+    cmd.args(["run", "--help"]);
+    let help = output(cmd, None, T).stdout;
+    for heading in [
+        "Processing:",
+        "The handler (SQL, or HTTP with --http-url):",
+        "Retries and reclaiming:",
+        "HTTP endpoint (--http):",
+        "Dead-letter alerts:",
+        "Connections:",
+    ] {
+        assert!(help.lines().any(|l| l == heading), "no {heading}\n{help}");
+    }
+    // One entry per flag: from its `--name` line to the next one.
+    let mut entries: Vec<(String, String)> = Vec::new();
+    for line in help.lines() {
+        let trimmed = line.trim_start();
+        if trimmed.starts_with("--") && line.starts_with("      --") {
+            let flag = trimmed.split([' ', '<']).next().unwrap().to_owned();
+            entries.push((flag, format!("{trimmed} ")));
+        } else if let Some((_, text)) = entries.last_mut() {
+            text.push_str(line);
+            text.push(' ');
+        }
+    }
+    let mut names = Vec::new();
+    for (flag, text) in &entries {
+        if flag == "--help" {
+            continue;
+        }
+        let text: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+        let env = text
+            .split("[env: ")
+            .nth(1)
+            .and_then(|rest| rest.split([']', '=']).next())
+            .unwrap_or_else(|| panic!("{flag} has no environment variable: {text}"));
+        if env.starts_with("TASKHUB_") {
+            let expected = format!("TASKHUB_{}", flag[2..].to_uppercase().replace('-', "_"));
+            assert_eq!(env, expected, "{flag}");
+        }
+        names.push(env.to_owned());
+    }
+    assert!(names.len() >= 40, "{names:?}");
+    let file = std::fs::read_to_string(repo_path("deploy/taskhub.env")).unwrap();
+    let listed: Vec<&str> = file
+        .lines()
+        .map(|l| l.trim_start_matches('#'))
+        .filter_map(|l| l.split_once('=').map(|(name, _)| name))
+        .filter(|name| name.chars().all(|c| c.is_ascii_uppercase() || c == '_'))
+        .collect();
+    for name in &names {
+        assert!(
+            listed.contains(&name.as_str()),
+            "{name} is not in deploy/taskhub.env"
+        );
+    }
+    for name in &listed {
+        assert!(
+            names.iter().any(|n| n == name) || *name == "RUST_LOG",
+            "deploy/taskhub.env lists {name}, which no flag reads"
+        );
+    }
+}
+
+/// The variables are read: settings from the environment reach the worker
+/// (a bad value is refused naming the setting), and a flag wins.
+#[test]
+fn run_settings_come_from_the_environment_and_flags_win() {
+    let stream = unique("env");
+    let mut cmd = th("postgres://postgres@127.0.0.1:1/none");
+    cmd.args(["run", "--until-idle"])
+        .env("TASKHUB_STREAM", &stream)
+        .env("TASKHUB_MAX_ATTEMPTS", "0");
+    let out = output(cmd, None, T);
+    assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("max attempts must be at least 1"),
+        "{}",
+        out.stderr
+    );
+
+    let mut cmd = th("postgres://postgres@127.0.0.1:1/none");
+    cmd.args(["run", "--until-idle", "--workers", "0"])
+        .env("TASKHUB_STREAM", &stream)
+        .env("TASKHUB_WORKERS", "3");
+    let out = output(cmd, None, T);
+    assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("workers"),
+        "the flag wins: {}",
+        out.stderr
+    );
+}
+
+/// Shell completions and the man page come from the same definitions.
+#[test]
+fn completions_and_man_page() {
+    let mut cmd = th("postgres://unused");
+    cmd.args(["completions", "bash"]);
+    let out = output(cmd, None, T);
+    assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
+    assert!(out.stdout.contains("_taskhub()"), "{}", out.stdout);
+    assert!(out.stdout.contains("--reclaim-min-idle"), "{}", out.stdout);
+    let mut cmd = th("postgres://unused");
+    cmd.arg("man");
+    let out = output(cmd, None, T);
+    assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
+    assert!(
+        out.stdout.starts_with(".ie") || out.stdout.contains(".TH taskhub 1"),
+        "{}",
+        out.stdout
+    );
+    assert!(out.stdout.contains("TASKHUB RUN"), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("TASKHUB_RECLAIM_MIN_IDLE"),
+        "{}",
+        out.stdout
+    );
+}
+
 // ---------------------------------------------------------------------------
 // Migrate
 // ---------------------------------------------------------------------------

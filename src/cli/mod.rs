@@ -3,6 +3,7 @@
 
 pub mod consumers;
 pub mod dlq;
+pub mod docs;
 pub mod format;
 pub mod produce;
 pub mod prune;

@@ -10,169 +10,145 @@ use taskhub::{Alerts, HttpHandler, HttpServer, RetryBudget, SqlHandler, Worker, 
 use super::duration;
 use super::servers::Servers;
 
+/// Headings of `taskhub run --help`.
+const PROCESSING: &str = "Processing";
+const HANDLER: &str = "The handler (SQL, or HTTP with --http-url)";
+const RETRIES: &str = "Retries and reclaiming";
+const ENDPOINT: &str = "HTTP endpoint (--http)";
+const ALERTS: &str = "Dead-letter alerts";
+
+/// Every flag also reads `TASKHUB_<FLAG>` (flags win).
 #[derive(Args, Debug)]
 pub struct RunArgs {
-    /// Stream to read (repeat for several streams; one reader thread each).
-    #[arg(long, default_value = "tasks:events")]
+    /// Stream to read (repeat for several; in the environment, separated
+    /// by commas). One reader thread each.
+    #[arg(long, default_value = "tasks:events", env = "TASKHUB_STREAM", value_delimiter = ',', help_heading = PROCESSING)]
     pub stream: Vec<String>,
     /// Consumer group (created when missing).
-    #[arg(long, default_value = "workers")]
+    #[arg(long, default_value = "workers", env = "TASKHUB_GROUP", help_heading = PROCESSING)]
     pub group: String,
     /// Consumer name, stable across restarts and unique per instance [default: host name].
-    #[arg(long, env = "TASKHUB_CONSUMER")]
+    #[arg(long, env = "TASKHUB_CONSUMER", help_heading = PROCESSING)]
     pub consumer: Option<String>,
     /// Idempotency scope [default: the group].
-    #[arg(long)]
+    #[arg(long, env = "TASKHUB_SCOPE", help_heading = PROCESSING)]
     pub scope: Option<String>,
     /// Worker threads.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, env = "TASKHUB_WORKERS", help_heading = PROCESSING)]
     pub workers: usize,
     /// Entries per XREADGROUP, and so the largest batch.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, env = "TASKHUB_COUNT", help_heading = PROCESSING)]
     pub count: usize,
     /// XREADGROUP BLOCK in milliseconds; a shutdown is seen within this time.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 2000, env = "TASKHUB_BLOCK_MS", help_heading = PROCESSING)]
     pub block_ms: u64,
     /// Exit 0 once nothing new arrives and the group has nothing pending.
-    #[arg(long)]
+    #[arg(long, env = "TASKHUB_UNTIL_IDLE", help_heading = PROCESSING)]
     pub until_idle: bool,
+    /// batch: one transaction per batch of new events (falls back to one per
+    /// event for a batch that fails); per-event: one transaction per event.
+    #[arg(long, env = "TASKHUB_MODE", default_value = "batch", help_heading = PROCESSING)]
+    pub mode: taskhub::Mode,
+    /// Largest accepted entry in bytes; larger ones are dead-lettered as invalid.
+    #[arg(long, default_value_t = 1024 * 1024, env = "TASKHUB_MAX_ENTRY_BYTES", help_heading = PROCESSING)]
+    pub max_entry_bytes: usize,
+    /// Where a newly created group starts: 0 (whole stream) or $ (new entries only).
+    #[arg(long, default_value = "0", env = "TASKHUB_START_ID", help_heading = PROCESSING)]
+    pub start_id: String,
+    /// Deadline for a graceful shutdown.
+    #[arg(long, default_value = "30s", value_parser = duration, allow_hyphen_values = true, env = "TASKHUB_SHUTDOWN_TIMEOUT", help_heading = PROCESSING)]
+    pub shutdown_timeout: Duration,
+
     /// SQL run per event in its transaction: $1 event_id, $2 payload, $3 fields as JSON.
-    #[arg(long, default_value = taskhub::DEFAULT_STATEMENT)]
+    #[arg(long, default_value = taskhub::DEFAULT_STATEMENT, env = "TASKHUB_SQL", help_heading = HANDLER)]
     pub sql: String,
     /// POST each event to this URL instead of running SQL (body: the payload;
     /// header Idempotency-Key: the event_id). Only scheme://host:port/path
     /// is ever shown of it.
-    #[arg(
-        long,
-        env = "TASKHUB_HTTP_URL",
-        hide_env_values = true,
-        conflicts_with = "sql"
-    )]
+    #[arg(long, env = "TASKHUB_HTTP_URL", hide_env_values = true, conflicts_with = "sql", help_heading = HANDLER)]
     pub http_url: Option<String>,
     /// Read --http-url from this file (keeps its credentials out of argv).
-    #[arg(
-        long,
-        env = "TASKHUB_HTTP_URL_FILE",
-        value_name = "PATH",
-        conflicts_with = "sql"
-    )]
-    pub http_url_file: Option<std::path::PathBuf>,
+    #[arg(long, env = "TASKHUB_HTTP_URL_FILE", value_name = "PATH", conflicts_with = "sql", help_heading = HANDLER)]
+    pub http_url_file: Option<PathBuf>,
     /// A header sent with every --http-url request, such as
-    /// 'Authorization: Bearer ...' (repeatable; values are never shown).
-    #[arg(
-        long,
-        value_name = "NAME: VALUE",
-        env = "TASKHUB_HTTP_HEADERS",
-        value_delimiter = '\n',
-        hide_env_values = true
-    )]
+    /// 'Authorization: Bearer ...' (repeatable; in the environment, one per
+    /// line; values are never shown).
+    #[arg(long, value_name = "NAME: VALUE", env = "TASKHUB_HTTP_HEADER", value_delimiter = '\n', hide_env_values = true, help_heading = HANDLER)]
     pub http_header: Vec<String>,
     /// Read --http-header lines from this file, one header per line.
-    #[arg(long, env = "TASKHUB_HTTP_HEADER_FILE", value_name = "PATH")]
-    pub http_header_file: Option<std::path::PathBuf>,
+    #[arg(long, env = "TASKHUB_HTTP_HEADER_FILE", value_name = "PATH", help_heading = HANDLER)]
+    pub http_header_file: Option<PathBuf>,
     /// Longest a handler's SQL statement (or --http-url request) may run;
     /// one cut short is a retryable failure.
-    #[arg(long, default_value = "60s", value_parser = duration, allow_hyphen_values = true)]
+    #[arg(long, default_value = "60s", value_parser = duration, allow_hyphen_values = true, env = "TASKHUB_HANDLER_TIMEOUT", help_heading = HANDLER)]
     pub handler_timeout: Duration,
     /// Timeout of one --http-url request (at most --handler-timeout).
-    #[arg(long, default_value = "10s", value_parser = duration, allow_hyphen_values = true)]
+    #[arg(long, default_value = "10s", value_parser = duration, allow_hyphen_values = true, env = "TASKHUB_HTTP_TIMEOUT", help_heading = HANDLER)]
     pub http_timeout: Duration,
-    /// batch: one transaction per batch of new events (falls back to one per
-    /// event for a batch that fails); per-event: one transaction per event.
-    #[arg(long, env = "TASKHUB_MODE", default_value = "batch")]
-    pub mode: taskhub::Mode,
-    /// All attempts of an event, the first included, before it is
-    /// dead-lettered [default: 5; 8 with --http-url].
-    #[arg(long)]
-    pub max_attempts: Option<u32>,
-    /// First retry delay, doubling per attempt, with jitter [default: 200ms;
-    /// 1s with --http-url].
-    #[arg(long, value_parser = duration, allow_hyphen_values = true)]
-    pub backoff_base: Option<Duration>,
-    /// Longest retry delay [default: 30s; 60s with --http-url].
-    #[arg(long, value_parser = duration, allow_hyphen_values = true)]
-    pub backoff_cap: Option<Duration>,
-    /// Longest Retry-After honoured.
-    #[arg(long, default_value = "2m", value_parser = duration, allow_hyphen_values = true)]
-    pub max_retry_after: Duration,
-    /// How often to look for entries abandoned by dead consumers.
-    #[arg(long, default_value = "30s", value_parser = duration, allow_hyphen_values = true)]
-    pub reclaim_interval: Duration,
-    /// Idle time after which another consumer's pending entry is taken over;
-    /// must exceed the longest handler run and retry wait.
-    #[arg(long, default_value = "5m", value_parser = duration, allow_hyphen_values = true)]
-    pub reclaim_min_idle: Duration,
-    /// Lifetime of the Redis duplicate marker.
-    #[arg(long, default_value = "24h", value_parser = duration, allow_hyphen_values = true)]
-    pub marker_ttl: Duration,
-    /// Deadline for a graceful shutdown.
-    #[arg(long, default_value = "30s", value_parser = duration, allow_hyphen_values = true)]
-    pub shutdown_timeout: Duration,
-    /// Largest accepted entry in bytes; larger ones are dead-lettered as invalid.
-    #[arg(long, default_value_t = 1024 * 1024)]
-    pub max_entry_bytes: usize,
-    /// Serve /metrics, /healthz, /readyz and /dlq on this address (9090 means 127.0.0.1:9090).
-    #[arg(long, value_name = "ADDR")]
-    pub http: Option<String>,
-    /// Token that enables the replay and delete buttons of the /dlq page (prefer the environment).
-    #[arg(long, env = "TASKHUB_ADMIN_TOKEN", hide_env_values = true)]
-    pub admin_token: Option<String>,
-    /// Token needed to read the /dlq page (Authorization: Bearer, or its login
-    /// form); required when --http is not loopback (the admin token works too).
-    #[arg(long, env = "TASKHUB_READ_TOKEN", hide_env_values = true)]
-    pub read_token: Option<String>,
-    /// POST a JSON alert here when a dead-letter stream becomes non-empty,
-    /// grows or gets old (only its scheme, host and port are ever shown).
-    #[arg(
-        long,
-        value_name = "URL",
-        env = "TASKHUB_ALERT_WEBHOOK",
-        hide_env_values = true
-    )]
-    pub alert_webhook: Option<String>,
-    /// Read --alert-webhook from this file.
-    #[arg(long, env = "TASKHUB_ALERT_WEBHOOK_FILE", value_name = "PATH")]
-    pub alert_webhook_file: Option<std::path::PathBuf>,
-    /// How often the dead-letter streams are checked for alerts.
-    #[arg(long, default_value = "10s", value_parser = duration, allow_hyphen_values = true)]
-    pub alert_interval: Duration,
-    /// Age of the oldest dead letter that raises an alert.
-    #[arg(long, default_value = "1h", value_parser = duration, allow_hyphen_values = true)]
-    pub alert_age: Duration,
-    /// Least time between two webhook calls for one stream.
-    #[arg(long, default_value = "1m", value_parser = duration, allow_hyphen_values = true)]
-    pub alert_min_gap: Duration,
-    /// Where a newly created group starts: 0 (whole stream) or $ (new entries only).
-    #[arg(long, default_value = "0")]
-    pub start_id: String,
     /// PEM file with the CA certificate(s) that https:// --http-url and
     /// --alert-webhook servers are verified against, instead of the system's store.
-    #[arg(
-        long,
-        env = "TASKHUB_HTTP_CA_FILE",
-        value_name = "PATH",
-        value_parser = super::servers::path
-    )]
+    #[arg(long, env = "TASKHUB_HTTP_CA_FILE", value_name = "PATH", value_parser = super::servers::path, help_heading = HANDLER)]
     pub http_ca_file: Option<PathBuf>,
     /// Client certificate (PEM) for the https:// --http-url and
     /// --alert-webhook servers; with --http-client-key.
-    #[arg(
-        long,
-        env = "TASKHUB_HTTP_CLIENT_CERT",
-        value_name = "PATH",
-        value_parser = super::servers::path,
-        requires = "http_client_key"
-    )]
+    #[arg(long, env = "TASKHUB_HTTP_CLIENT_CERT", value_name = "PATH", value_parser = super::servers::path, requires = "http_client_key", help_heading = HANDLER)]
     pub http_client_cert: Option<PathBuf>,
     /// The private key (PEM) of --http-client-cert.
-    #[arg(
-        long,
-        env = "TASKHUB_HTTP_CLIENT_KEY",
-        value_name = "PATH",
-        value_parser = super::servers::path,
-        requires = "http_client_cert"
-    )]
+    #[arg(long, env = "TASKHUB_HTTP_CLIENT_KEY", value_name = "PATH", value_parser = super::servers::path, requires = "http_client_cert", help_heading = HANDLER)]
     pub http_client_key: Option<PathBuf>,
+
+    /// All attempts of an event, the first included, before it is
+    /// dead-lettered [default: 5; 8 with --http-url].
+    #[arg(long, env = "TASKHUB_MAX_ATTEMPTS", help_heading = RETRIES)]
+    pub max_attempts: Option<u32>,
+    /// First retry delay, doubling per attempt, with jitter [default: 200ms;
+    /// 1s with --http-url].
+    #[arg(long, value_parser = duration, allow_hyphen_values = true, env = "TASKHUB_BACKOFF_BASE", help_heading = RETRIES)]
+    pub backoff_base: Option<Duration>,
+    /// Longest retry delay [default: 30s; 60s with --http-url].
+    #[arg(long, value_parser = duration, allow_hyphen_values = true, env = "TASKHUB_BACKOFF_CAP", help_heading = RETRIES)]
+    pub backoff_cap: Option<Duration>,
+    /// Longest Retry-After honoured.
+    #[arg(long, default_value = "2m", value_parser = duration, allow_hyphen_values = true, env = "TASKHUB_MAX_RETRY_AFTER", help_heading = RETRIES)]
+    pub max_retry_after: Duration,
+    /// How often to look for entries abandoned by dead consumers.
+    #[arg(long, default_value = "30s", value_parser = duration, allow_hyphen_values = true, env = "TASKHUB_RECLAIM_INTERVAL", help_heading = RETRIES)]
+    pub reclaim_interval: Duration,
+    /// Idle time after which another consumer's pending entry is taken over;
+    /// must exceed the longest handler run and retry wait.
+    #[arg(long, default_value = "5m", value_parser = duration, allow_hyphen_values = true, env = "TASKHUB_RECLAIM_MIN_IDLE", help_heading = RETRIES)]
+    pub reclaim_min_idle: Duration,
+    /// Lifetime of the Redis duplicate marker.
+    #[arg(long, default_value = "24h", value_parser = duration, allow_hyphen_values = true, env = "TASKHUB_MARKER_TTL", help_heading = RETRIES)]
+    pub marker_ttl: Duration,
+
+    /// Serve /, /metrics, /healthz, /readyz and /dlq on this address (9090 means 127.0.0.1:9090).
+    #[arg(long, value_name = "ADDR", env = "TASKHUB_HTTP", help_heading = ENDPOINT)]
+    pub http: Option<String>,
+    /// Token that enables the replay and delete buttons of the /dlq page (prefer the environment).
+    #[arg(long, env = "TASKHUB_ADMIN_TOKEN", hide_env_values = true, help_heading = ENDPOINT)]
+    pub admin_token: Option<String>,
+    /// Token needed to read the pages (Authorization: Bearer, or the login
+    /// form); required when --http is not loopback (the admin token works too).
+    #[arg(long, env = "TASKHUB_READ_TOKEN", hide_env_values = true, help_heading = ENDPOINT)]
+    pub read_token: Option<String>,
+
+    /// POST a JSON alert here when a dead-letter stream becomes non-empty,
+    /// grows or gets old (only its scheme, host and port are ever shown).
+    #[arg(long, value_name = "URL", env = "TASKHUB_ALERT_WEBHOOK", hide_env_values = true, help_heading = ALERTS)]
+    pub alert_webhook: Option<String>,
+    /// Read --alert-webhook from this file.
+    #[arg(long, env = "TASKHUB_ALERT_WEBHOOK_FILE", value_name = "PATH", help_heading = ALERTS)]
+    pub alert_webhook_file: Option<PathBuf>,
+    /// How often the dead-letter streams are checked for alerts.
+    #[arg(long, default_value = "10s", value_parser = duration, allow_hyphen_values = true, env = "TASKHUB_ALERT_INTERVAL", help_heading = ALERTS)]
+    pub alert_interval: Duration,
+    /// Age of the oldest dead letter that raises an alert.
+    #[arg(long, default_value = "1h", value_parser = duration, allow_hyphen_values = true, env = "TASKHUB_ALERT_AGE", help_heading = ALERTS)]
+    pub alert_age: Duration,
+    /// Least time between two webhook calls for one stream.
+    #[arg(long, default_value = "1m", value_parser = duration, allow_hyphen_values = true, env = "TASKHUB_ALERT_MIN_GAP", help_heading = ALERTS)]
+    pub alert_min_gap: Duration,
 }
 
 /// The contents of a secret's file, trimmed.

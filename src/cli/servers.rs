@@ -5,6 +5,9 @@ use std::path::PathBuf;
 
 use clap::Args;
 
+/// The heading of these flags in `--help`.
+const CONNECTIONS: &str = "Connections";
+
 #[derive(Args, Debug)]
 pub struct Servers {
     /// Redis URL (`rediss://user:password@host:port` for TLS, verified
@@ -16,6 +19,7 @@ pub struct Servers {
         env = "REDIS_URL",
         default_value = "redis://127.0.0.1:6379",
         global = true,
+        help_heading = CONNECTIONS,
         hide_env_values = true
     )]
     pub redis_url: String,
@@ -27,16 +31,17 @@ pub struct Servers {
         env = "DATABASE_URL",
         default_value = "postgres://postgres:taskhub@127.0.0.1:5432/taskhub",
         global = true,
+        help_heading = CONNECTIONS,
         hide_env_values = true,
         hide_default_value = true
     )]
     pub database_url: String,
     /// Read the Redis URL from this file (keeps a password out of argv and
     /// the environment); wins over --redis-url.
-    #[arg(long, env = "REDIS_URL_FILE", global = true, value_name = "PATH")]
+    #[arg(long, env = "REDIS_URL_FILE", global = true, value_name = "PATH", help_heading = CONNECTIONS)]
     pub redis_url_file: Option<std::path::PathBuf>,
     /// Read the PostgreSQL URL from this file; wins over --database-url.
-    #[arg(long, env = "DATABASE_URL_FILE", global = true, value_name = "PATH")]
+    #[arg(long, env = "DATABASE_URL_FILE", global = true, value_name = "PATH", help_heading = CONNECTIONS)]
     pub database_url_file: Option<std::path::PathBuf>,
     /// PEM file with the CA certificate(s) that rediss:// servers (one
     /// server or a cluster) are verified against, instead of the system's
@@ -45,6 +50,7 @@ pub struct Servers {
         long,
         env = "TASKHUB_REDIS_CA_FILE",
         global = true,
+        help_heading = CONNECTIONS,
         value_name = "PATH",
         value_parser = path
     )]
@@ -55,6 +61,7 @@ pub struct Servers {
         long,
         env = "TASKHUB_REDIS_CLIENT_CERT",
         global = true,
+        help_heading = CONNECTIONS,
         value_name = "PATH",
         value_parser = path,
         requires = "redis_client_key"
@@ -65,6 +72,7 @@ pub struct Servers {
         long,
         env = "TASKHUB_REDIS_CLIENT_KEY",
         global = true,
+        help_heading = CONNECTIONS,
         value_name = "PATH",
         value_parser = path,
         requires = "redis_client_cert"
