@@ -307,3 +307,196 @@ fn without_a_token_the_page_is_read_only() {
     p.signal("TERM");
     assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
 }
+
+/// Writes a dead letter of `kind` for `stream` as the worker would, dead
+/// `ago` before now, with a `tenant` field.
+fn letter(
+    r: &mut redis::Connection,
+    stream: &str,
+    event_id: &str,
+    kind: taskhub::DeadLetterKind,
+    reason: &str,
+    ago: Duration,
+    tenant: &str,
+) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let fields = vec![
+        (b"event_id".to_vec(), event_id.as_bytes().to_vec()),
+        (b"payload".to_vec(), b"{}".to_vec()),
+        (b"tenant".to_vec(), tenant.as_bytes().to_vec()),
+    ];
+    let mut l = taskhub::DeadLetter::new(stream, "1-0", kind, reason, fields);
+    l.event_id = Some(event_id.into());
+    l.group = stream.into();
+    l.attempts = 1;
+    l.dead_at = now - ago.as_millis() as u64;
+    l.first_failed_at = l.dead_at;
+    let mut cmd = redis::cmd("XADD");
+    cmd.arg(taskhub::dlq::dead_letter_stream(stream)).arg("*");
+    for (k, v) in l.to_fields() {
+        cmd.arg(k).arg(v);
+    }
+    let _: String = cmd.query(r).unwrap();
+}
+
+/// The page filters as `taskhub dlq` does (kinds, reason, time window,
+/// field), groups the reasons with counts, and replays or deletes
+/// everything a filter selects: admin token, a confirmation that shows the
+/// count first, never more than the count confirmed, in the background.
+#[test]
+fn the_page_filters_groups_and_acts_on_everything_a_filter_selects() {
+    use taskhub::DeadLetterKind::{Exhausted, Invalid, Permanent};
+    let db = TestDb::new();
+    let stream = unique("page-bulk");
+    let mut r = redis(&redis_url());
+    let hour = Duration::from_secs(3600);
+    for i in 0..6 {
+        let reason = format!("HTTP 503 for order {i}");
+        letter(
+            &mut r,
+            &stream,
+            &format!("acme-{i}"),
+            Exhausted,
+            &reason,
+            hour,
+            "acme",
+        );
+    }
+    for i in 0..3 {
+        let reason = format!("HTTP 503 for order {}", 10 + i);
+        letter(
+            &mut r,
+            &stream,
+            &format!("old-{i}"),
+            Exhausted,
+            &reason,
+            hour * 72,
+            "acme",
+        );
+    }
+    letter(
+        &mut r,
+        &stream,
+        "globex-1",
+        Exhausted,
+        "HTTP 503 for order 99",
+        hour,
+        "globex",
+    );
+    letter(
+        &mut r,
+        &stream,
+        "bad-1",
+        Invalid,
+        "missing event_id",
+        hour,
+        "acme",
+    );
+    letter(
+        &mut r,
+        &stream,
+        "perm-1",
+        Permanent,
+        "postgres 22P02: bad int",
+        hour,
+        "acme",
+    );
+    let port = free_port();
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.args(["--http", &port.to_string()])
+        .env("TASKHUB_ADMIN_TOKEN", TOKEN)
+        // The worker must not consume what is replayed before we count it.
+        .args(["--sql", "SELECT pg_sleep(3600)", "--workers", "1"]);
+    let mut p = Proc::spawn(cmd);
+    let base = format!("http://127.0.0.1:{port}");
+    assert!(wait_until(Duration::from_secs(20), || ureq::get(format!(
+        "{base}/readyz"
+    ))
+    .call()
+    .is_ok()));
+
+    // kind + reason + since + field, in a real browser.
+    let filter = "kind=exhausted&reason=HTTP+503&since=2d&field=tenant%3Dacme";
+    let dom = render(
+        &format!("{base}/dlq?stream={}&{filter}", encode(&stream)),
+        None,
+    );
+    let shown = |id: &str| dom.contains(&format!("<td>{id}</td>"));
+    for i in 0..6 {
+        assert!(shown(&format!("acme-{i}")), "acme-{i}: {dom}");
+    }
+    for other in ["old-0", "globex-1", "bad-1", "perm-1"] {
+        assert!(!shown(other), "{other} shown: {dom}");
+    }
+    // Reasons grouped with their count, numbers masked.
+    assert!(
+        dom.contains("<td>6</td><td title=") && dom.contains("HTTP # for order #"),
+        "{dom}"
+    );
+    // The filter survives in the form.
+    assert!(dom.contains("value=\"tenant=acme\""), "{dom}");
+
+    // Replay all matching: first the confirmation, with the count.
+    let form = format!(
+        "stream={}&{filter}&action=replay&rate=200&token={TOKEN}",
+        encode(&stream)
+    );
+    let (status, page) = post(&format!("{base}/dlq/bulk"), &form);
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("6 dead letters match"), "{page}");
+    assert_eq!(dead_letters(&mut r, &stream).len(), 12, "nothing done yet");
+    // Without the token: refused. Confirmed for 4: only 4 go.
+    let (status, _) = post(
+        &format!("{base}/dlq/bulk"),
+        &format!(
+            "stream={}&{filter}&action=replay&confirm=4&token=nope-nope-nope",
+            encode(&stream)
+        ),
+    );
+    assert_eq!(status, 403);
+    let (status, body) = post(&format!("{base}/dlq/bulk"), &format!("{form}&confirm=4"));
+    assert_eq!(status, 303, "{body}");
+    let list = || {
+        ureq::get(format!("{base}/dlq?stream={}", encode(&stream)))
+            .call()
+            .unwrap()
+            .body_mut()
+            .read_to_string()
+            .unwrap()
+    };
+    assert!(
+        wait_until(Duration::from_secs(20), || list()
+            .contains("Last bulk replay: replayed 4")),
+        "{}",
+        list()
+    );
+    let left: Vec<String> = dead_letters(&mut r, &stream)
+        .into_iter()
+        .filter_map(|l| l.event_id)
+        .collect();
+    assert_eq!(left.len(), 8, "{left:?}");
+    assert_eq!(left.iter().filter(|id| id.starts_with("acme-")).count(), 2);
+    assert_eq!(xlen(&mut r, &stream), 4, "replayed onto the stream");
+
+    // Delete all matching the invalid kind.
+    let form = format!(
+        "stream={}&kind=invalid&action=delete&token={TOKEN}",
+        encode(&stream)
+    );
+    let (status, page) = post(&format!("{base}/dlq/bulk"), &form);
+    assert!(
+        status == 200 && page.contains("1 dead letters match"),
+        "{page}"
+    );
+    let (status, _) = post(&format!("{base}/dlq/bulk"), &format!("{form}&confirm=1"));
+    assert_eq!(status, 303);
+    assert!(wait_until(Duration::from_secs(20), || list()
+        .contains("Last bulk delete: deleted 1")));
+    assert!(!dead_letters(&mut r, &stream)
+        .iter()
+        .any(|l| l.event_id.as_deref() == Some("bad-1")));
+    p.kill();
+}

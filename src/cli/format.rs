@@ -85,67 +85,9 @@ pub fn one_line(text: &str, max: usize) -> String {
     out
 }
 
-/// Parses a point in time: a duration ago (`90s`, `2h`, `3d`) or an RFC 3339
-/// time (`2024-05-01T12:00:00Z`, `2024-05-01T14:00:00+02:00`, or a date
-/// `2024-05-01`, UTC midnight).
-pub fn parse_time(text: &str, now: SystemTime) -> Result<SystemTime, String> {
-    let text = text.trim();
-    if let Ok(ago) = humantime::parse_duration(text) {
-        return now
-            .checked_sub(ago)
-            .ok_or_else(|| format!("{text:?} ago is before the epoch"));
-    }
-    let bad = || {
-        format!(
-            "bad time {text:?} (expected a duration ago such as 2h, or an RFC 3339 time such as 2024-05-01T12:00:00Z)"
-        )
-    };
-    let mut body = text.to_owned();
-    if body.len() == 10 {
-        body.push_str("T00:00:00Z");
-    }
-    // humantime reads UTC only: take a numeric offset off and apply it.
-    let mut offset_secs: i64 = 0;
-    if body.len() > 19 && !body.ends_with('Z') && !body.ends_with('z') {
-        let cut = body.len() - 6;
-        let tail = &body[cut..];
-        let b = tail.as_bytes();
-        if (b[0] == b'+' || b[0] == b'-') && b[3] == b':' {
-            let h: i64 = tail[1..3].parse().map_err(|_| bad())?;
-            let m: i64 = tail[4..6].parse().map_err(|_| bad())?;
-            offset_secs = (h * 3600 + m * 60) * if b[0] == b'-' { -1 } else { 1 };
-            body.truncate(cut);
-        }
-    }
-    let local = humantime::parse_rfc3339_weak(&body).map_err(|_| bad())?;
-    let shifted = if offset_secs >= 0 {
-        local.checked_sub(Duration::from_secs(offset_secs.unsigned_abs()))
-    } else {
-        local.checked_add(Duration::from_secs(offset_secs.unsigned_abs()))
-    };
-    shifted.ok_or_else(bad)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn times_parse_as_ago_or_rfc3339() {
-        let now = UNIX_EPOCH + Duration::from_secs(1_700_000_000);
-        assert_eq!(
-            parse_time("2h", now).unwrap(),
-            now - Duration::from_secs(7200)
-        );
-        let utc = parse_time("2024-05-01T12:00:00Z", now).unwrap();
-        assert_eq!(parse_time("2024-05-01T14:00:00+02:00", now).unwrap(), utc);
-        assert_eq!(parse_time("2024-05-01T10:30:00-01:30", now).unwrap(), utc);
-        assert_eq!(
-            parse_time("2024-05-01", now).unwrap(),
-            utc - Duration::from_secs(12 * 3600)
-        );
-        assert!(parse_time("yesterday", now).is_err());
-    }
 
     #[test]
     fn ages_and_lines() {

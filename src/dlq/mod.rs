@@ -41,7 +41,7 @@ mod replay;
 mod stats;
 
 pub use archive::{ArchiveReport, ArchiveTarget};
-pub use filter::{Filter, ReasonMatch, Selection};
+pub use filter::{parse_time, Filter, ReasonMatch, Selection};
 pub use handle::DeadLetters;
 pub use letter::{dead_letter_stream, Attempt, DeadLetter, Kind};
 pub use purge::PurgeReport;
@@ -54,6 +54,7 @@ pub(crate) use letter::millis;
 pub(crate) use purge::purge;
 pub(crate) use read::{list, show};
 pub(crate) use replay::replay;
+pub(crate) use stats::{stats, stats_within};
 
 use crate::error::{Error, ErrorKind};
 use crate::postgres::connect;

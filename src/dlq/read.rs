@@ -28,10 +28,10 @@ const LIST_BUDGET_TIME: Duration = Duration::from_secs(2);
 #[derive(Debug, Default)]
 pub(crate) struct Scanned {
     /// Entries read.
-    entries: usize,
+    pub entries: usize,
     /// The last id read, when the scan stopped because of its budget with
     /// more entries left.
-    stopped_at: Option<String>,
+    pub stopped_at: Option<String>,
 }
 
 /// XREVRANGE, cut down by `streams::BOUND`. ARGV[4..]: end, count.

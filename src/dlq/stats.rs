@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use crate::dlq::filter::Filter;
 use crate::dlq::letter::{dead_letter_stream, DeadLetter, Kind};
@@ -40,21 +41,34 @@ pub struct Stats {
     pub newest_dead_at: Option<u64>,
     /// The reason of the newest entry.
     pub latest_reason: Option<String>,
+    /// Where a count limited in entries or time stopped (the counts cover
+    /// what is newer); `None` when everything was counted.
+    pub stopped_at: Option<String>,
 }
 
 /// Counts the dead letters of `stream` that `filter` matches (its limit and
 /// cursor are honoured too).
 pub fn stats(conn: &mut RedisConn, stream: &str, filter: &Filter) -> Result<Stats, Error> {
+    stats_within(conn, stream, filter, None)
+}
+
+/// [`stats`], stopping after `budget` (entries looked at, time) if given.
+pub(crate) fn stats_within(
+    conn: &mut RedisConn,
+    stream: &str,
+    filter: &Filter,
+    budget: Option<(usize, Duration)>,
+) -> Result<Stats, Error> {
     let dlq = dead_letter_stream(stream);
     let mut stats = Stats::default();
     let mut kinds: HashMap<Kind, u64> = HashMap::new();
     let mut reasons: HashMap<String, (u64, String, usize)> = HashMap::new();
-    scan(
+    let scanned = scan(
         conn,
         &dlq,
         filter.before.as_deref(),
         PAGE,
-        None,
+        budget,
         |id, fields| {
             let Ok(letter) = DeadLetter::from_fields(Some(id), &fields) else {
                 stats.undecodable += 1;
@@ -86,6 +100,7 @@ pub fn stats(conn: &mut RedisConn, stream: &str, filter: &Filter) -> Result<Stat
             filter.limit.is_none_or(|n| stats.count < n as u64)
         },
     )?;
+    stats.stopped_at = scanned.stopped_at;
     stats.by_kind = kinds.into_iter().collect();
     stats
         .by_kind

@@ -11,6 +11,8 @@ use crate::error::{Error, ErrorKind};
 use crate::worker::monitor::Monitor;
 
 pub(crate) mod access;
+pub(crate) mod bulk;
+pub(crate) mod filter;
 pub(crate) mod html;
 pub(crate) mod message;
 pub(crate) mod metrics;

@@ -6,8 +6,13 @@
 //! The URL never puts words on the page: the message box after an action
 //! shows one of a fixed set of texts, chosen by a code (see [`message`]).
 
+use std::sync::Arc;
+use std::time::SystemTime;
+
 use crate::dlq::{self, ReplayOptions, Selection};
 use crate::http::access::{cross_site, Access, Denied};
+use crate::http::bulk::{self, Action, Bulk};
+use crate::http::filter::PageFilter;
 use crate::http::html::{escape, html, param, params};
 use crate::http::overview::{overview_page, Rates};
 use crate::http::server::text;
@@ -23,6 +28,7 @@ const MAX_FORM: usize = 64 * 1024;
 pub(crate) struct Page {
     access: Access,
     rates: Rates,
+    bulk: Arc<Bulk>,
 }
 
 impl Page {
@@ -30,6 +36,7 @@ impl Page {
         Page {
             access: Access::new(loopback, admin, read),
             rates: Rates::default(),
+            bulk: Arc::default(),
         }
     }
 
@@ -37,7 +44,7 @@ impl Page {
     /// forms, nothing elsewhere.
     pub fn form_limit(&self, path: &str) -> usize {
         match path {
-            "/dlq/login" | "/dlq/replay" | "/dlq/delete" => MAX_FORM,
+            "/dlq/login" | "/dlq/replay" | "/dlq/delete" | "/dlq/bulk" => MAX_FORM,
             _ => 0,
         }
     }
@@ -58,11 +65,13 @@ impl Page {
             ("GET" | "HEAD", "/dlq" | "/dlq/show") => {
                 match self.access.may_read(request, &monitor.shutdown_handle()) {
                     Err(denied) => login_page(denied),
-                    Ok(()) if path == "/dlq" => list_page(monitor, &params(request.query())),
+                    Ok(()) if path == "/dlq" => {
+                        list_page(monitor, &self.access, &self.bulk, &params(request.query()))
+                    }
                     Ok(()) => show_page(monitor, &self.access, &params(request.query())),
                 }
             }
-            ("POST", "/dlq/login" | "/dlq/replay" | "/dlq/delete") => {
+            ("POST", "/dlq/login" | "/dlq/replay" | "/dlq/delete" | "/dlq/bulk") => {
                 if cross_site(request) {
                     log::warn!("http: {path} refused: sent from another site");
                     return Some(html(
@@ -124,6 +133,9 @@ impl Page {
             Ok(s) => s.to_owned(),
             Err(r) => return r,
         };
+        if path == "/dlq/bulk" {
+            return self.bulk_action(monitor, &stream, form);
+        }
         let Some(id) = param(form, "id") else {
             return html(400, "Bad request", "<p>missing id</p>");
         };
@@ -182,6 +194,51 @@ impl Page {
         log::info!("http: {path} {stream}/{id}: {message}");
         let location = format!("/dlq?stream={}&msg={code}", encode(&stream));
         text(303, "text/plain", message + "\n").with_header("Location", location)
+    }
+}
+
+impl Page {
+    /// `POST /dlq/bulk` (admin token checked): without `confirm`, the page
+    /// that shows the count and asks; with it, the action starts.
+    fn bulk_action(&self, monitor: &Monitor, stream: &str, form: &[(String, String)]) -> Response {
+        let bad = |why: String| html(400, "Bad request", &format!("<p>{}</p>", escape(&why)));
+        let Some(action) = param(form, "action").and_then(Action::parse) else {
+            return bad("action must be replay or delete".into());
+        };
+        let filter = match PageFilter::read(form, SystemTime::now()) {
+            Ok(f) => f,
+            Err(e) => return bad(e),
+        };
+        let rate = match bulk::rate(form) {
+            Ok(r) => r,
+            Err(e) => return bad(e),
+        };
+        let Some(confirmed) = param(form, "confirm") else {
+            return Bulk::confirm(monitor, stream, &filter, action, rate);
+        };
+        let Ok(confirmed) = confirmed.parse::<usize>() else {
+            return bad(format!("confirm {confirmed:?} is not a count"));
+        };
+        if let Err(e) = self
+            .bulk
+            .start(monitor, stream, &filter, action, confirmed, rate)
+        {
+            return html(
+                409,
+                "Busy",
+                &format!("<p class=\"msg\" id=\"msg\">{}</p>", escape(&e)),
+            );
+        }
+        log::info!(
+            "http: bulk {form_action} of up to {confirmed} on {stream} started",
+            form_action = param(form, "action").unwrap_or("")
+        );
+        let location = format!(
+            "/dlq?stream={}{}&msg=bulk_started&n={confirmed}",
+            encode(stream),
+            filter.link_params().replace("&amp;", "&")
+        );
+        text(303, "text/plain", "started\n".into()).with_header("Location", location)
     }
 }
 
@@ -249,6 +306,10 @@ pub(crate) fn message(query: &[(String, String)]) -> Option<String> {
         "replay_failed" => "The replay failed; the worker's log says why.".to_owned(),
         "deleted" => "Deleted the dead letter.".to_owned(),
         "delete_failed" => "The delete failed; the worker's log says why.".to_owned(),
+        "bulk_started" => format!(
+            "Started on {} dead letter(s), in the background; progress below.",
+            number("n")
+        ),
         _ => return None,
     })
 }

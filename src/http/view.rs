@@ -2,9 +2,12 @@
 //! N" when a listing stopped early) and one letter in full.
 
 use std::fmt::Write as _;
+use std::time::SystemTime;
 
-use crate::dlq::{self, DeadLetter, Filter, Kind, ReasonMatch};
+use crate::dlq::{self, DeadLetter, Filter};
 use crate::http::access::Access;
+use crate::http::bulk::Bulk;
+use crate::http::filter::PageFilter;
 use crate::http::html::{cut, escape, field_text, html, param, time};
 use crate::http::page::{message, redis, stream_param};
 use crate::http::wire::Response;
@@ -13,19 +16,33 @@ use crate::worker::monitor::Monitor;
 
 const PAGE_SIZE: usize = 50;
 
-pub(crate) fn list_page(monitor: &Monitor, query: &[(String, String)]) -> Response {
+/// Entries the reasons table looks at, at most, and for how long.
+const REASONS_BUDGET: (usize, std::time::Duration) = (10_000, std::time::Duration::from_secs(1));
+
+pub(crate) fn list_page(
+    monitor: &Monitor,
+    access: &Access,
+    bulk: &Bulk,
+    query: &[(String, String)],
+) -> Response {
     let stream = match stream_param(monitor, query) {
         Ok(s) => s,
         Err(r) => return r,
     };
-    let kind = param(query, "kind").and_then(Kind::parse);
-    let reason = param(query, "reason");
+    let chosen = match PageFilter::read(query, SystemTime::now()) {
+        Ok(f) => f,
+        Err(e) => {
+            return html(
+                400,
+                "Bad filter",
+                &format!("<p class=\"msg\" id=\"msg\">{}</p>", escape(&e)),
+            )
+        }
+    };
     let filter = Filter {
-        kinds: kind.into_iter().collect(),
-        reason: reason.map(ReasonMatch::substring),
         limit: Some(PAGE_SIZE),
         before: param(query, "before").map(str::to_owned),
-        ..Filter::default()
+        ..chosen.filter.clone()
     };
     let mut conn = match redis(monitor) {
         Ok(c) => c,
@@ -35,6 +52,7 @@ pub(crate) fn list_page(monitor: &Monitor, query: &[(String, String)]) -> Respon
         Ok(l) => l,
         Err(e) => return html(400, "Error", &format!("<p>{}</p>", escape(&e.to_string()))),
     };
+    let reasons = dlq::stats_within(&mut conn, stream, &chosen.filter, Some(REASONS_BUDGET));
     let letters = &listing.letters;
     let dlq_name = crate::dlq::dead_letter_stream(stream);
     let total: u64 = redis::cmd("XLEN")
@@ -45,36 +63,32 @@ pub(crate) fn list_page(monitor: &Monitor, query: &[(String, String)]) -> Respon
     if let Some(msg) = message(query) {
         let _ = write!(body, "<p class=\"msg\" id=\"msg\">{}</p>", escape(&msg));
     }
+    body.push_str(&bulk.status(stream).unwrap_or_default());
     let _ = write!(
         body,
-        "<p>{total} in <code>{}</code>, newest first.</p>",
+        "<p>{total} in <code>{}</code>, newest first. <a href=\"/\">Overview</a></p>",
         escape(&dlq_name)
     );
-    body.push_str("<form method=\"get\" action=\"/dlq\">");
-    if monitor.streams().len() > 1 {
-        body.push_str("Stream <select name=\"stream\">");
+    let stream_input = if monitor.streams().len() > 1 {
+        let mut out = String::from("Stream <select name=\"stream\">");
         for s in monitor.streams() {
             let selected = if s == stream { " selected" } else { "" };
-            let _ = write!(body, "<option{selected}>{}</option>", escape(s));
+            let _ = write!(out, "<option{selected}>{}</option>", escape(s));
         }
-        body.push_str("</select> ");
+        out + "</select> "
     } else {
-        let _ = write!(
-            body,
+        format!(
             "<input type=\"hidden\" name=\"stream\" value=\"{}\">",
             escape(stream)
-        );
+        )
+    };
+    body.push_str(&chosen.form(&stream_input));
+    if let Ok(stats) = &reasons {
+        body.push_str(&reasons_table(stats));
     }
-    body.push_str("Kind <select name=\"kind\"><option value=\"\">any</option>");
-    for k in Kind::ALL {
-        let selected = if Some(k) == kind { " selected" } else { "" };
-        let _ = write!(body, "<option{selected}>{k}</option>");
+    if access.can_change() && !letters.is_empty() {
+        body.push_str(&bulk_forms(stream, &chosen));
     }
-    let _ = write!(
-        body,
-        "</select> Reason contains <input name=\"reason\" value=\"{}\"> <button type=\"submit\">Filter</button></form>",
-        escape(reason.unwrap_or(""))
-    );
     body.push_str(
         "<table id=\"letters\"><tr><th>dead at</th><th>kind</th><th>event_id</th><th>attempts</th><th>reason</th><th>entry</th></tr>",
     );
@@ -108,19 +122,69 @@ pub(crate) fn list_page(monitor: &Monitor, query: &[(String, String)]) -> Respon
         None if letters.len() == PAGE_SIZE => letters.last().and_then(|l| l.id.as_deref()),
         None => None,
     };
-    {
-        if let Some(last) = next {
-            let _ = write!(
-                body,
-                "<p><a id=\"next\" href=\"/dlq?stream={}&amp;kind={}&amp;reason={}&amp;before={}\">Older &rarr;</a></p>",
-                encode(stream),
-                kind.map_or("", |k| k.as_str()),
-                encode(reason.unwrap_or("")),
-                encode(last)
-            );
-        }
+    if let Some(last) = next {
+        let _ = write!(
+            body,
+            "<p><a id=\"next\" href=\"/dlq?stream={}{}&amp;before={}\">Older &rarr;</a></p>",
+            encode(stream),
+            chosen.link_params(),
+            encode(last)
+        );
     }
     html(200, "taskhub dead letters", &body)
+}
+
+/// The matching dead letters by reason, numbers and ids masked (as `taskhub
+/// dlq stats`), with an example of each on hover.
+fn reasons_table(stats: &dlq::Stats) -> String {
+    if stats.by_reason.is_empty() {
+        return String::new();
+    }
+    let mut out = format!(
+        "<h2>Reasons ({} matching{})</h2><table id=\"reasons\"><tr><th>count</th><th>reason (numbers and ids masked)</th></tr>",
+        stats.count,
+        if stats.stopped_at.is_some() { ", among the newest looked at" } else { "" }
+    );
+    for r in stats.by_reason.iter().take(20) {
+        let _ = write!(
+            out,
+            "<tr><td>{}</td><td title=\"{}\">{}</td></tr>",
+            r.count,
+            escape(&cut(&r.example, 300)),
+            escape(&cut(&r.fingerprint, 200))
+        );
+    }
+    out.push_str("</table>");
+    out
+}
+
+/// Replay and delete of everything the filter selects (admin only): the
+/// first POST only counts and asks for confirmation.
+fn bulk_forms(stream: &str, chosen: &PageFilter) -> String {
+    let mut out = format!(
+        "<p>Everything that matches: {}.</p>",
+        escape(&chosen.describe())
+    );
+    for (action, label, extra) in [
+        (
+            "replay",
+            "Replay all matching…",
+            "at most <input name=\"rate\" size=\"4\" value=\"50\"> per second ",
+        ),
+        ("delete", "Delete all matching…", ""),
+    ] {
+        let _ = write!(
+            out,
+            "<form class=\"inline\" method=\"post\" action=\"/dlq/bulk\" id=\"bulk-{action}\">\
+             <input type=\"hidden\" name=\"stream\" value=\"{}\">{}\
+             <input type=\"hidden\" name=\"action\" value=\"{action}\">{extra}\
+             Admin token <input type=\"password\" name=\"token\" autocomplete=\"off\"> \
+             <button type=\"submit\">{label}</button></form> ",
+            escape(stream),
+            chosen.hidden_fields()
+        );
+    }
+    out
 }
 
 pub(crate) fn show_page(

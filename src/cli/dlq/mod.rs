@@ -8,7 +8,6 @@ use clap::{Args, Subcommand};
 use taskhub::dlq::dead_letter_stream;
 use taskhub::dlq::{DeadLetters, Filter, ReasonMatch, Selection};
 
-use crate::cli::format::parse_time;
 use crate::cli::report;
 
 mod change;
@@ -122,13 +121,15 @@ impl FilterArgs {
             since: self
                 .since
                 .as_deref()
-                .map(|t| parse_time(t, now))
-                .transpose()?,
+                .map(|t| taskhub::dlq::parse_time(t, now))
+                .transpose()
+                .map_err(err)?,
             until: self
                 .until
                 .as_deref()
-                .map(|t| parse_time(t, now))
-                .transpose()?,
+                .map(|t| taskhub::dlq::parse_time(t, now))
+                .transpose()
+                .map_err(err)?,
             fields: self
                 .fields
                 .iter()
