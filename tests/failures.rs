@@ -1125,3 +1125,74 @@ fn a_handler_that_swallows_a_statement_error_is_not_acked_as_applied() {
     );
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 }
+
+/// While failures are frequent a batch runs guarded: a failing event (here
+/// a statement error, which aborts the transaction) costs a return to a
+/// savepoint, not its batch's transaction, so the batch-mates commit in the
+/// same transaction. Seen through the transaction ids the handler runs in:
+/// one per batch (plus the batch whose failure turned the guard on), not
+/// one more per failure.
+#[test]
+fn a_failing_event_costs_its_batch_a_savepoint_not_a_transaction() {
+    if !batch_mode() {
+        return;
+    }
+    struct Picky {
+        xids: Mutex<std::collections::HashSet<i64>>,
+    }
+    impl Handler for Picky {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            self.handle_batch(&[event], tx)
+        }
+        fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            let xid: i64 = tx.query_one("SELECT txid_current()", &[])?.get(0);
+            self.xids.lock().unwrap().insert(xid);
+            for (i, event) in events.iter().enumerate() {
+                // A bad payload fails in SQL: 22P02, the transaction aborted.
+                tx.execute(
+                    "INSERT INTO notifications (event_id, payload) VALUES ($1, $2::text::int::text)",
+                    &[&event.event_id(), &event.payload()],
+                )
+                .map_err(|e| HandlerError::from(e).for_event(i))?;
+            }
+            Ok(())
+        }
+    }
+    let db = TestDb::new();
+    let (stream, group) = (unique("guard"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let mut good = Vec::new();
+    for i in 0..300 {
+        let id = format!("g-{i:03}");
+        let payload = if i % 10 == 9 {
+            "x".to_owned()
+        } else {
+            i.to_string()
+        };
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &id), ("payload", &payload)],
+        );
+        if i % 10 != 9 {
+            good.push(id);
+        }
+    }
+    let picky = std::sync::Arc::new(Picky {
+        xids: Mutex::default(),
+    });
+    let summary = start(
+        builder(&redis_url(), &db.url, &stream, &group)
+            .workers(1)
+            .build(picky.clone())
+            .unwrap(),
+    )
+    .join(Duration::from_secs(60));
+    assert_exactly_once(&db, &good);
+    assert_eq!(summary.dead_lettered, 30, "{summary}");
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 270);
+    let transactions = picky.xids.lock().unwrap().len();
+    // 300 entries come in reads of at most 16: about 19 batches. Without
+    // the guard every one of the 30 failures would add a transaction.
+    assert!(transactions < 30, "{transactions} transactions");
+}

@@ -39,6 +39,9 @@ const INSERT_PROCESSED_BATCH: &str = "INSERT INTO processed_events (scope, event
 /// The transaction id now: NULL outside a transaction that wrote, and an
 /// error (25P02) in an aborted one.
 const CURRENT_TXID: &str = "SELECT txid_current_if_assigned()";
+/// Takes back the dedup rows of the events a guarded batch left out.
+const DELETE_PROCESSED: &str =
+    "DELETE FROM processed_events WHERE scope = $1 AND event_id = ANY($2::text[])";
 
 /// The outcome of applying one event.
 #[derive(Debug, PartialEq, Eq)]
@@ -59,8 +62,9 @@ pub(crate) enum Applied {
 /// The outcome of a batch transaction.
 #[derive(Debug)]
 pub(crate) enum Batch {
-    /// Committed; per delivery, whether it was new (else a duplicate).
-    Applied(Vec<bool>),
+    /// Committed; per delivery, whether it was new (else a duplicate), and
+    /// the deliveries (by position) that failed and were left out of it.
+    Applied(Vec<bool>, Vec<(usize, HandlerError)>),
     /// Rolled back because these deliveries (by position) are not this
     /// consumer's any more, or were trimmed; the rest is to be tried again.
     NotOurs(Vec<(usize, Applied)>),
@@ -157,8 +161,20 @@ impl Processor {
 
     /// Step 3 for a batch: one set-based insert into `processed_events`
     /// returns which event ids are new, the handler's batch form applies
-    /// them, one COMMIT. Any error rolls the whole batch back.
-    pub(crate) fn apply_batch(&mut self, batch: &[Delivery]) -> Result<Batch, HandlerError> {
+    /// them, one COMMIT.
+    ///
+    /// `guarded` (while failures are frequent): the handler's call runs
+    /// inside a savepoint, so an error that names its event costs only that
+    /// event: back to the savepoint (which also clears an aborted
+    /// statement), the event left out, the call made again for the rest;
+    /// the dedup rows of the events left out are deleted before COMMIT and
+    /// they take the normal failure path. Unguarded, any error rolls the
+    /// whole batch back (no savepoint round trip while all goes well).
+    pub(crate) fn apply_batch(
+        &mut self,
+        batch: &[Delivery],
+        guarded: bool,
+    ) -> Result<Batch, HandlerError> {
         let stage = self.stage.clone();
         let scope = stage.settings.scope.as_str();
         self.connection()?;
@@ -186,31 +202,59 @@ impl Processor {
             .map(|(i, d)| (i, event(d)))
             .unzip();
         let Some(xid) = xid else {
-            return Ok(Batch::Applied(new)); // all duplicates; rolled back
+            return Ok(Batch::Applied(new, Vec::new())); // all duplicates; rolled back
         };
+        let (mut positions, mut events) = (positions, events);
         for e in &events {
             fault::hit(Point::InHandler, e.event_id());
         }
-        let started = Instant::now();
-        let handled = catch_panic(|| stage.handler.handle_batch(&events, &mut tx));
-        stage
-            .common
-            .stats
-            .handler_seconds
-            .observe(started.elapsed());
-        if let Err(e) = handled {
+        let mut left_out: Vec<(usize, HandlerError)> = Vec::new();
+        if guarded {
+            tx.batch_execute("SAVEPOINT batch")?;
+        }
+        while !events.is_empty() {
+            let started = Instant::now();
+            let handled = catch_panic(|| stage.handler.handle_batch(&events, &mut tx));
+            stage
+                .common
+                .stats
+                .handler_seconds
+                .observe(started.elapsed());
+            let Err(e) = handled else { break };
             if e.is_panic() {
                 Stats::add(&stage.common.stats.panics, 1);
             }
-            if let Some(ended) = ended(&mut tx, xid) {
-                return Err(ended.for_no_event());
+            let named = e.event_index().filter(|i| *i < events.len());
+            match named {
+                Some(i) if guarded && e.class() != FailureClass::Outage => {
+                    if tx.batch_execute("ROLLBACK TO SAVEPOINT batch").is_err() {
+                        // The handler ended the transaction itself.
+                        return Err(ended(&mut tx, xid)
+                            .unwrap_or_else(ended_error)
+                            .for_no_event());
+                    }
+                    events.remove(i);
+                    left_out.push((positions.remove(i), e.for_no_event()));
+                }
+                _ => {
+                    if let Some(ended) = ended(&mut tx, xid) {
+                        return Err(ended.for_no_event());
+                    }
+                    // Name the failing event by its place in `batch`.
+                    return Err(match named {
+                        Some(i) => e.for_event(positions[i]),
+                        None => e.for_no_event(),
+                    });
+                }
             }
-            // Name the failing event by its place in `batch`.
-            let at = e.event_index().and_then(|i| positions.get(i).copied());
-            return Err(match at {
-                Some(i) => e.for_event(i),
-                None => e.for_no_event(),
-            });
+        }
+        if !left_out.is_empty() {
+            let ids: Vec<&str> = left_out
+                .iter()
+                .map(|(i, _)| event(&batch[*i]).event_id())
+                .collect();
+            let delete = tx.prepare_cached(DELETE_PROCESSED)?;
+            tx.execute(&delete, &[&scope, &ids])?;
         }
         let long: Vec<usize> = (0..batch.len()).filter(|i| batch[*i].held_long()).collect();
         if !long.is_empty() {
@@ -234,7 +278,7 @@ impl Processor {
             fault::hit(Point::AfterCommit, e.event_id());
             committed(&stage, e);
         }
-        Ok(Batch::Applied(new))
+        Ok(Batch::Applied(new, left_out))
     }
 }
 

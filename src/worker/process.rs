@@ -118,6 +118,10 @@ pub(crate) enum Flow<T> {
 /// meanwhile, before its events are applied one by one.
 const BATCH_STRIKES: u32 = 2;
 
+/// Batches run guarded (a savepoint around the handler) while more than
+/// this share of batched events failed lately.
+const GUARD_ABOVE: f64 = 0.005;
+
 impl Processor {
     pub fn new(
         stage: Arc<Stage>,
@@ -244,92 +248,89 @@ impl Processor {
     }
 
     /// A batch that fails on one known event loses that event (it takes the
-    /// normal failure path) and is tried again without it; a failure that
-    /// names no event sends the whole batch one by one. Each failure costs a
-    /// rolled-back transaction, so while failures are frequent the batch is
-    /// cut into smaller transactions (see `batch_limit`).
+    /// normal failure path) and the rest goes on without it; a failure that
+    /// names no event sends the whole batch one by one. While failures are
+    /// frequent, batches run guarded (see `apply_batch`): a failing event
+    /// costs a return to a savepoint, not the batch's transaction.
     fn apply_batches(
         &mut self,
         stream: &str,
-        mut batch: Vec<Delivery>,
+        batch: Vec<Delivery>,
         one_by_one: &mut Vec<Delivery>,
         done: &mut Finished,
     ) {
-        while !batch.is_empty() {
-            let limit = self.batch_limit().min(batch.len());
-            let mut chunk: Vec<Delivery> = batch.drain(..limit).collect();
-            let size = chunk.len();
-            let mut failures = 0;
-            let mut strikes = 0;
-            while chunk.len() > 1 {
-                match self.through_outages(&mut strikes, BATCH_STRIKES, |p| p.apply_batch(&chunk)) {
-                    Flow::Stopped => chunk.clear(), // left pending
-                    Flow::Struck => {
-                        log::warn!(
-                            "{stream}: the database connection was lost {strikes} times while a batch of {} ran; applying its events one by one",
-                            chunk.len()
-                        );
-                        one_by_one.append(&mut chunk);
-                    }
-                    Flow::Done(Ok(Batch::Applied(new))) => {
-                        for (delivery, new) in std::mem::take(&mut chunk).into_iter().zip(new) {
-                            let counters = self.stage.common.stats.of(&delivery.stream);
-                            let counter = if new {
-                                &counters.applied
-                            } else {
-                                &counters.duplicates
-                            };
-                            Stats::add(counter, 1);
-                            done.push(delivery, true);
+        let mut chunk = batch;
+        let size = chunk.len();
+        let mut failures = 0;
+        let mut strikes = 0;
+        while chunk.len() > 1 {
+            let guarded = self.failure_rate >= GUARD_ABOVE;
+            match self.through_outages(&mut strikes, BATCH_STRIKES, |p| {
+                p.apply_batch(&chunk, guarded)
+            }) {
+                Flow::Stopped => chunk.clear(), // left pending
+                Flow::Struck => {
+                    log::warn!(
+                        "{stream}: the database connection was lost {strikes} times while a batch of {} ran; applying its events one by one",
+                        chunk.len()
+                    );
+                    one_by_one.append(&mut chunk);
+                }
+                Flow::Done(Ok(Batch::Applied(new, left_out))) => {
+                    failures += left_out.len();
+                    let mut left_out: Vec<(usize, HandlerError)> = left_out;
+                    left_out.sort_by_key(|(i, _)| *i);
+                    let mut left_out = left_out.into_iter().peekable();
+                    for (i, (delivery, new)) in
+                        std::mem::take(&mut chunk).into_iter().zip(new).enumerate()
+                    {
+                        if left_out.peek().is_some_and(|(at, _)| *at == i) {
+                            let (_, error) = left_out.next().expect("peeked");
+                            self.failed(delivery, error);
+                            continue;
                         }
+                        let counters = self.stage.common.stats.of(&delivery.stream);
+                        let counter = if new {
+                            &counters.applied
+                        } else {
+                            &counters.duplicates
+                        };
+                        Stats::add(counter, 1);
+                        done.push(delivery, true);
                     }
-                    Flow::Done(Ok(Batch::NotOurs(positions))) => {
-                        // Rolled back: drop the entries that are no longer
-                        // ours, dead-letter the trimmed ones, redo the rest.
-                        for (i, applied) in positions.into_iter().rev() {
+                }
+                Flow::Done(Ok(Batch::NotOurs(positions))) => {
+                    // Rolled back: drop the entries that are no longer
+                    // ours, dead-letter the trimmed ones, redo the rest.
+                    for (i, applied) in positions.into_iter().rev() {
+                        let delivery = chunk.remove(i);
+                        self.not_applied(delivery, applied);
+                    }
+                }
+                Flow::Done(Err(e)) => {
+                    failures += 1;
+                    match e.event_index() {
+                        Some(i) if i < chunk.len() => {
                             let delivery = chunk.remove(i);
-                            self.not_applied(delivery, applied);
+                            self.failed(delivery, e);
                         }
-                    }
-                    Flow::Done(Err(e)) => {
-                        failures += 1;
-                        match e.event_index() {
-                            Some(i) if i < chunk.len() => {
-                                let delivery = chunk.remove(i);
-                                self.failed(delivery, e);
-                            }
-                            _ => {
-                                log::debug!(
-                                    "{stream}: a batch of {} failed ({e}); applying its events one by one",
-                                    chunk.len()
-                                );
-                                one_by_one.append(&mut chunk);
-                            }
+                        _ => {
+                            log::debug!(
+                                "{stream}: a batch of {} failed ({e}); applying its events one by one",
+                                chunk.len()
+                            );
+                            one_by_one.append(&mut chunk);
                         }
                     }
                 }
             }
-            one_by_one.append(&mut chunk);
-            self.record_batch(size, failures);
         }
-    }
-
-    /// The largest batch worth one transaction now. With a share `p` of
-    /// events failing, a batch of `n` is rolled back about `n·p` times, so
-    /// batches shrink to about `2/p` events while failures are frequent and
-    /// grow back to the full read size when they stop. (Measured with
-    /// scripts/bench.sh at p = 0.1: `2/p` drains healthy events faster than
-    /// both full batches and `1/(2p)`.)
-    fn batch_limit(&self) -> usize {
-        if self.failure_rate < 0.005 {
-            usize::MAX
-        } else {
-            ((2.0 / self.failure_rate) as usize).clamp(2, 1024)
-        }
+        one_by_one.append(&mut chunk);
+        self.record_batch(size, failures);
     }
 
     /// Updates the failure rate (a moving average) after a batch of `size`
-    /// events saw `failures` failed transactions.
+    /// events saw `failures` failed events.
     fn record_batch(&mut self, size: usize, failures: usize) {
         let observed = failures as f64 / size.max(1) as f64;
         self.failure_rate = 0.8 * self.failure_rate + 0.2 * observed;
