@@ -523,7 +523,8 @@ fn an_event_that_kills_its_backend_ends_as_a_crash_loop() {
     }
 }
 
-/// Ends the transaction itself for payload `rollback` (and `commit`), the
+/// Ends the transaction itself for payload `rollback` (and `commit`, and
+/// `restart`, which then writes in a transaction of its own), the
 /// way a handler calling `batch_execute("ROLLBACK")` would.
 struct EndsTransaction;
 
@@ -536,6 +537,11 @@ impl Handler for EndsTransaction {
         match event.payload() {
             Some("rollback") => tx.batch_execute("ROLLBACK")?,
             Some("commit") => tx.batch_execute("COMMIT")?,
+            // Half an effect in a transaction of its own.
+            Some("restart") => tx.batch_execute(
+                "ROLLBACK; BEGIN READ WRITE; \
+                 INSERT INTO notifications (event_id, payload) VALUES ('half', 'half')",
+            )?,
             _ => {}
         }
         Ok(())
@@ -581,25 +587,30 @@ fn a_handler_that_commits_itself_fails_its_event() {
     let db = TestDb::new();
     let mut conn = redis(&redis_url());
     let (stream, group) = (unique("commits"), unique("g"));
-    let committed = unique("commit");
-    xadd(
-        &mut conn,
-        &stream,
-        &[("event_id", &committed), ("payload", "commit")],
-    );
+    for how in ["commit", "restart"] {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &unique(how)), ("payload", how)],
+        );
+    }
     let builder = fast_builder(&redis_url(), &db.url, &stream, &group)
         .mode(taskhub::Mode::PerEvent)
         .until_idle(true);
     let summary = Running::start(builder, EndsTransaction).join(RUN_TIMEOUT);
     assert_eq!(summary.applied, 0, "{summary}");
     let letters = dead_letters(&mut conn, &stream);
-    assert_eq!(letters.len(), 1, "{letters:?}");
-    assert_eq!(letters[0].kind, DeadLetterKind::Permanent);
-    assert!(
-        letters[0].reason.contains("ended the transaction"),
-        "{}",
-        letters[0].reason
-    );
+    assert_eq!(letters.len(), 2, "{letters:?}");
+    for letter in &letters {
+        assert_eq!(letter.kind, DeadLetterKind::Permanent);
+        assert!(
+            letter.reason.contains("ended the transaction"),
+            "{}",
+            letter.reason
+        );
+    }
+    // The handler's own second transaction was not committed by ours.
+    assert_eq!(db.effects("half"), 0);
 }
 
 #[test]

@@ -372,27 +372,51 @@ fn ended_error() -> HandlerError {
 /// written. And a handler that ran COMMIT or ROLLBACK itself (through
 /// `batch_execute`) ended the transaction that held the `processed_events`
 /// row: its event would be acked with no row, or with half an effect
-/// committed. One cheap statement before COMMIT catches both: it fails in an
-/// aborted transaction (25P02), and returns another transaction id (NULL)
-/// once the handler ended ours.
-fn commit(mut tx: Tx<'_>, xid: i64) -> Result<(), HandlerError> {
-    let check = tx.prepare_cached(CURRENT_TXID)?;
-    let current: Option<i64> = match tx.query_one(&check, &[]) {
-        Ok(row) => row.get(0),
-        Err(e) if crate::error::classify_postgres(&e) == FailureClass::Outage => {
-            return Err(e.into())
+/// committed. A check sent with the COMMIT, in the same round trip, catches
+/// both: in one simple query, an error skips the rest of the string, so the
+/// COMMIT runs only if the check passed. The check fails in an aborted
+/// transaction (25P02), and raises an error of its own when the transaction
+/// id is not the one of the dedup insert (another transaction, or none).
+fn commit(tx: Tx<'_>, xid: i64) -> Result<(), HandlerError> {
+    let Tx { mut tx, .. } = tx;
+    match tx.batch_execute(&commit_if_ours(xid)) {
+        Ok(()) => {
+            // Committed by our own COMMIT: dropping the `Transaction` would
+            // send a ROLLBACK and wait for it (a round trip per event and a
+            // warning in the server's log). It owns no memory of its own
+            // for a top-level transaction, so forgetting it leaks nothing.
+            std::mem::forget(tx);
+            Ok(())
         }
-        Err(e) => {
-            return Err(HandlerError::retryable(format!(
+        Err(e) if is_not_ours(&e) => Err(ended_error()), // dropping tx rolls back
+        Err(e) if e.code() == Some(&postgres::error::SqlState::IN_FAILED_SQL_TRANSACTION) => {
+            Err(HandlerError::retryable(format!(
                 "a statement of the handler failed and the transaction was aborted, but the handler returned Ok; rolled back ({e})"
             )))
         }
-    };
-    if current != Some(xid) {
-        return Err(ended_error());
+        Err(e) => Err(e.into()),
     }
-    tx.tx.commit()?;
-    Ok(())
+}
+
+/// The check and COMMIT of [`commit`]. The error is a failed cast, the one
+/// way to raise an error from plain SQL without a function of our own; its
+/// text is built from a volatile call, so the planner cannot fold (and
+/// raise) it ahead of the CASE.
+fn commit_if_ours(xid: i64) -> String {
+    format!(
+        "SELECT CASE WHEN txid_current_if_assigned() IS DISTINCT FROM {xid} \
+         THEN ('{NOT_OURS} ' || coalesce(txid_current_if_assigned()::text, 'none'))::int END; \
+         COMMIT"
+    )
+}
+
+/// How the check of [`commit_if_ours`] starts its error.
+const NOT_OURS: &str = "taskhub: not the transaction of the event:";
+
+fn is_not_ours(e: &postgres::Error) -> bool {
+    e.code() == Some(&postgres::error::SqlState::INVALID_TEXT_REPRESENTATION)
+        && e.as_db_error()
+            .is_some_and(|db| db.message().contains(NOT_OURS))
 }
 
 /// The handler's `committed` hook; a panic in it is logged, not spread
