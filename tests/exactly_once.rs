@@ -1064,3 +1064,46 @@ fn raw_binary_fields_reach_a_library_handler_intact() {
     assert_eq!(db.effects("b-3"), 1);
     assert_eq!(pending(&mut conn, &stream2, &group), 0);
 }
+
+/// In per-event mode a read is cut into one job per worker, so the events
+/// of one read run side by side: a read of 8 entries with 4 workers keeps
+/// several handler calls in flight at once (before, one worker ran the
+/// whole read while the others waited).
+#[test]
+fn per_event_mode_spreads_a_read_over_the_workers() {
+    struct Slow {
+        running: AtomicU32,
+        most: AtomicU32,
+    }
+    impl Handler for Slow {
+        fn handle(&self, _: &Event, _: &mut Tx<'_>) -> Result<(), HandlerError> {
+            let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most.fetch_max(now, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(200));
+            self.running.fetch_sub(1, Ordering::SeqCst);
+            Ok(())
+        }
+    }
+    let db = TestDb::new();
+    let (stream, group) = (unique("spread"), unique("g"));
+    let mut conn = redis(&redis_url());
+    for i in 0..8 {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &format!("s-{i}")), ("payload", "p")],
+        );
+    }
+    let slow = Arc::new(Slow {
+        running: AtomicU32::new(0),
+        most: AtomicU32::new(0),
+    });
+    let b = fast_builder(&redis_url(), &db.url, &stream, &group)
+        .mode(taskhub::Mode::PerEvent)
+        .workers(4)
+        .until_idle(true);
+    let summary = Running::start(b, slow.clone()).finish(IDLE_TIMEOUT);
+    assert_eq!(summary.applied, 8, "{summary}");
+    let most = slow.most.load(Ordering::SeqCst);
+    assert!(most >= 2, "at most {most} handler call(s) at once");
+}

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant, SystemTime};
 use crossbeam_channel::{bounded, unbounded};
 
 use crate::backoff::Backoff;
-use crate::config::{Builder, Config};
+use crate::config::{Builder, Config, Mode};
 use crate::error::{Error, ErrorKind};
 use crate::event::Limits;
 use crate::handler::Handler;
@@ -393,6 +393,7 @@ impl Worker {
                 claim: claim.clone(),
                 stream: stream.as_str().into(),
                 count: config.count,
+                parts: jobs_per_read(config, &*self.handler),
                 block: config.block,
                 start_id: config.start_id.clone(),
                 idle,
@@ -507,4 +508,15 @@ fn is_idle(common: &Common, flow: &InFlight, config: &Config, readers: &[Arc<Ato
     config.streams.iter().all(|stream| {
         streams::pending_count(&mut conn, stream, &config.group).is_ok_and(|n| n == 0)
     })
+}
+
+/// Into how many jobs a reader cuts each read: one per worker when events
+/// are applied one by one, so the events of a read run side by side instead
+/// of queueing behind each other in one worker; one batch otherwise.
+fn jobs_per_read(config: &Config, handler: &dyn Handler) -> usize {
+    if config.mode == Mode::Batch && handler.supports_batches() {
+        1
+    } else {
+        config.workers
+    }
 }

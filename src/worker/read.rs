@@ -41,12 +41,28 @@ pub(crate) struct Reader {
     pub stream: Arc<str>,
     /// Entries per read.
     pub count: usize,
+    /// Into how many jobs each read is cut (see `jobs_per_read` in `mod.rs`).
+    pub parts: usize,
     /// How long one read blocks.
     pub block: Duration,
     /// Where a group created again starts (`0` or `$`).
     pub start_id: String,
     /// Set while the last read found nothing new (for `until_idle`).
     pub idle: Arc<AtomicBool>,
+}
+
+/// Sends `job` as at most `parts` jobs of nearly equal size; false when
+/// the workers are gone.
+fn send_in_parts(jobs: &Sender<Job>, mut job: Job, parts: usize) -> bool {
+    let size = job.len().div_ceil(parts.max(1)).max(1);
+    while job.len() > size {
+        let rest = job.split_off(size);
+        if jobs.send(job).is_err() {
+            return false;
+        }
+        job = rest;
+    }
+    job.is_empty() || jobs.send(job).is_ok()
 }
 
 /// Where the reader is in its stream.
@@ -136,7 +152,7 @@ impl Reader {
                         common.health.up(Server::Redis);
                         failures = 0;
                     }
-                    if !job.is_empty() && jobs.send(job).is_err() {
+                    if !send_in_parts(jobs, job, self.parts) {
                         break;
                     }
                     self.idle.store(idle, Ordering::SeqCst);
