@@ -7,6 +7,11 @@
 //! the drain rate of the healthy events alone, which must stay close to the
 //! clean rate because retries wait in the retry thread, not in a worker.
 //!
+//! `--rate R --duration S` runs a steady load instead of a backlog: a producer
+//! thread sends R events per second for S seconds (in a small pipeline each
+//! millisecond) while the worker runs, and the latency is measured from each
+//! event's send, in microseconds, to its commit.
+//!
 //! Run: `cargo run --release --example bench -- --events 100000`.
 
 use std::collections::HashMap;
@@ -25,6 +30,9 @@ struct Args {
     payload_bytes: usize,
     sql: String,
     mode: taskhub::Mode,
+    /// Steady load: events per second (0: a preloaded backlog).
+    rate: u64,
+    duration: Duration,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -38,6 +46,8 @@ fn parse_args() -> Result<Args, String> {
         payload_bytes: 200,
         sql: taskhub::DEFAULT_STATEMENT.to_owned(),
         mode: taskhub::Mode::Batch,
+        rate: 0,
+        duration: Duration::from_secs(30),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -55,6 +65,10 @@ fn parse_args() -> Result<Args, String> {
             "--payload-bytes" => args.payload_bytes = value()?.parse().map_err(|e| bad(&e))?,
             "--sql" => args.sql = value()?,
             "--mode" => args.mode = value()?.parse()?,
+            "--rate" => args.rate = value()?.parse().map_err(|e| bad(&e))?,
+            "--duration" => {
+                args.duration = humantime::parse_duration(&value()?).map_err(|e| bad(&e))?
+            }
             other => return Err(format!("unknown flag {other}")),
         }
     }
@@ -66,7 +80,7 @@ struct BenchHandler {
     sql: SqlHandler,
     failures: Mutex<HashMap<String, u32>>,
     fail_times: u32,
-    /// Milliseconds from XADD to commit, per event.
+    /// Microseconds from XADD to commit, per event.
     latencies: Mutex<Vec<u64>>,
     last_healthy_commit: Mutex<Option<Instant>>,
 }
@@ -79,11 +93,11 @@ fn entry_millis(entry_id: &str) -> u64 {
         .unwrap_or(0)
 }
 
-fn now_millis() -> u64 {
+fn now_micros() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
-        .as_millis() as u64
+        .as_micros() as u64
 }
 
 impl Handler for BenchHandler {
@@ -119,7 +133,13 @@ impl Handler for BenchHandler {
     }
 
     fn committed(&self, event: &Event) {
-        let latency = now_millis().saturating_sub(entry_millis(event.entry_id()));
+        // The producer's clock in microseconds when it wrote one (steady
+        // load), else the entry id's milliseconds (preloaded backlog).
+        let sent_us = event
+            .field("sent_us")
+            .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
+            .unwrap_or_else(|| entry_millis(event.entry_id()) * 1000);
+        let latency = now_micros().saturating_sub(sent_us);
         self.latencies.lock().unwrap().push(latency);
         if event.field("fail").is_none() {
             *self.last_healthy_commit.lock().unwrap() = Some(Instant::now());
@@ -173,33 +193,37 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let run = uuid::Uuid::new_v4().simple().to_string();
     let stream = format!("bench:{run}");
     let group = format!("bench-{run}");
-    let mut producer = Producer::connect(&redis_url, &Tls::default(), &stream)?;
     let pad = "x".repeat(args.payload_bytes.saturating_sub(60));
     let failing_every = if args.fail_ratio > 0.0 {
         (1.0 / args.fail_ratio).round() as usize
     } else {
         0
     };
+    let fields = |n: usize| {
+        let mut fields = vec![
+            ("event_id".to_owned(), format!("{run}-{n}")),
+            (
+                "payload".to_owned(),
+                format!("{{\"n\":{n},\"kind\":\"bench\",\"pad\":\"{pad}\"}}"),
+            ),
+        ];
+        if failing_every > 0 && n.is_multiple_of(failing_every) {
+            fields.push(("fail".to_owned(), "1".to_owned()));
+        }
+        fields
+    };
+    let mut producer = Producer::connect(&redis_url, &Tls::default(), &stream)?;
     let mut failing = 0;
-    for chunk_start in (0..args.events).step_by(1000) {
-        let batch: Vec<Vec<(String, String)>> = (chunk_start
-            ..(chunk_start + 1000).min(args.events))
-            .map(|n| {
-                let mut fields = vec![
-                    ("event_id".to_owned(), format!("{run}-{n}")),
-                    (
-                        "payload".to_owned(),
-                        format!("{{\"n\":{n},\"kind\":\"bench\",\"pad\":\"{pad}\"}}"),
-                    ),
-                ];
-                if failing_every > 0 && n % failing_every == 0 {
-                    fields.push(("fail".to_owned(), "1".to_owned()));
-                }
-                fields
-            })
-            .collect();
-        failing += batch.iter().filter(|f| f.len() == 3).count();
-        producer.send_batch(&batch)?;
+    let steady = args.rate > 0;
+    if !steady {
+        for chunk_start in (0..args.events).step_by(1000) {
+            let batch: Vec<Vec<(String, String)>> = (chunk_start
+                ..(chunk_start + 1000).min(args.events))
+                .map(fields)
+                .collect();
+            failing += batch.iter().filter(|f| f.len() == 3).count();
+            producer.send_batch(&batch)?;
+        }
     }
 
     let handler = std::sync::Arc::new(BenchHandler {
@@ -209,9 +233,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         latencies: Mutex::new(Vec::with_capacity(args.events)),
         last_healthy_commit: Mutex::default(),
     });
-    let (cpu_before, _) = usage();
-    let started = Instant::now();
-    let summary = Worker::builder()
+    let worker = Worker::builder()
         .redis_url(&redis_url)
         .database_url(&database_url)
         .stream(&stream)
@@ -222,12 +244,50 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .backoff_base(args.backoff_base)
         .backoff_cap(args.backoff_base * 8)
         .max_attempts(args.fail_times + 3)
-        .until_idle(true)
+        .until_idle(!steady)
         .mode(args.mode)
-        .build(handler.clone())?
-        .run()?;
+        .build(handler.clone())?;
+    let shutdown = worker.shutdown_handle();
+    let (cpu_before, _) = usage();
+    let started = Instant::now();
+    let summary = std::thread::scope(|scope| -> Result<_, Box<dyn std::error::Error>> {
+        let running = scope.spawn(|| worker.run());
+        if steady {
+            // One small pipeline per millisecond, each event stamped with
+            // the producer's clock; then wait for the last commit.
+            let total = (args.rate as f64 * args.duration.as_secs_f64()) as usize;
+            let mut sent = 0;
+            while sent < total && !running.is_finished() {
+                let due = (started.elapsed().as_secs_f64() * args.rate as f64) as usize;
+                let due = due.min(total);
+                if due > sent {
+                    let now = now_micros().to_string();
+                    let batch: Vec<Vec<(String, String)>> = (sent..due)
+                        .map(|n| {
+                            let mut f = fields(n);
+                            f.push(("sent_us".to_owned(), now.clone()));
+                            f
+                        })
+                        .collect();
+                    producer.send_batch(&batch)?;
+                    sent = due;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            while handler.latencies.lock().unwrap().len() < sent && !running.is_finished() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            shutdown.shutdown();
+        }
+        Ok(running.join().expect("the worker thread panicked")?)
+    })?;
     let elapsed = started.elapsed();
     let (cpu_after, peak_rss_kb) = usage();
+    let events = if steady {
+        handler.latencies.lock().unwrap().len()
+    } else {
+        args.events
+    };
 
     let mut db = postgres::Client::connect(&database_url, postgres::NoTls)?;
     let applied: i64 = db
@@ -238,15 +298,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .get(0);
     let mut latencies = std::mem::take(&mut *handler.latencies.lock().unwrap());
     latencies.sort_unstable();
-    let rate = args.events as f64 / elapsed.as_secs_f64();
-    let healthy = args.events - failing;
+    let rate = events as f64 / elapsed.as_secs_f64();
+    let healthy = events - failing;
     let healthy_elapsed = handler
         .last_healthy_commit
         .lock()
         .unwrap()
         .map_or(elapsed, |t| t - started);
     let healthy_rate = healthy as f64 / healthy_elapsed.as_secs_f64();
-    println!("events            {}", args.events);
+    let ms = |p: f64| percentile(&latencies, p) as f64 / 1000.0;
+    let cpu_us = (cpu_after - cpu_before) * 1e6 / events.max(1) as f64;
+    println!("events            {events}");
     println!(
         "workers           {} (count {}, {:?} mode)",
         args.workers, args.count, args.mode
@@ -264,22 +326,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             healthy_elapsed.as_secs_f64()
         );
     }
+    let load = if steady {
+        format!("steady load of {} events/s", args.rate)
+    } else {
+        "preloaded backlog".to_owned()
+    };
     println!(
-        "latency p50       {} ms (XADD to commit, preloaded backlog)",
-        percentile(&latencies, 0.5)
+        "latency p50       {:.2} ms (XADD to commit, {load})",
+        ms(0.5)
     );
-    println!("latency p99       {} ms", percentile(&latencies, 0.99));
+    println!("latency p99       {:.2} ms", ms(0.99));
+    println!("latency max       {:.2} ms", ms(1.0));
     println!(
-        "cpu per event     {:.1} µs (user+system, this process)",
-        (cpu_after - cpu_before) * 1e6 / args.events as f64
+        "cpu per event     {cpu_us:.1} µs (user+system, this process{})",
+        if steady { ", producer included" } else { "" }
     );
     println!("peak rss          {:.1} MB", peak_rss_kb as f64 / 1024.0);
     println!("summary           {summary}");
     println!(
-        "RESULT rate={rate:.0} healthy_rate={healthy_rate:.0} p50_ms={} p99_ms={} cpu_us={:.1} rss_kb={peak_rss_kb} applied={applied}",
-        percentile(&latencies, 0.5),
-        percentile(&latencies, 0.99),
-        (cpu_after - cpu_before) * 1e6 / args.events as f64
+        "RESULT rate={rate:.0} healthy_rate={healthy_rate:.0} p50_ms={:.2} p99_ms={:.2} max_ms={:.2} cpu_us={cpu_us:.1} rss_kb={peak_rss_kb} applied={applied}",
+        ms(0.5),
+        ms(0.99),
+        ms(1.0),
     );
     // The benchmark's stream is scratch data: drop it (its markers expire).
     let mut redis = redis::Client::open(redis_url.as_str())?.get_connection()?;
@@ -287,8 +355,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .arg(&stream)
         .arg(taskhub::dlq::dead_letter_stream(&stream))
         .query::<()>(&mut redis)?;
-    if applied as usize != args.events {
-        return Err(format!("expected {} effects, found {applied}", args.events).into());
+    if applied as usize != events {
+        return Err(format!("expected {events} effects, found {applied}").into());
     }
     Ok(())
 }

@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
 # scripts/bench.sh — measure taskhub next to the database's own ceiling.
 #
-# Usage:  bash scripts/bench.sh                 (EVENTS=100000 WORKERS=8 DURATION=15 SSLMODE=disable)
+# Usage:  bash scripts/bench.sh    (EVENTS=100000 WORKERS=8 DURATION=15 STEADY_SECS=30 SSLMODE=disable)
 #
 # 1. makes sure Redis and PostgreSQL run (scripts/services.sh) and builds the
 #    release benchmark (examples/bench.rs);
-# 2. measures the ceilings with pgbench on a scratch database, at WORKERS
+# 2. picks one path to the database for the ceilings and for taskhub alike:
+#    the server's local socket when it takes our login there (as a worker on
+#    the same VM would connect), else TCP;
+# 3. measures the ceilings with pgbench on a scratch database, at WORKERS
 #    connections: the per-event transaction (BEGIN; insert processed_events;
 #    insert notifications; COMMIT) and the 50-per-transaction form (one
 #    multi-row insert per table);
-# 3. drains EVENTS preloaded events (~200-byte JSON payloads) with taskhub in
+# 4. drains EVENTS preloaded events (~200-byte JSON payloads) with taskhub in
 #    per-event mode, in batch mode, in batch mode with a custom per-event
 #    --sql statement, and the head-of-line case (10% of events fail twice
 #    with a 1 s backoff) in both modes;
-# 4. prints one table: events/s, latency, CPU per event, peak RSS, and each
+# 5. steady load, both modes: a producer at 50%, 75% and 90% of the rate
+#    that mode drained in step 4, for STEADY_SECS seconds each, with the
+#    latency from XADD to commit (p50 / p99 / max);
+# 6. prints one table: events/s, latency, CPU per event, peak RSS, and each
 #    rate as a ratio of the matching ceiling.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -26,6 +32,7 @@ fi
 EVENTS=${EVENTS:-100000}
 WORKERS=${WORKERS:-8}
 DURATION=${DURATION:-15}
+STEADY_SECS=${STEADY_SECS:-30}
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379}
 DATABASE_URL=${DATABASE_URL:-postgres://postgres:taskhub@127.0.0.1:5432/taskhub}
 DATABASE_URL=${DATABASE_URL%%\?*}
@@ -43,6 +50,22 @@ cargo build --release --quiet --example bench
 psql "$ADMIN_URL" -X -q -v ON_ERROR_STOP=1 \
     -c "DROP DATABASE IF EXISTS taskhub_bench WITH (FORCE)" \
     -c "CREATE DATABASE taskhub_bench"
+
+# The same path for pgbench and taskhub: the local socket if we can log in
+# through it, else TCP.
+db_path="TCP ${BENCH_URL#*@}"
+db_path=${db_path%%/*}
+socket_dir=$(psql "$ADMIN_URL" -XAtc "SHOW unix_socket_directories" | cut -d, -f1 | xargs)
+port=$(psql "$ADMIN_URL" -XAtc "SHOW port")
+userinfo=${DATABASE_URL#*://}
+userinfo=${userinfo%%@*}
+if [[ -n $socket_dir && -S $socket_dir/.s.PGSQL.$port ]]; then
+    socket_url="postgres://$userinfo@${socket_dir//\//%2F}:$port/taskhub_bench"
+    if psql "$socket_url" -XAtc "SELECT 1" >/dev/null 2>&1; then
+        BENCH_URL=$socket_url
+        db_path="local socket $socket_dir"
+    fi
+fi
 export DATABASE_URL=$BENCH_URL
 
 work=$(mktemp -d)
@@ -95,23 +118,37 @@ bench() { # label args...
     bench hol-batch --mode batch --fail-ratio 0.1 --fail-times 2 --backoff-base 1s
 } >"$work/results"
 
+# Steady load at shares of what each mode drained above.
+for mode in per-event batch; do
+    capacity=$(awk -v m="$mode" '$1 == m { for (i = 2; i <= NF; i++) if ($i ~ /^rate=/) print substr($i, 6) }' "$work/results")
+    for share in 50 75 90; do
+        rate=$((capacity * share / 100))
+        bench "steady-$mode-$share%" --mode "$mode" --rate "$rate" --duration "${STEADY_SECS}s" \
+            >>"$work/results"
+    done
+done
+
 field() { # line name
     sed -E "s/.* $2=([^ ]+).*/\1/" <<<"$1"
 }
-printf '\nceilings (pgbench, %d connections): per-event transaction %d tps; 50 per transaction %d events/s\n\n' \
-    "$WORKERS" "$ceiling_event" "$ceiling_batch"
-printf '%-18s %10s %10s %9s %9s %9s %8s %s\n' run events/s healthy/s p50_ms p99_ms cpu_us rss_MB "vs ceiling"
+printf '\nceilings (pgbench, %d connections, %s): per-event transaction %d tps; 50 per transaction %d events/s\n\n' \
+    "$WORKERS" "$db_path" "$ceiling_event" "$ceiling_batch"
+printf '%-22s %10s %10s %9s %9s %9s %9s %8s %s\n' run events/s healthy/s p50_ms p99_ms max_ms cpu_us rss_MB "vs ceiling"
 while read -r label line; do
     rate=$(field "$line" rate)
     ceiling=$ceiling_batch
     [[ $label == *per-event* ]] && ceiling=$ceiling_event
-    printf '%-18s %10s %10s %9s %9s %9s %8.1f %.0f%%\n' "$label" "$rate" \
+    share=$(awk "BEGIN { printf \"%.0f%%\", 100 * $rate / $ceiling }")
+    [[ $label == steady-* ]] && share=-
+    printf '%-22s %10s %10s %9s %9s %9s %9s %8.1f %s\n' "$label" "$rate" \
         "$(field "$line" healthy_rate)" "$(field "$line" p50_ms)" "$(field "$line" p99_ms)" \
-        "$(field "$line" cpu_us)" "$(awk "BEGIN { print $(field "$line" rss_kb) / 1024 }")" \
-        "$(awk "BEGIN { print 100 * $rate / $ceiling }")"
+        "$(field "$line" max_ms)" \
+        "$(field "$line" cpu_us)" "$(awk "BEGIN { print $(field "$line" rss_kb) / 1024 }")" "$share"
 done <"$work/results"
 cat <<EOF
 
 hol-*: 10% of events fail twice with a 1 s backoff; healthy/s is the drain
 rate of the other 90%, to compare with the clean run of the same mode.
+steady-*: a producer at that share of the mode's drain rate for ${STEADY_SECS} s;
+latency from XADD to commit; cpu_us includes the producer thread.
 EOF

@@ -1,6 +1,7 @@
 //! A small smoke of the benchmark (examples/bench.rs, which scripts/bench.sh
 //! runs at full size): it drains, verifies the effect count and prints its
-//! RESULT line, in both modes and with scripted failures.
+//! RESULT line, in both modes, with scripted failures and under a steady
+//! load.
 
 mod support;
 
@@ -62,4 +63,12 @@ fn the_benchmark_drains_and_verifies_in_both_modes() {
     );
     assert!(stdout.contains("applied=300"), "{stdout}");
     assert!(stdout.contains("healthy rate"), "{stdout}");
+    // Steady load: 200 events/s for 2 s, each measured from its send.
+    let stdout = bench(
+        &db,
+        &["--mode", "per-event", "--rate", "200", "--duration", "2s"],
+    );
+    assert!(stdout.contains("applied=400"), "{stdout}");
+    assert!(stdout.contains("steady load of 200 events/s"), "{stdout}");
+    assert!(stdout.contains("max_ms="), "{stdout}");
 }
