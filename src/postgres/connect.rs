@@ -42,7 +42,18 @@ pub(crate) fn pg_config(url: &str) -> Result<(postgres::Config, Option<MakeRustl
     if config.get_application_name().is_none() {
         config.application_name("taskhub");
     }
-    Ok((config, tls.connector()?))
+    // PostgreSQL has no TLS over a Unix socket: build no TLS context where
+    // it could never be used.
+    let only_sockets = config
+        .get_hosts()
+        .iter()
+        .all(|h| !matches!(h, postgres::config::Host::Tcp(_)));
+    let connector = if only_sockets && !config.get_hosts().is_empty() {
+        None
+    } else {
+        tls.connector()?
+    };
+    Ok((config, connector))
 }
 
 /// One PostgreSQL connection (migrations, CLI commands).
@@ -70,4 +81,21 @@ pub(crate) fn pg_unreachable(
         format!("cannot connect to PostgreSQL at {}", redact(url)),
         e,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_tls_context_is_built_for_a_unix_socket() {
+        let (_, tls) = pg_config("postgres://u@%2Fvar%2Frun%2Fpostgresql/db").unwrap();
+        assert!(tls.is_none());
+        let (_, tls) = pg_config("host=/tmp dbname=db sslmode=prefer").unwrap();
+        assert!(tls.is_none());
+        let (_, tls) = pg_config("postgres://u@127.0.0.1/db").unwrap();
+        assert!(tls.is_some(), "TCP with sslmode=prefer may use TLS");
+        let (_, tls) = pg_config("postgres://u@127.0.0.1/db?sslmode=disable").unwrap();
+        assert!(tls.is_none());
+    }
 }
