@@ -192,67 +192,7 @@ pub fn run(servers: &Servers, mut args: RunArgs) -> Result<(), String> {
         &args.http_client_cert,
         &args.http_client_key,
     );
-    let headers = header_lines(&args.http_header)?;
-    if !headers.is_empty() && args.http_url.is_none() {
-        return Err("--http-header needs --http-url".into());
-    }
-    let mut builder = Worker::builder()
-        .redis_url(&servers.redis_url)
-        .redis_tls(servers.redis_tls())
-        .database_url(&servers.database_url)
-        .group(&args.group)
-        .workers(args.workers)
-        .count(args.count)
-        .block(Duration::from_millis(args.block_ms))
-        .until_idle(args.until_idle)
-        .max_retry_after(args.max_retry_after)
-        .reclaim_interval(args.reclaim_interval)
-        .reclaim_min_idle(args.reclaim_min_idle)
-        .marker_ttl(args.marker_ttl)
-        .shutdown_timeout(args.shutdown_timeout)
-        .max_entry_bytes(args.max_entry_bytes)
-        .handler_timeout(args.handler_timeout)
-        .start_id(&args.start_id)
-        .mode(args.mode);
-    for stream in &args.stream {
-        builder = builder.stream(stream);
-    }
-    if let Some(consumer) = &args.consumer {
-        builder = builder.consumer(consumer);
-    }
-    if let Some(scope) = &args.scope {
-        builder = builder.scope(scope);
-    }
-    let worker = match &args.http_url {
-        Some(url) => {
-            let timeout = args.http_timeout.min(args.handler_timeout);
-            let budget = RetryBudget::new(
-                args.max_attempts.unwrap_or(HTTP_BUDGET.max_attempts),
-                args.backoff_base.unwrap_or(HTTP_BUDGET.base),
-                args.backoff_cap.unwrap_or(HTTP_BUDGET.cap),
-            );
-            let mut handler = HttpHandler::new(url, timeout, &http_tls)
-                .map_err(|e| report(&e))?
-                .retry_budget(budget);
-            for (name, value) in &headers {
-                handler = handler.header(name, value).map_err(|e| report(&e))?;
-            }
-            builder.build(handler)
-        }
-        None => {
-            if let Some(n) = args.max_attempts {
-                builder = builder.max_attempts(n);
-            }
-            if let Some(base) = args.backoff_base {
-                builder = builder.backoff_base(base);
-            }
-            if let Some(cap) = args.backoff_cap {
-                builder = builder.backoff_cap(cap);
-            }
-            builder.build(SqlHandler::new(args.sql))
-        }
-    }
-    .map_err(|e| report(&e))?;
+    let worker = build_worker(servers, &args, &http_tls)?;
 
     // First SIGINT/SIGTERM: graceful shutdown. Second: exit at once.
     let stop = worker.shutdown_handle();
@@ -303,6 +243,76 @@ pub fn run(servers: &Servers, mut args: RunArgs) -> Result<(), String> {
     let summary = result.map_err(|e| report(&e))?;
     println!("{summary}");
     Ok(())
+}
+
+/// The worker `run`'s flags describe: the `--http-url` handler (with its
+/// retry budget and headers) or the SQL one.
+fn build_worker(
+    servers: &Servers,
+    args: &RunArgs,
+    http_tls: &taskhub::Tls,
+) -> Result<Worker, String> {
+    let headers = header_lines(&args.http_header)?;
+    if !headers.is_empty() && args.http_url.is_none() {
+        return Err("--http-header needs --http-url".into());
+    }
+    let mut builder = Worker::builder()
+        .redis_url(&servers.redis_url)
+        .redis_tls(servers.redis_tls())
+        .database_url(&servers.database_url)
+        .group(&args.group)
+        .workers(args.workers)
+        .count(args.count)
+        .block(Duration::from_millis(args.block_ms))
+        .until_idle(args.until_idle)
+        .max_retry_after(args.max_retry_after)
+        .reclaim_interval(args.reclaim_interval)
+        .reclaim_min_idle(args.reclaim_min_idle)
+        .marker_ttl(args.marker_ttl)
+        .shutdown_timeout(args.shutdown_timeout)
+        .max_entry_bytes(args.max_entry_bytes)
+        .handler_timeout(args.handler_timeout)
+        .start_id(&args.start_id)
+        .mode(args.mode);
+    for stream in &args.stream {
+        builder = builder.stream(stream);
+    }
+    if let Some(consumer) = &args.consumer {
+        builder = builder.consumer(consumer);
+    }
+    if let Some(scope) = &args.scope {
+        builder = builder.scope(scope);
+    }
+    match &args.http_url {
+        Some(url) => {
+            let timeout = args.http_timeout.min(args.handler_timeout);
+            let budget = RetryBudget::new(
+                args.max_attempts.unwrap_or(HTTP_BUDGET.max_attempts),
+                args.backoff_base.unwrap_or(HTTP_BUDGET.base),
+                args.backoff_cap.unwrap_or(HTTP_BUDGET.cap),
+            );
+            let mut handler = HttpHandler::new(url, timeout, http_tls)
+                .map_err(|e| report(&e))?
+                .retry_budget(budget);
+            for (name, value) in &headers {
+                handler = handler.header(name, value).map_err(|e| report(&e))?;
+            }
+            builder.build(handler)
+        }
+        None => {
+            if let Some(n) = args.max_attempts {
+                builder = builder.max_attempts(n);
+            }
+            if let Some(base) = args.backoff_base {
+                builder = builder.backoff_base(base);
+            }
+            if let Some(cap) = args.backoff_cap {
+                builder = builder.backoff_cap(cap);
+            }
+            builder.build(SqlHandler::new(args.sql.clone()))
+        }
+    }
+    .map_err(|e| report(&e))
 }
 
 fn stop_and_join(

@@ -218,23 +218,8 @@ pub fn replay(
     let mut done = 0usize;
     for chunk in ids.chunks(CHUNK) {
         let done_sent = sent;
-        let fetched = fetch(conn, &dlq, chunk).map_err(|e| progress_error(e, &report, total))?;
-        let mut letters = Vec::with_capacity(chunk.len());
-        for (id, fields) in chunk.iter().zip(fetched) {
-            let letter = fields.map(|f| DeadLetter::from_fields(Some(id.clone()), &f));
-            match letter {
-                None => report.not_found.push(id.clone()),
-                Some(Ok(letter)) => letters.push(letter),
-                Some(Err(why)) => report.items.push(ReplayItem {
-                    id: id.clone(),
-                    event_id: None,
-                    stream: stream.to_owned(),
-                    already_processed: false,
-                    replayed_as: None,
-                    error: Some(format!("not a readable dead letter: {why}")),
-                }),
-            }
-        }
+        let letters = read_chunk(conn, stream, chunk, &mut report)
+            .map_err(|e| progress_error(e, &report, total))?;
         let processed = already_processed(pg.as_deref_mut(), &letters, options.scope.as_deref())
             .map_err(|e| progress_error(e, &report, total))?;
         let items: Vec<ReplayItem> = letters
@@ -263,23 +248,7 @@ pub fn replay(
                         std::thread::sleep(wait);
                     }
                 }
-                let now = SystemTime::now();
-                let mut pipe = redis::pipe();
-                pipe.ignore_errors();
-                for l in letters {
-                    let mut eval = redis::cmd("EVAL");
-                    eval.arg(REPLAY_SCRIPT)
-                        .arg(2)
-                        .arg(&dlq)
-                        .arg(&l.stream)
-                        .arg(l.id.as_deref().unwrap_or_default());
-                    for (k, v) in replay_fields(l, now) {
-                        eval.arg(k).arg(v);
-                    }
-                    pipe.add_command(eval);
-                }
-                let results: Vec<redis::RedisResult<Option<String>>> = pipe
-                    .query(conn)
+                let results = put_back(conn, &dlq, letters)
                     .map_err(|e| progress_error(redis_error(&dlq)(e), &report, total))?;
                 sent += letters.len();
                 for (mut item, result) in items.by_ref().take(letters.len()).zip(results) {
@@ -303,6 +272,61 @@ pub fn replay(
         progress(done, total);
     }
     Ok(report)
+}
+
+/// The dead letters of `chunk` (ids in `stream`'s dead-letter stream); ids
+/// gone meanwhile and entries that are not readable dead letters go to the
+/// report.
+fn read_chunk(
+    conn: &mut RedisConn,
+    stream: &str,
+    chunk: &[String],
+    report: &mut ReplayReport,
+) -> Result<Vec<DeadLetter>, Error> {
+    let fetched = fetch(conn, &dead_letter_stream(stream), chunk)?;
+    let mut letters = Vec::with_capacity(chunk.len());
+    for (id, fields) in chunk.iter().zip(fetched) {
+        let letter = fields.map(|f| DeadLetter::from_fields(Some(id.clone()), &f));
+        match letter {
+            None => report.not_found.push(id.clone()),
+            Some(Ok(letter)) => letters.push(letter),
+            Some(Err(why)) => report.items.push(ReplayItem {
+                id: id.clone(),
+                event_id: None,
+                stream: stream.to_owned(),
+                already_processed: false,
+                replayed_as: None,
+                error: Some(format!("not a readable dead letter: {why}")),
+            }),
+        }
+    }
+    Ok(letters)
+}
+
+/// Runs the replay script for each of `letters` in one pipelined round
+/// trip; per letter, its new id on the original stream, `None` when it was
+/// gone, or the error.
+fn put_back(
+    conn: &mut RedisConn,
+    dlq: &str,
+    letters: &[DeadLetter],
+) -> redis::RedisResult<Vec<redis::RedisResult<Option<String>>>> {
+    let now = SystemTime::now();
+    let mut pipe = redis::pipe();
+    pipe.ignore_errors();
+    for l in letters {
+        let mut eval = redis::cmd("EVAL");
+        eval.arg(REPLAY_SCRIPT)
+            .arg(2)
+            .arg(dlq)
+            .arg(&l.stream)
+            .arg(l.id.as_deref().unwrap_or_default());
+        for (k, v) in replay_fields(l, now) {
+            eval.arg(k).arg(v);
+        }
+        pipe.add_command(eval);
+    }
+    pipe.query(conn)
 }
 
 /// An error in the middle of a bulk operation, with how far it got.

@@ -304,8 +304,38 @@ fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<(
         })
 }
 
+/// The threads of a running worker, by stage.
+struct Threads {
+    readers: Vec<JoinHandle<()>>,
+    /// One flag per reader: its last read found nothing new.
+    idle_flags: Vec<Arc<AtomicBool>>,
+    reclaimer: JoinHandle<()>,
+    retrier: JoinHandle<()>,
+    workers: Vec<JoinHandle<()>>,
+    dlq: JoinHandle<()>,
+}
+
 impl Worker {
     fn start_and_run(&self, parts: Parts) -> Result<Summary, Error> {
+        let common = parts.common.clone();
+        let flow = parts.flow.clone();
+        let threads = self.start_threads(parts)?;
+        let thread_died = self.watch(&common, &flow, &threads);
+        self.stop(threads)?;
+        let summary = common.stats.snapshot();
+        log::info!("taskhub: stopped; {summary}");
+        match thread_died {
+            Some(name) => Err(Error::new(
+                ErrorKind::Thread,
+                format!("thread {name} stopped unexpectedly"),
+            )),
+            None => Ok(summary),
+        }
+    }
+
+    /// Starts every thread, from the end of the pipeline to its start, so
+    /// each stage's consumer exists before its producer.
+    fn start_threads(&self, parts: Parts) -> Result<Threads, Error> {
         let config = &self.config;
         let Parts {
             common,
@@ -326,8 +356,6 @@ impl Worker {
         let (retry_tx, retry_rx) = unbounded();
         let (dead_tx, dead_rx) = unbounded();
 
-        // Started from the end of the pipeline to its start, so each stage's
-        // consumer exists before its producer.
         let dlq = {
             let writer = Writer {
                 common: common.clone(),
@@ -403,17 +431,28 @@ impl Worker {
                 reader.run(&tx)
             })?);
         }
-        drop(jobs_tx);
+        Ok(Threads {
+            readers,
+            idle_flags,
+            reclaimer,
+            retrier,
+            workers,
+            dlq,
+        })
+    }
 
-        // Wait for a shutdown; with until_idle, make one when there is no
-        // work.
+    /// Waits for a shutdown; with `until_idle`, makes one when there is no
+    /// work. A thread that stops on its own shuts everything down; its name
+    /// is returned.
+    fn watch(&self, common: &Common, flow: &InFlight, threads: &Threads) -> Option<String> {
+        let config = &self.config;
         let shutdown = &common.shutdown;
-        let mut thread_died = None;
         while !shutdown.sleep(Duration::from_millis(100)) {
-            if let Some(dead) = readers
+            if let Some(dead) = threads
+                .readers
                 .iter()
-                .chain(&workers)
-                .chain([&dlq, &retrier, &reclaimer])
+                .chain(&threads.workers)
+                .chain([&threads.dlq, &threads.retrier, &threads.reclaimer])
                 .find(|h| h.is_finished())
             {
                 let name = dead.thread().name().unwrap_or("?").to_owned();
@@ -424,21 +463,33 @@ impl Worker {
                     .thread_died
                     .lock()
                     .unwrap_or_else(|e| e.into_inner()) = Some(name.clone());
-                thread_died = Some(name);
                 shutdown.shutdown();
-                break;
+                return Some(name);
             }
-            if config.until_idle && is_idle(&common, &flow, config, &idle_flags) {
+            if config.until_idle && is_idle(common, flow, config, &threads.idle_flags) {
                 log::info!("taskhub: idle (nothing new, nothing pending); stopping");
                 shutdown.shutdown();
             }
         }
+        None
+    }
 
-        // Readers and the reclaimer stop within one BLOCK period, the retry
-        // thread within its tick; then the jobs channel closes, the workers
-        // drain it and exit, and finally the dead-letter writer drains and
-        // exits.
-        let deadline = Instant::now() + config.shutdown_timeout;
+    /// Joins the threads in the pipeline's order, within the shutdown
+    /// timeout: readers and the reclaimer stop within one BLOCK period, the
+    /// retry thread within its tick; then the jobs channel closes, the
+    /// workers drain it and exit, and finally the dead-letter writer drains
+    /// and exits.
+    fn stop(&self, threads: Threads) -> Result<(), Error> {
+        let timeout = self.config.shutdown_timeout;
+        let deadline = Instant::now() + timeout;
+        let Threads {
+            readers,
+            reclaimer,
+            retrier,
+            workers,
+            dlq,
+            ..
+        } = threads;
         let stages = [readers, vec![reclaimer, retrier], workers, vec![dlq]];
         for stage in stages {
             for handle in stage {
@@ -447,8 +498,7 @@ impl Worker {
                         return Err(Error::new(
                             ErrorKind::ShutdownTimeout,
                             format!(
-                                "shutdown did not finish within {:?} ({} still running); unfinished entries stay pending",
-                                config.shutdown_timeout,
+                                "shutdown did not finish within {timeout:?} ({} still running); unfinished entries stay pending",
                                 handle.thread().name().unwrap_or("a thread")
                             ),
                         ));
@@ -461,15 +511,7 @@ impl Worker {
                 }
             }
         }
-        let summary = common.stats.snapshot();
-        log::info!("taskhub: stopped; {summary}");
-        match thread_died {
-            Some(name) => Err(Error::new(
-                ErrorKind::Thread,
-                format!("thread {name} stopped unexpectedly"),
-            )),
-            None => Ok(summary),
-        }
+        Ok(())
     }
 }
 

@@ -94,101 +94,11 @@ impl Ctx {
         } else {
             ExitCode::SUCCESS
         };
-        if self.json {
-            let items: Vec<Value> = report
-                .items
-                .iter()
-                .map(|i| {
-                    json!({
-                        "id": i.id,
-                        "event_id": i.event_id,
-                        "stream": i.stream,
-                        "already_processed": i.already_processed,
-                        "replayed_as": i.replayed_as,
-                        "error": i.error,
-                    })
-                })
-                .collect();
-            let doc = json!({
-                "dry_run": report.dry_run,
-                "replayed": report.replayed(),
-                "already_processed": report.already_processed(),
-                "failed": failed,
-                "not_found": report.not_found,
-                "checked_with": report.checked_with.map(|c| c.as_str()),
-                "items": items,
-            });
-            print(&format!("{doc}\n"))?;
-            return Ok(code);
-        }
-        let mut out = String::new();
-        if report.dry_run && !report.items.is_empty() {
-            let rows: Vec<Vec<String>> = report
-                .items
-                .iter()
-                .map(|i| {
-                    vec![
-                        i.id.clone(),
-                        one_line(i.event_id.as_deref().unwrap_or("-"), 40),
-                        one_line(&i.stream, 40),
-                        match (&i.error, i.already_processed) {
-                            (Some(e), _) => format!("cannot replay: {}", one_line(e, 60)),
-                            (None, true) => "already processed: the worker will skip it".into(),
-                            (None, false) => "would replay".into(),
-                        },
-                    ]
-                })
-                .collect();
-            out.push_str(&table(&["ID", "EVENT_ID", "TO STREAM", "WHAT"], &rows));
-        }
-        for i in report
-            .items
-            .iter()
-            .filter(|i| i.error.is_some() && !report.dry_run)
-        {
-            out.push_str(&format!(
-                "{}: not replayed: {}\n",
-                i.id,
-                one_line(i.error.as_deref().unwrap_or_default(), 200)
-            ));
-        }
-        let checked = match report.checked_with {
-            Some(_) => "checked in processed_events in PostgreSQL",
-            None => "not checked: PostgreSQL was not reachable",
-        };
-        let n = report.replayed();
-        let processed = report.already_processed();
-        if n == 0 {
-            out.push_str(if report.dry_run {
-                "dry run: nothing to replay"
-            } else {
-                "nothing replayed"
-            });
+        let out = if self.json {
+            format!("{}\n", replay_json(&report))
         } else {
-            out.push_str(&format!(
-                "{} {} to {}: {processed} already processed (the worker will skip {} as duplicate{}; {checked}), {} to apply",
-                if report.dry_run { "dry run: would replay" } else { "replayed" },
-                plural(n, "dead letter"),
-                if n == 1 { "its stream" } else { "their streams" },
-                if processed == 1 { "it" } else { "them" },
-                if processed == 1 { "" } else { "s" },
-                n.saturating_sub(processed),
-            ));
-        }
-        if failed > 0 {
-            out.push_str(&format!(", {failed} failed (still dead letters)"));
-        }
-        if !report.not_found.is_empty() {
-            out.push_str(&format!(
-                ", {} not found ({})",
-                report.not_found.len(),
-                report.not_found.join(" ")
-            ));
-        }
-        if report.dry_run {
-            out.push_str("; nothing changed");
-        }
-        out.push('\n');
+            replay_text(&report)
+        };
         print(&out)?;
         Ok(code)
     }
@@ -291,4 +201,106 @@ impl Ctx {
             ExitCode::FAILURE
         })
     }
+}
+
+/// `dlq replay --json`: one document.
+fn replay_json(report: &dlq::ReplayReport) -> Value {
+    let items: Vec<Value> = report
+        .items
+        .iter()
+        .map(|i| {
+            json!({
+                "id": i.id,
+                "event_id": i.event_id,
+                "stream": i.stream,
+                "already_processed": i.already_processed,
+                "replayed_as": i.replayed_as,
+                "error": i.error,
+            })
+        })
+        .collect();
+    json!({
+        "dry_run": report.dry_run,
+        "replayed": report.replayed(),
+        "already_processed": report.already_processed(),
+        "failed": report.failed(),
+        "not_found": report.not_found,
+        "checked_with": report.checked_with.map(|c| c.as_str()),
+        "items": items,
+    })
+}
+
+/// `dlq replay` as text: a table for a dry run, a line per failure, and a
+/// summary line.
+fn replay_text(report: &dlq::ReplayReport) -> String {
+    let mut out = String::new();
+    if report.dry_run && !report.items.is_empty() {
+        let rows: Vec<Vec<String>> = report
+            .items
+            .iter()
+            .map(|i| {
+                vec![
+                    i.id.clone(),
+                    one_line(i.event_id.as_deref().unwrap_or("-"), 40),
+                    one_line(&i.stream, 40),
+                    match (&i.error, i.already_processed) {
+                        (Some(e), _) => format!("cannot replay: {}", one_line(e, 60)),
+                        (None, true) => "already processed: the worker will skip it".into(),
+                        (None, false) => "would replay".into(),
+                    },
+                ]
+            })
+            .collect();
+        out.push_str(&table(&["ID", "EVENT_ID", "TO STREAM", "WHAT"], &rows));
+    }
+    for i in report
+        .items
+        .iter()
+        .filter(|i| i.error.is_some() && !report.dry_run)
+    {
+        out.push_str(&format!(
+            "{}: not replayed: {}\n",
+            i.id,
+            one_line(i.error.as_deref().unwrap_or_default(), 200)
+        ));
+    }
+    let checked = match report.checked_with {
+        Some(_) => "checked in processed_events in PostgreSQL",
+        None => "not checked: PostgreSQL was not reachable",
+    };
+    let n = report.replayed();
+    let processed = report.already_processed();
+    if n == 0 {
+        out.push_str(if report.dry_run {
+            "dry run: nothing to replay"
+        } else {
+            "nothing replayed"
+        });
+    } else {
+        out.push_str(&format!(
+            "{} {} to {}: {processed} already processed (the worker will skip {} as duplicate{}; {checked}), {} to apply",
+            if report.dry_run { "dry run: would replay" } else { "replayed" },
+            plural(n, "dead letter"),
+            if n == 1 { "its stream" } else { "their streams" },
+            if processed == 1 { "it" } else { "them" },
+            if processed == 1 { "" } else { "s" },
+            n.saturating_sub(processed),
+        ));
+    }
+    let failed = report.failed();
+    if failed > 0 {
+        out.push_str(&format!(", {failed} failed (still dead letters)"));
+    }
+    if !report.not_found.is_empty() {
+        out.push_str(&format!(
+            ", {} not found ({})",
+            report.not_found.len(),
+            report.not_found.join(" ")
+        ));
+    }
+    if report.dry_run {
+        out.push_str("; nothing changed");
+    }
+    out.push('\n');
+    out
 }
