@@ -12,13 +12,20 @@ use crate::redis::check_slots;
 /// A connection to one Redis server or to a Redis Cluster.
 pub enum RedisConn {
     /// One server (`redis://` or `rediss://`).
-    Single(redis::Connection),
+    Single {
+        /// The connection.
+        conn: redis::Connection,
+        /// Set when a reply was found out of place (see
+        /// [`RedisConn::mark_stale`]): the pool drops this connection.
+        stale: bool,
+    },
     /// A cluster: connections to the nodes, opened as they are needed.
     Cluster {
         /// redis-rs' cluster connection, with its map of the slots.
         conn: Box<ClusterConnection>,
-        /// Set when a pipeline failed (see [`Pipe::query`]): the pool drops
-        /// this connection and the next one starts afresh.
+        /// Set when a pipeline failed (see [`Pipe::query`]) or a reply was
+        /// found out of place: the pool drops this connection and the next
+        /// one starts afresh.
         stale: bool,
     },
 }
@@ -27,7 +34,7 @@ impl RedisConn {
     /// An empty pipeline of the right kind for this connection.
     pub fn pipe(&self) -> Pipe {
         match self {
-            RedisConn::Single(_) => Pipe {
+            RedisConn::Single { .. } => Pipe {
                 inner: Inner::Single(redis::pipe()),
                 len: 0,
                 ignored: Vec::new(),
@@ -55,18 +62,29 @@ impl RedisConn {
         Ok(())
     }
 
-    /// Whether the pool should drop this connection: closed, or (cluster)
-    /// with an out-of-date slot map.
+    /// Whether the pool should drop this connection: closed, or marked
+    /// stale.
     pub(crate) fn is_broken(&self) -> bool {
         match self {
-            RedisConn::Single(c) => !c.is_open(),
+            RedisConn::Single { conn, stale } => *stale || !conn.is_open(),
             RedisConn::Cluster { conn, stale } => *stale || !conn.is_open(),
+        }
+    }
+
+    /// Marks this connection as one whose replies can no longer be matched
+    /// to its commands (a reply of the wrong type, or a wrong count, was
+    /// found where a known one was due): the pool drops it instead of
+    /// handing it to the next user, who would read the leftover replies as
+    /// its own.
+    pub(crate) fn mark_stale(&mut self) {
+        match self {
+            RedisConn::Single { stale, .. } | RedisConn::Cluster { stale, .. } => *stale = true,
         }
     }
 
     pub(crate) fn set_read_timeout(&self, timeout: Duration) -> RedisResult<()> {
         match self {
-            RedisConn::Single(c) => c.set_read_timeout(Some(timeout)),
+            RedisConn::Single { conn: c, .. } => c.set_read_timeout(Some(timeout)),
             RedisConn::Cluster { conn: c, .. } => c.set_read_timeout(Some(timeout)),
         }
     }
@@ -75,7 +93,7 @@ impl RedisConn {
 impl std::fmt::Debug for RedisConn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
-            RedisConn::Single(_) => "RedisConn::Single",
+            RedisConn::Single { .. } => "RedisConn::Single",
             RedisConn::Cluster { .. } => "RedisConn::Cluster",
         })
     }
@@ -84,7 +102,7 @@ impl std::fmt::Debug for RedisConn {
 impl ConnectionLike for RedisConn {
     fn req_packed_command(&mut self, cmd: &[u8]) -> RedisResult<Value> {
         match self {
-            RedisConn::Single(c) => c.req_packed_command(cmd),
+            RedisConn::Single { conn: c, .. } => c.req_packed_command(cmd),
             RedisConn::Cluster { conn, stale } => lost_if_cut(conn.req_packed_command(cmd), stale),
         }
     }
@@ -96,7 +114,7 @@ impl ConnectionLike for RedisConn {
         count: usize,
     ) -> RedisResult<Vec<Value>> {
         match self {
-            RedisConn::Single(c) => c.req_packed_commands(cmd, offset, count),
+            RedisConn::Single { conn: c, .. } => c.req_packed_commands(cmd, offset, count),
             // A MULTI/EXEC block goes to the node of its first key.
             RedisConn::Cluster { conn, stale } => {
                 lost_if_cut(conn.req_packed_commands(cmd, offset, count), stale)
@@ -106,28 +124,28 @@ impl ConnectionLike for RedisConn {
 
     fn req_command(&mut self, cmd: &Cmd) -> RedisResult<Value> {
         match self {
-            RedisConn::Single(c) => c.req_command(cmd),
+            RedisConn::Single { conn: c, .. } => c.req_command(cmd),
             RedisConn::Cluster { conn, stale } => lost_if_cut(conn.req_command(cmd), stale),
         }
     }
 
     fn get_db(&self) -> i64 {
         match self {
-            RedisConn::Single(c) => c.get_db(),
+            RedisConn::Single { conn: c, .. } => c.get_db(),
             RedisConn::Cluster { conn: c, .. } => c.get_db(),
         }
     }
 
     fn check_connection(&mut self) -> bool {
         match self {
-            RedisConn::Single(c) => c.check_connection(),
+            RedisConn::Single { conn: c, .. } => c.check_connection(),
             RedisConn::Cluster { conn: c, .. } => c.check_connection(),
         }
     }
 
     fn is_open(&self) -> bool {
         match self {
-            RedisConn::Single(c) => c.is_open(),
+            RedisConn::Single { conn: c, .. } => c.is_open(),
             RedisConn::Cluster { conn: c, .. } => c.is_open(),
         }
     }
@@ -231,7 +249,7 @@ impl Pipe {
                 // a failure the connection is dropped.
                 result => lost_if_cut(result, stale),
             },
-            (Inner::Cluster(_), RedisConn::Single(_)) => Err(redis::RedisError::from((
+            (Inner::Cluster(_), RedisConn::Single { .. }) => Err(redis::RedisError::from((
                 redis::ErrorKind::Client,
                 "a cluster pipeline sent on a single-server connection",
             ))),
