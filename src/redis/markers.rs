@@ -17,12 +17,13 @@
 //!   string; the `HMGET` of the dead-letter index: an array of one nil or
 //!   string per entry), and there must be one per command. Anything else
 //!   means this connection's replies no longer line up with its commands:
-//!   it is marked stale (the pool drops it) and the check fails, to be done
-//!   again on a fresh connection.
+//!   it is marked stale (the pool drops it) and the check fails with an I/O
+//!   error, so it is done again on a fresh connection, as after a dropped
+//!   one.
 //!
 //! Still one pipelined round trip (one per node on a cluster).
 
-use redis::{ErrorKind, RedisError, RedisResult, Value};
+use redis::{RedisError, RedisResult, Value};
 
 use crate::redis::conn::{Pipe, RedisConn};
 use crate::redis::keys::marker_tag;
@@ -54,11 +55,16 @@ pub(crate) fn check(
     pipe.cmd("HMGET").arg(index).arg(entry_ids);
     let replies: Vec<Value> = pipe.query(conn)?;
     read(keys, entry_ids.len(), replies).map_err(|why| {
+        log::warn!(
+            "redis: marker check: a reply out of place ({why}); the connection is dropped and the check done again on another"
+        );
         conn.mark_stale();
-        RedisError::from((
-            ErrorKind::UnexpectedReturnType,
-            "marker check: a reply out of place; the connection is dropped and the check done again",
-            why,
+        // A connection whose replies no longer line up is as lost as a
+        // dropped one: an I/O error, so the caller retries through it like
+        // an outage (on a fresh connection) instead of giving up.
+        RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("marker check: a reply out of place ({why})"),
         ))
     })
 }
