@@ -247,7 +247,7 @@ impl Pipe {
                 // (seen in tests/cluster.rs: markers read as present after a
                 // node restart, so events skipped as duplicates): after such
                 // a failure the connection is dropped.
-                result => lost_if_cut(result, stale),
+                result => lost_unless_all_read(result, stale),
             },
             (Inner::Cluster(_), RedisConn::Single { .. }) => Err(redis::RedisError::from((
                 redis::ErrorKind::Client,
@@ -269,8 +269,31 @@ fn lost_if_cut<T>(result: RedisResult<T>, stale: &mut bool) -> RedisResult<T> {
     result
 }
 
-/// Whether `e` is an error reply from the server (of a command or of some
-/// commands of a pipeline; every reply was read), not a broken exchange.
+/// Marks a cluster connection `stale` after a failed pipeline unless the
+/// failure proves that every reply was read: errors of two commands or
+/// more, which redis-rs only reports once it has all the replies. One error
+/// reply is not proof: it may come from a node connection opened halfway
+/// through the sends (redis-rs opens it with a `PING`, which a node still
+/// loading its data answers with `LOADING`), after other nodes' commands
+/// went out and before their replies were read. A pipeline with one failed
+/// command then costs a new connection; a wrong guess the other way would
+/// hand the next user replies that are not its own.
+fn lost_unless_all_read<T>(result: RedisResult<T>, stale: &mut bool) -> RedisResult<T> {
+    if let Err(e) = &result {
+        let all_read = e
+            .clone()
+            .into_server_errors()
+            .is_some_and(|errors| errors.len() >= 2);
+        if !all_read {
+            *stale = true;
+        }
+    }
+    result
+}
+
+/// Whether `e` is an error reply from the server, not a broken exchange: for
+/// one command (every reply was read), not for a cluster pipeline (see
+/// [`lost_unless_all_read`]).
 fn is_reply(e: &redis::RedisError) -> bool {
     e.clone().into_server_errors().is_some()
 }
