@@ -318,3 +318,71 @@ fn is_only_redirections(e: &redis::RedisError) -> bool {
                 .all(|(_, err)| matches!(err.kind(), Some(Moved | Ask)))
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connection that answers every pipeline with `replies`.
+    struct Canned(Vec<Value>);
+
+    impl ConnectionLike for Canned {
+        fn req_packed_command(&mut self, _: &[u8]) -> RedisResult<Value> {
+            Ok(self.0[0].clone())
+        }
+        fn req_packed_commands(&mut self, _: &[u8], _: usize, _: usize) -> RedisResult<Vec<Value>> {
+            Ok(self.0.clone())
+        }
+        fn get_db(&self) -> i64 {
+            0
+        }
+        fn check_connection(&mut self) -> bool {
+            true
+        }
+        fn is_open(&self) -> bool {
+            true
+        }
+    }
+
+    fn error_reply(text: &str) -> Value {
+        redis::parse_redis_value(format!("-{text}\r\n").as_bytes()).unwrap()
+    }
+
+    /// The error of a pipeline of two `GET`s answered with `replies`, as
+    /// redis-rs builds it once it has read them all.
+    fn pipeline_error(replies: Vec<Value>) -> redis::RedisError {
+        redis::pipe()
+            .cmd("GET")
+            .arg("a")
+            .cmd("GET")
+            .arg("b")
+            .query::<Vec<Value>>(&mut Canned(replies))
+            .unwrap_err()
+    }
+
+    fn stale_after(e: redis::RedisError) -> bool {
+        let mut stale = false;
+        let _ = lost_unless_all_read::<()>(Err(e), &mut stale);
+        stale
+    }
+
+    #[test]
+    fn only_a_pipeline_error_of_several_commands_keeps_a_cluster_connection() {
+        let two = pipeline_error(vec![error_reply("OOM no"), error_reply("OOM no")]);
+        assert!(!stale_after(two));
+        // One failed command looks like an error met while connecting to a
+        // node mid-send: the connection goes.
+        let one = pipeline_error(vec![error_reply("OOM no"), Value::Nil]);
+        assert!(stale_after(one));
+        let loading = error_reply("LOADING Redis is loading the dataset in memory")
+            .extract_error()
+            .unwrap_err();
+        assert!(stale_after(loading));
+        let cut =
+            redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert!(stale_after(cut));
+        let mut stale = false;
+        assert!(lost_unless_all_read(Ok(()), &mut stale).is_ok());
+        assert!(!stale);
+    }
+}
