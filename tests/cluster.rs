@@ -272,6 +272,102 @@ fn worker_follows_its_stream_through_a_resharding() {
     );
 }
 
+/// Whether the group has been handed every entry of `stream` and none is
+/// pending: all of it was settled, one way or another.
+fn settled(conn: &mut redis::cluster::ClusterConnection, stream: &str) -> bool {
+    let last: String = redis::cmd("XINFO")
+        .arg("STREAM")
+        .arg(stream)
+        .query::<std::collections::HashMap<String, redis::Value>>(conn)
+        .ok()
+        .and_then(|info| redis::from_redis_value(info.get("last-generated-id")?.clone()).ok())
+        .unwrap_or_default();
+    let groups: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(stream)
+        .query(conn)
+        .unwrap_or_default();
+    let delivered = groups
+        .iter()
+        .filter_map(|g| redis::from_redis_value::<String>(g.get("last-delivered-id")?.clone()).ok())
+        .any(|id| id == last);
+    delivered && pending(conn, stream, "g") == 0
+}
+
+/// Regression test for events lost as "duplicates" on a cluster: a reply
+/// left unread on a connection (a stale `:1`) was read by the next marker
+/// check as the marker of one of its events, and every later reply on that
+/// node connection answered the command before it, so events were acked as
+/// duplicates that PostgreSQL never committed. Markers now hold their own
+/// tag and a reply of the wrong shape drops the connection, so a marker hit
+/// is always the reply for its key.
+#[test]
+fn a_stale_reply_on_a_connection_is_never_taken_for_a_marker() {
+    let cluster = Cluster::start(3, 0);
+    let db = TestDb::new();
+    let stream = format!("{{{}}}:events", unique("stale"));
+    let home = cluster.master_of(&stream);
+    // A node with markers only (not the stream): a third of them go
+    // through the proxy.
+    let proxy = cluster.stale_replies((home + 1) % 3);
+    let mut conn = cluster_conn(&cluster);
+    let first = events("a", 2000);
+    produce(&cluster, &stream, &first);
+    let mut worker = Proc::spawn({
+        let mut cmd = run(&cluster.url_of(home), &db, &stream);
+        cmd.args(["--workers", "4", "--sql", INT_SQL]);
+        cmd
+    });
+    assert!(
+        wait_until(Duration::from_secs(60), || db.effect_counts().len() >= 300),
+        "processing did not start:\n{}",
+        worker.stderr()
+    );
+    // Every connection open now (the worker's pool among them) finds a
+    // stale reply ahead of its next one, mid-run.
+    assert!(proxy.inject() > 0);
+    let second = events("b", 2000);
+    produce(&cluster, &stream, &second);
+    let all: Vec<(String, String)> = first.into_iter().chain(second).collect();
+
+    let done = wait_until(Duration::from_secs(120), || settled(&mut conn, &stream));
+    worker.signal("TERM");
+    let status = worker.wait(Duration::from_secs(30));
+    let log = worker.stderr();
+    assert!(done, "the stream was not settled:\n{log}");
+    assert!(status.success(), "{status:?}\n{log}");
+    assert!(proxy.injected() > 0, "no stale reply was read:\n{log}");
+
+    // Nothing acked as a duplicate that this database did not commit.
+    let good = split(&all).1.len();
+    let effects = db.effect_counts();
+    let lost: Vec<&String> = split(&all)
+        .1
+        .iter()
+        .map(|(id, _)| id)
+        .filter(|id| !effects.contains_key(*id))
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "{} events acked without an effect (after {} stale replies), e.g. {:?}",
+        lost.len(),
+        proxy.injected(),
+        &lost[..lost.len().min(5)]
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM processed_events"),
+        good as i64
+    );
+    let letters = dead_letters(&mut conn, &stream);
+    assert_exactly_once(
+        &db,
+        &all,
+        letters.iter().filter_map(|l| l.event_id.clone()).collect(),
+    );
+    // The worker saw the reply out of place and dropped the connection.
+    assert!(log.contains("a reply out of place"), "{log}");
+}
+
 #[test]
 fn events_apply_once_on_a_cluster_over_mutual_tls_with_an_acl_user() {
     let dir = TempDir::new("taskhub-cluster-tls");

@@ -98,7 +98,7 @@ impl RedisClient {
             RedisClient::Single(client) => {
                 let conn = client.get_connection_with_timeout(CONNECT_TIMEOUT)?;
                 conn.set_write_timeout(Some(REDIS_COMMAND_TIMEOUT))?;
-                RedisConn::Single(conn)
+                RedisConn::Single { conn, stale: false }
             }
             RedisClient::Cluster(client) => {
                 let conn = client.get_connection()?;

@@ -12,13 +12,20 @@ use crate::redis::check_slots;
 /// A connection to one Redis server or to a Redis Cluster.
 pub enum RedisConn {
     /// One server (`redis://` or `rediss://`).
-    Single(redis::Connection),
+    Single {
+        /// The connection.
+        conn: redis::Connection,
+        /// Set when a reply was found out of place (see
+        /// [`RedisConn::mark_stale`]): the pool drops this connection.
+        stale: bool,
+    },
     /// A cluster: connections to the nodes, opened as they are needed.
     Cluster {
         /// redis-rs' cluster connection, with its map of the slots.
         conn: Box<ClusterConnection>,
-        /// Set when a pipeline failed (see [`Pipe::query`]): the pool drops
-        /// this connection and the next one starts afresh.
+        /// Set when a pipeline failed (see [`Pipe::query`]) or a reply was
+        /// found out of place: the pool drops this connection and the next
+        /// one starts afresh.
         stale: bool,
     },
 }
@@ -27,7 +34,7 @@ impl RedisConn {
     /// An empty pipeline of the right kind for this connection.
     pub fn pipe(&self) -> Pipe {
         match self {
-            RedisConn::Single(_) => Pipe {
+            RedisConn::Single { .. } => Pipe {
                 inner: Inner::Single(redis::pipe()),
                 len: 0,
                 ignored: Vec::new(),
@@ -55,18 +62,29 @@ impl RedisConn {
         Ok(())
     }
 
-    /// Whether the pool should drop this connection: closed, or (cluster)
-    /// with an out-of-date slot map.
+    /// Whether the pool should drop this connection: closed, or marked
+    /// stale.
     pub(crate) fn is_broken(&self) -> bool {
         match self {
-            RedisConn::Single(c) => !c.is_open(),
+            RedisConn::Single { conn, stale } => *stale || !conn.is_open(),
             RedisConn::Cluster { conn, stale } => *stale || !conn.is_open(),
+        }
+    }
+
+    /// Marks this connection as one whose replies can no longer be matched
+    /// to its commands (a reply of the wrong type, or a wrong count, was
+    /// found where a known one was due): the pool drops it instead of
+    /// handing it to the next user, who would read the leftover replies as
+    /// its own.
+    pub(crate) fn mark_stale(&mut self) {
+        match self {
+            RedisConn::Single { stale, .. } | RedisConn::Cluster { stale, .. } => *stale = true,
         }
     }
 
     pub(crate) fn set_read_timeout(&self, timeout: Duration) -> RedisResult<()> {
         match self {
-            RedisConn::Single(c) => c.set_read_timeout(Some(timeout)),
+            RedisConn::Single { conn: c, .. } => c.set_read_timeout(Some(timeout)),
             RedisConn::Cluster { conn: c, .. } => c.set_read_timeout(Some(timeout)),
         }
     }
@@ -75,7 +93,7 @@ impl RedisConn {
 impl std::fmt::Debug for RedisConn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
-            RedisConn::Single(_) => "RedisConn::Single",
+            RedisConn::Single { .. } => "RedisConn::Single",
             RedisConn::Cluster { .. } => "RedisConn::Cluster",
         })
     }
@@ -84,7 +102,7 @@ impl std::fmt::Debug for RedisConn {
 impl ConnectionLike for RedisConn {
     fn req_packed_command(&mut self, cmd: &[u8]) -> RedisResult<Value> {
         match self {
-            RedisConn::Single(c) => c.req_packed_command(cmd),
+            RedisConn::Single { conn: c, .. } => c.req_packed_command(cmd),
             RedisConn::Cluster { conn, stale } => lost_if_cut(conn.req_packed_command(cmd), stale),
         }
     }
@@ -96,7 +114,7 @@ impl ConnectionLike for RedisConn {
         count: usize,
     ) -> RedisResult<Vec<Value>> {
         match self {
-            RedisConn::Single(c) => c.req_packed_commands(cmd, offset, count),
+            RedisConn::Single { conn: c, .. } => c.req_packed_commands(cmd, offset, count),
             // A MULTI/EXEC block goes to the node of its first key.
             RedisConn::Cluster { conn, stale } => {
                 lost_if_cut(conn.req_packed_commands(cmd, offset, count), stale)
@@ -106,28 +124,28 @@ impl ConnectionLike for RedisConn {
 
     fn req_command(&mut self, cmd: &Cmd) -> RedisResult<Value> {
         match self {
-            RedisConn::Single(c) => c.req_command(cmd),
+            RedisConn::Single { conn: c, .. } => c.req_command(cmd),
             RedisConn::Cluster { conn, stale } => lost_if_cut(conn.req_command(cmd), stale),
         }
     }
 
     fn get_db(&self) -> i64 {
         match self {
-            RedisConn::Single(c) => c.get_db(),
+            RedisConn::Single { conn: c, .. } => c.get_db(),
             RedisConn::Cluster { conn: c, .. } => c.get_db(),
         }
     }
 
     fn check_connection(&mut self) -> bool {
         match self {
-            RedisConn::Single(c) => c.check_connection(),
+            RedisConn::Single { conn: c, .. } => c.check_connection(),
             RedisConn::Cluster { conn: c, .. } => c.check_connection(),
         }
     }
 
     fn is_open(&self) -> bool {
         match self {
-            RedisConn::Single(c) => c.is_open(),
+            RedisConn::Single { conn: c, .. } => c.is_open(),
             RedisConn::Cluster { conn: c, .. } => c.is_open(),
         }
     }
@@ -229,9 +247,9 @@ impl Pipe {
                 // (seen in tests/cluster.rs: markers read as present after a
                 // node restart, so events skipped as duplicates): after such
                 // a failure the connection is dropped.
-                result => lost_if_cut(result, stale),
+                result => lost_unless_all_read(result, stale),
             },
-            (Inner::Cluster(_), RedisConn::Single(_)) => Err(redis::RedisError::from((
+            (Inner::Cluster(_), RedisConn::Single { .. }) => Err(redis::RedisError::from((
                 redis::ErrorKind::Client,
                 "a cluster pipeline sent on a single-server connection",
             ))),
@@ -251,8 +269,31 @@ fn lost_if_cut<T>(result: RedisResult<T>, stale: &mut bool) -> RedisResult<T> {
     result
 }
 
-/// Whether `e` is an error reply from the server (of a command or of some
-/// commands of a pipeline; every reply was read), not a broken exchange.
+/// Marks a cluster connection `stale` after a failed pipeline unless the
+/// failure proves that every reply was read: errors of two commands or
+/// more, which redis-rs only reports once it has all the replies. One error
+/// reply is not proof: it may come from a node connection opened halfway
+/// through the sends (redis-rs opens it with a `PING`, which a node still
+/// loading its data answers with `LOADING`), after other nodes' commands
+/// went out and before their replies were read. A pipeline with one failed
+/// command then costs a new connection; a wrong guess the other way would
+/// hand the next user replies that are not its own.
+fn lost_unless_all_read<T>(result: RedisResult<T>, stale: &mut bool) -> RedisResult<T> {
+    if let Err(e) = &result {
+        let all_read = e
+            .clone()
+            .into_server_errors()
+            .is_some_and(|errors| errors.len() >= 2);
+        if !all_read {
+            *stale = true;
+        }
+    }
+    result
+}
+
+/// Whether `e` is an error reply from the server, not a broken exchange: for
+/// one command (every reply was read), not for a cluster pipeline (see
+/// [`lost_unless_all_read`]).
 fn is_reply(e: &redis::RedisError) -> bool {
     e.clone().into_server_errors().is_some()
 }
@@ -276,4 +317,72 @@ fn is_only_redirections(e: &redis::RedisError) -> bool {
                 .iter()
                 .all(|(_, err)| matches!(err.kind(), Some(Moved | Ask)))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connection that answers every pipeline with `replies`.
+    struct Canned(Vec<Value>);
+
+    impl ConnectionLike for Canned {
+        fn req_packed_command(&mut self, _: &[u8]) -> RedisResult<Value> {
+            Ok(self.0[0].clone())
+        }
+        fn req_packed_commands(&mut self, _: &[u8], _: usize, _: usize) -> RedisResult<Vec<Value>> {
+            Ok(self.0.clone())
+        }
+        fn get_db(&self) -> i64 {
+            0
+        }
+        fn check_connection(&mut self) -> bool {
+            true
+        }
+        fn is_open(&self) -> bool {
+            true
+        }
+    }
+
+    fn error_reply(text: &str) -> Value {
+        redis::parse_redis_value(format!("-{text}\r\n").as_bytes()).unwrap()
+    }
+
+    /// The error of a pipeline of two `GET`s answered with `replies`, as
+    /// redis-rs builds it once it has read them all.
+    fn pipeline_error(replies: Vec<Value>) -> redis::RedisError {
+        redis::pipe()
+            .cmd("GET")
+            .arg("a")
+            .cmd("GET")
+            .arg("b")
+            .query::<Vec<Value>>(&mut Canned(replies))
+            .unwrap_err()
+    }
+
+    fn stale_after(e: redis::RedisError) -> bool {
+        let mut stale = false;
+        let _ = lost_unless_all_read::<()>(Err(e), &mut stale);
+        stale
+    }
+
+    #[test]
+    fn only_a_pipeline_error_of_several_commands_keeps_a_cluster_connection() {
+        let two = pipeline_error(vec![error_reply("OOM no"), error_reply("OOM no")]);
+        assert!(!stale_after(two));
+        // One failed command looks like an error met while connecting to a
+        // node mid-send: the connection goes.
+        let one = pipeline_error(vec![error_reply("OOM no"), Value::Nil]);
+        assert!(stale_after(one));
+        let loading = error_reply("LOADING Redis is loading the dataset in memory")
+            .extract_error()
+            .unwrap_err();
+        assert!(stale_after(loading));
+        let cut =
+            redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert!(stale_after(cut));
+        let mut stale = false;
+        assert!(lost_unless_all_read(Ok(()), &mut stale).is_ok());
+        assert!(!stale);
+    }
 }

@@ -8,7 +8,9 @@
 //!   under the same name, or a restore or failover to another timeline
 //!   never trust markers written for another history. `<len>` is the
 //!   scope's length in bytes: without it, scope `g` with event `x:1` and
-//!   scope `g:x` with event `1` would be one key.
+//!   scope `g:x` with event `1` would be one key. Its value is its own
+//!   tag ([`marker_tag`]): a reply counts as the marker only when it carries
+//!   the tag of the key that was asked for (see `markers.rs`).
 //! - The start counter of a redelivered entry,
 //!   `th:s:<len>:<group>:<len>:<stream>:<entry_id>` (see `process.rs`).
 //! - The index of dead-lettered entries, the hash `<stream>:dlq:index`
@@ -136,6 +138,16 @@ pub(crate) fn marker(ns: &str, scope: &str, event_id: &str) -> String {
     format!("th:{ns}:{}:{scope}:{event_id}", scope.len())
 }
 
+/// The value a marker holds: `m:` and the 64-bit FNV-1a hash of its own
+/// key, in hex (18 bytes). A reply is a marker hit only when it is exactly
+/// the tag of the key asked for, so a reply that belongs to another command
+/// (another marker's tag, a stale `1` or `OK`, an `XACK` count) is never
+/// taken for one. Markers written with the value `1` by earlier versions
+/// simply miss, and PostgreSQL answers for them.
+pub(crate) fn marker_tag(key: &str) -> String {
+    format!("m:{:016x}", fnv1a(key.as_bytes()))
+}
+
 /// The start counter of one entry of `stream` in `group`.
 pub(crate) fn started(group: &str, stream: &str, entry_id: &str) -> String {
     format!(
@@ -160,6 +172,15 @@ mod tests {
         assert_ne!(started("a:b", "c", "1-0"), started("a", "b:c", "1-0"));
         assert_ne!(started("a", "b:1-0", "2-0"), started("a", "b", "1-0:2-0"));
         assert_eq!(marker("00ff", "g", "e"), "th:00ff:1:g:e");
+    }
+
+    #[test]
+    fn a_marker_tag_names_its_own_key() {
+        let (a, b) = (marker("00ff", "g", "e-1"), marker("00ff", "g", "e-2"));
+        assert_ne!(marker_tag(&a), marker_tag(&b));
+        assert_eq!(marker_tag(&a), marker_tag(&a.clone()));
+        assert_eq!(marker_tag(&a).len(), 18);
+        assert_ne!(marker_tag(&a), "1");
     }
 
     #[test]

@@ -10,13 +10,16 @@
 //!   slot, because the dead letter and the ack are written by one Lua script:
 //!   streams are named with a hash tag, like `{orders}` or `{orders}:events`.
 //!   [`check_slots`] refuses other names with a message that says so.
-//! - The duplicate markers (`processed:<scope>:<event_id>`) spread over all
-//!   slots: a pipeline of them is a [`Pipe`], which on a cluster sends one
-//!   pipeline per node (in parallel on the wire, one round trip each).
+//! - The duplicate markers (`th:<ns>:<len>:<scope>:<event_id>`, see
+//!   `keys.rs`) spread over all slots: a pipeline of them is a [`Pipe`],
+//!   which on a cluster sends one pipeline per node (in parallel on the
+//!   wire, one round trip each). Since a marker hit skips PostgreSQL, a hit
+//!   counts only when the reply proves it answers that key (`markers.rs`).
 
 mod client;
 mod conn;
 pub(crate) mod keys;
+pub(crate) mod markers;
 pub(crate) mod pool;
 pub(crate) mod streams;
 

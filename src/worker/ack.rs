@@ -25,16 +25,8 @@ impl Processor {
         let acked = self.with_redis(|conn| {
             let mut pipe = conn.pipe();
             for &i in &done.to_mark {
-                pipe.cmd("SET")
-                    .arg(crate::redis::keys::marker(
-                        &ns,
-                        scope,
-                        event(&finished[i]).event_id(),
-                    ))
-                    .arg(1)
-                    .arg("EX")
-                    .arg(ttl)
-                    .ignore();
+                let key = crate::redis::keys::marker(&ns, scope, event(&finished[i]).event_id());
+                crate::redis::markers::set(&mut pipe, &key, ttl);
             }
             if split {
                 // Crash test: Redis applied the markers, then we died.

@@ -229,22 +229,14 @@ impl Processor {
         let ns = self.stage.namespace.get();
         let index = crate::redis::keys::dead_letter_index(stream);
         let scope = &self.stage.settings.scope;
-        self.with_redis(|conn| {
-            let mut pipe = conn.pipe();
-            for d in valid {
-                pipe.cmd("EXISTS")
-                    .arg(crate::redis::keys::marker(&ns, scope, event(d).event_id()));
-            }
-            pipe.cmd("HMGET").arg(&index);
-            for d in valid {
-                pipe.arg(&d.entry_id);
-            }
-            let mut replies: Vec<redis::Value> = pipe.query(conn)?;
-            let dead: Vec<Option<Vec<u8>>> =
-                redis::from_redis_value(replies.pop().unwrap_or(redis::Value::Nil))?;
-            let marked: Vec<bool> = redis::from_redis_value(redis::Value::Array(replies))?;
-            Ok((marked, dead.into_iter().map(|d| d.is_some()).collect()))
-        })
+        let keys: Vec<String> = valid
+            .iter()
+            .map(|d| crate::redis::keys::marker(&ns, scope, event(d).event_id()))
+            .collect();
+        let entry_ids: Vec<&str> = valid.iter().map(|d| d.entry_id.as_str()).collect();
+        // A hit counts only when its reply proves it answers its key.
+        self.with_redis(|conn| crate::redis::markers::check(conn, &keys, &index, &entry_ids))
+            .map(|seen| (seen.marked, seen.dead))
     }
 
     /// A batch that fails on one known event loses that event (it takes the

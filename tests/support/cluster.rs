@@ -1,9 +1,14 @@
 //! A private Redis Cluster on loopback ports, for the cluster tests: started
 //! with `redis-server --cluster-enabled yes` and joined with
-//! `redis-cli --cluster create`, as an operator would.
+//! `redis-cli --cluster create`, as an operator would. [`StaleReplies`] sits
+//! in front of one node and puts a leftover reply on its connections.
 
+use std::io::{ErrorKind, Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::certs::{Certs, Client};
@@ -325,4 +330,172 @@ impl Cluster {
         self.wait_healthy();
         replica
     }
+}
+
+impl Cluster {
+    /// Puts a [`StaleReplies`] proxy in front of node `i` (a master without
+    /// replicas: a replica would replicate through it) and makes the node
+    /// announce the proxy's port, so every client that learns the slots
+    /// from now on talks to the node through the proxy.
+    pub fn stale_replies(&self, i: usize) -> StaleReplies {
+        let proxy = StaleReplies::start(self.nodes[i].port);
+        let port = proxy.port.to_string();
+        let reply = self.nodes[i].raw(&["CONFIG", "SET", "cluster-announce-port", &port]);
+        assert!(reply.is_ok(), "CONFIG SET cluster-announce-port: {reply:?}");
+        let announced = format!("127.0.0.1:{port}@");
+        assert!(
+            wait_until(Duration::from_secs(30), || self
+                .nodes
+                .iter()
+                .all(|n| n.text(&["CLUSTER", "NODES"]).contains(&announced))),
+            "the nodes did not learn the proxy's port:\n{}",
+            self.describe()
+        );
+        proxy
+    }
+}
+
+/// A TCP proxy in front of one node that, on [`StaleReplies::inject`],
+/// puts one stale reply `:1` (what an `EXISTS` that found its key answers)
+/// ahead of the next reply on each connection open at that moment: the
+/// state of a connection on which a reply was left unread, so that every
+/// later reply is read as the answer to the command after its own.
+///
+/// The `:1` goes in when the client sends its next request (redis-rs' sync
+/// connections wait for every reply before they send again), so it always
+/// lands between two replies, never inside one.
+pub struct StaleReplies {
+    pub port: u16,
+    shared: Arc<Shared>,
+    accept: Option<JoinHandle<()>>,
+}
+
+struct Shared {
+    target: u16,
+    stop: AtomicBool,
+    /// Per connection: 0 passing, 1 armed, 2 inject before the next reply.
+    conns: Mutex<Vec<Arc<AtomicU8>>>,
+    injected: AtomicUsize,
+    pumps: Mutex<Vec<JoinHandle<()>>>,
+}
+
+const PASS: u8 = 0;
+const ARMED: u8 = 1;
+const INJECT: u8 = 2;
+const STALE: &[u8] = b":1\r\n";
+
+impl StaleReplies {
+    fn start(target: u16) -> StaleReplies {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let shared = Arc::new(Shared {
+            target,
+            stop: AtomicBool::new(false),
+            conns: Mutex::new(Vec::new()),
+            injected: AtomicUsize::new(0),
+            pumps: Mutex::new(Vec::new()),
+        });
+        let accept = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("stale-replies-accept".into())
+                .spawn(move || accept_loop(&listener, &shared))
+                .unwrap()
+        };
+        StaleReplies {
+            port,
+            shared,
+            accept: Some(accept),
+        }
+    }
+
+    /// Arms every connection open now; returns how many.
+    pub fn inject(&self) -> usize {
+        let conns = self.shared.conns.lock().unwrap();
+        for c in conns.iter() {
+            let _ = c.compare_exchange(PASS, ARMED, SeqCst, SeqCst);
+        }
+        conns.len()
+    }
+
+    /// How many stale replies went out.
+    pub fn injected(&self) -> usize {
+        self.shared.injected.load(SeqCst)
+    }
+}
+
+impl Drop for StaleReplies {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, SeqCst);
+        if let Some(a) = self.accept.take() {
+            let _ = a.join();
+        }
+        let pumps = std::mem::take(&mut *self.shared.pumps.lock().unwrap());
+        for p in pumps {
+            let _ = p.join();
+        }
+    }
+}
+
+fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
+    while !shared.stop.load(SeqCst) {
+        let client = match listener.accept() {
+            Ok((client, _)) => client,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+            Err(_) => continue,
+        };
+        let Ok(server) = TcpStream::connect(("127.0.0.1", shared.target)) else {
+            continue;
+        };
+        let state = Arc::new(AtomicU8::new(PASS));
+        shared.conns.lock().unwrap().push(state.clone());
+        for (from, to, up) in [
+            (
+                client.try_clone().unwrap(),
+                server.try_clone().unwrap(),
+                true,
+            ),
+            (server, client, false),
+        ] {
+            let (ours, state) = (shared.clone(), state.clone());
+            let pump = std::thread::Builder::new()
+                .name("stale-replies-pump".into())
+                .spawn(move || pump(from, to, up, &state, &ours))
+                .unwrap();
+            shared.pumps.lock().unwrap().push(pump);
+        }
+    }
+}
+
+/// Copies `from` to `to` until either closes or the proxy stops. Upstream
+/// (client to node), a request on an armed connection orders the stale
+/// reply; downstream, it goes out ahead of the next reply.
+fn pump(mut from: TcpStream, mut to: TcpStream, up: bool, state: &AtomicU8, shared: &Shared) {
+    from.set_read_timeout(Some(Duration::from_millis(50)))
+        .unwrap();
+    let mut buf = vec![0u8; 16 * 1024];
+    while !shared.stop.load(SeqCst) {
+        let n = match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => continue,
+            Err(_) => break,
+        };
+        if up {
+            let _ = state.compare_exchange(ARMED, INJECT, SeqCst, SeqCst);
+        } else if state.compare_exchange(INJECT, PASS, SeqCst, SeqCst).is_ok() {
+            if to.write_all(STALE).is_err() {
+                break;
+            }
+            shared.injected.fetch_add(1, SeqCst);
+        }
+        if to.write_all(&buf[..n]).is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown(std::net::Shutdown::Both);
 }

@@ -1,0 +1,207 @@
+//! The duplicate-marker check of the fast path, and the marker write: where
+//! a reply is matched to the key it answers.
+//!
+//! A marker hit is acked without asking PostgreSQL, so a hit read from the
+//! wrong reply loses the event. Replies are matched to commands only by
+//! their order on a connection, and on a Redis Cluster one pipeline is split
+//! over the nodes, its replies put back in order, and sent again command by
+//! command after a redirection (`conn.rs`); a connection that once took one
+//! reply too few or too many reads every later reply off by one. So the
+//! check does not trust the order alone:
+//!
+//! - each marker holds its own tag (`keys::marker_tag`) and is read with
+//!   `GET`: a reply is a hit only when it is that key's tag. The reply of
+//!   another command (a stale `1`, an `OK`, another marker's tag) is never
+//!   a hit;
+//! - every reply must have the shape its command gives (a `GET`: nil or a
+//!   string; the `HMGET` of the dead-letter index: an array of one nil or
+//!   string per entry), and there must be one per command. Anything else
+//!   means this connection's replies no longer line up with its commands:
+//!   it is marked stale (the pool drops it) and the check fails with an I/O
+//!   error, so it is done again on a fresh connection, as after a dropped
+//!   one.
+//!
+//! Still one pipelined round trip (one per node on a cluster).
+
+use redis::{RedisError, RedisResult, Value};
+
+use crate::redis::conn::{Pipe, RedisConn};
+use crate::redis::keys::marker_tag;
+
+/// What the fast path learnt about a job's entries, in their order.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Seen {
+    /// The entry's event has a marker: this database committed it.
+    pub marked: Vec<bool>,
+    /// The entry is in the dead-letter index: it was dead-lettered before.
+    pub dead: Vec<bool>,
+}
+
+/// Reads the markers `keys` (one per entry) and the dead-letter index
+/// `index` for `entry_ids`, in one pipelined round trip. Fails, and marks
+/// `conn` stale, when a reply is out of place (see the module's
+/// documentation).
+pub(crate) fn check(
+    conn: &mut RedisConn,
+    keys: &[String],
+    index: &str,
+    entry_ids: &[&str],
+) -> RedisResult<Seen> {
+    debug_assert_eq!(keys.len(), entry_ids.len());
+    let mut pipe = conn.pipe();
+    for key in keys {
+        pipe.cmd("GET").arg(key);
+    }
+    pipe.cmd("HMGET").arg(index).arg(entry_ids);
+    let replies: Vec<Value> = pipe.query(conn)?;
+    read(keys, entry_ids.len(), replies).map_err(|why| {
+        log::warn!(
+            "redis: marker check: a reply out of place ({why}); the connection is dropped and the check done again on another"
+        );
+        conn.mark_stale();
+        // A connection whose replies no longer line up is as lost as a
+        // dropped one: an I/O error, so the caller retries through it like
+        // an outage (on a fresh connection) instead of giving up.
+        RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("marker check: a reply out of place ({why})"),
+        ))
+    })
+}
+
+/// Adds to `pipe` the marker `key`, expiring after `ttl_secs`; its reply is
+/// left out.
+pub(crate) fn set(pipe: &mut Pipe, key: &str, ttl_secs: u64) {
+    pipe.cmd("SET")
+        .arg(key)
+        .arg(marker_tag(key))
+        .arg("EX")
+        .arg(ttl_secs.max(1))
+        .ignore();
+}
+
+/// The replies of [`check`]'s pipeline: one per marker, then the index's.
+fn read(keys: &[String], entries: usize, mut replies: Vec<Value>) -> Result<Seen, String> {
+    if replies.len() != keys.len() + 1 {
+        return Err(format!(
+            "{} replies to {} commands",
+            replies.len(),
+            keys.len() + 1
+        ));
+    }
+    let dead = match replies.pop() {
+        Some(Value::Array(values)) if values.len() == entries => values
+            .iter()
+            .map(|v| match v {
+                Value::Nil => Ok(false),
+                Value::BulkString(_) => Ok(true),
+                other => Err(format!("HMGET of the dead-letter index: an item {other:?}")),
+            })
+            .collect::<Result<Vec<bool>, String>>()?,
+        other => {
+            return Err(format!(
+                "HMGET of the dead-letter index ({entries} fields): {other:?}"
+            ))
+        }
+    };
+    let marked = keys
+        .iter()
+        .zip(&replies)
+        .map(|(key, reply)| match reply {
+            Value::Nil => Ok(false),
+            Value::BulkString(value) => Ok(value.as_slice() == marker_tag(key).as_bytes()),
+            other => Err(format!("GET {key}: {other:?}")),
+        })
+        .collect::<Result<Vec<bool>, String>>()?;
+    Ok(Seen { marked, dead })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::redis::keys::marker;
+
+    fn keys(n: usize) -> Vec<String> {
+        (0..n)
+            .map(|i| marker("00ff", "g", &format!("e-{i}")))
+            .collect()
+    }
+
+    fn tag(key: &str) -> Value {
+        Value::BulkString(marker_tag(key).into_bytes())
+    }
+
+    fn index(items: &[Option<&str>]) -> Value {
+        Value::Array(
+            items
+                .iter()
+                .map(|i| i.map_or(Value::Nil, |s| Value::BulkString(s.into())))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn a_hit_is_the_tag_of_the_key_asked_for() {
+        let k = keys(3);
+        let replies = vec![
+            tag(&k[0]),
+            Value::Nil,
+            tag(&k[2]),
+            index(&[None, Some("1700-0"), None]),
+        ];
+        assert_eq!(
+            read(&k, 3, replies),
+            Ok(Seen {
+                marked: vec![true, false, true],
+                dead: vec![false, true, false],
+            })
+        );
+    }
+
+    #[test]
+    fn another_markers_tag_or_an_old_value_is_no_hit() {
+        let k = keys(3);
+        // Replies shifted by one (a leftover reply first), but of the right
+        // types: nothing is taken for a hit it is not.
+        let replies = vec![
+            Value::Nil,
+            tag(&k[0]),
+            Value::BulkString(b"1".to_vec()),
+            index(&[None, None, None]),
+        ];
+        let seen = read(&k, 3, replies).unwrap();
+        assert_eq!(seen.marked, vec![false, false, false]);
+    }
+
+    #[test]
+    fn a_reply_of_another_command_fails_the_check() {
+        let k = keys(2);
+        // The bug this pins: a stale `:1` (an EXISTS reply left unread on a
+        // connection) read as the marker of the next event.
+        for stale in [
+            Value::Int(1),
+            Value::Okay,
+            Value::SimpleString("OK".into()),
+            Value::Array(vec![]),
+        ] {
+            let replies = vec![stale, Value::Nil, index(&[None, None])];
+            assert!(read(&k, 2, replies).is_err());
+        }
+    }
+
+    #[test]
+    fn a_wrong_count_or_shape_fails_the_check() {
+        let k = keys(2);
+        assert!(read(&k, 2, vec![Value::Nil, index(&[None, None])]).is_err());
+        assert!(read(
+            &k,
+            2,
+            vec![Value::Nil, Value::Nil, Value::Nil, index(&[None, None])]
+        )
+        .is_err());
+        assert!(read(&k, 2, vec![Value::Nil, Value::Nil, index(&[None])]).is_err());
+        assert!(read(&k, 2, vec![Value::Nil, Value::Nil, Value::Int(0)]).is_err());
+        let odd = Value::Array(vec![Value::Nil, Value::Int(1)]);
+        assert!(read(&k, 2, vec![Value::Nil, Value::Nil, odd]).is_err());
+    }
+}
