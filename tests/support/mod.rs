@@ -12,6 +12,7 @@ pub mod browser;
 pub mod certs;
 pub mod cluster;
 pub mod downstream;
+pub mod proxy;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;

@@ -6,15 +6,13 @@
 //! asserts exact counts: effect rows per event, `processed_events` rows,
 //! pending entries, dead letters and the run's summary.
 
-mod support;
-
 use std::collections::{HashMap, HashSet};
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 use taskhub::{
     handler_fn, Builder, DeadLetterKind, Event, Handler, HandlerError, Producer, Shutdown,
     SqlHandler, Summary, Tx,

@@ -2,12 +2,10 @@
 //! runs at full size): it drains, verifies the effect count and prints its
 //! RESULT line, in both modes and with scripted failures.
 
-mod support;
-
 use std::process::Command;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 fn bench(db: &TestDb, args: &[&str]) -> String {
     let exe = std::env::current_exe().unwrap();

@@ -5,15 +5,13 @@
 //! Library-level: each test runs a `Worker` in-process (with `until_idle`
 //! unless stated otherwise) on a thread, and joins it with a bounded wait.
 
-mod support;
-
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use support::*;
+use crate::support::*;
 use taskhub::{
     handler_fn, Builder, DeadLetter, DeadLetterKind, Event, Handler, HandlerError, Mode,
     SqlHandler, Summary, Tx, Worker,

@@ -2,12 +2,10 @@
 //! the errors a user sees for bad URLs, servers that are down, bad flags and a
 //! missing schema.
 
-mod support;
-
 use std::process::Command;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 const T: Duration = Duration::from_secs(30);
 

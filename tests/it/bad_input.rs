@@ -14,14 +14,12 @@
 //!   the entries added afterwards, and drops the waiting retry of the deleted
 //!   entry instead of applying or dead-lettering it.
 
-mod support;
-
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use support::*;
+use crate::support::*;
 use taskhub::{handler_fn, Builder, DeadLetterKind, Event, HandlerError, Summary, Tx, Worker};
 
 const INSERT: &str = "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)";
@@ -386,7 +384,7 @@ fn stream_deleted_while_the_worker_reads_then_new_entries_are_applied() {
 /// Wide entries without an event_id are dead-lettered whole: 1,000 fields
 /// (written by the conditional Lua step) and 5,000 fields (over what Lua's
 /// `unpack` takes, written with MULTI/EXEC). Pins the fallback of the
-/// conditional dead-letter write (see tests/chaos.rs): a letter over Lua's
+/// conditional dead-letter write (see tests/it/chaos.rs): a letter over Lua's
 /// limit would fail to write, and the writer would retry it forever.
 #[test]
 fn very_wide_invalid_entries_are_dead_lettered_whole() {

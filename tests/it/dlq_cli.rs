@@ -8,13 +8,11 @@
 //! written directly with `DeadLetter::to_fields` when a test needs control over
 //! kinds, reasons and times.
 
-mod support;
-
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
-use support::*;
+use crate::support::*;
 use taskhub::dlq::Attempt;
 use taskhub::{DeadLetter, DeadLetterKind};
 

@@ -1,12 +1,10 @@
 //! Operating `taskhub run`: /metrics, /healthz, /readyz and the dead-letter
 //! webhook alert, against real servers and a local HTTP receiver.
 
-mod support;
-
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 fn get(url: &str) -> (u16, String) {
     let agent: ureq::Agent = ureq::Agent::config_builder()
@@ -334,13 +332,13 @@ type Posts = Arc<Mutex<Vec<serde_json::Value>>>;
 fn receiver(failures: usize) -> (String, Posts) {
     let posts: Posts = Arc::default();
     let seen = posts.clone();
-    let addr = support::downstream::start(move |request| {
+    let addr = crate::support::downstream::start(move |request| {
         let n = {
             let mut seen = seen.lock().unwrap();
             seen.push(serde_json::from_slice(&request.body).unwrap());
             seen.len()
         };
-        support::downstream::Answer::status(if n <= failures { 500 } else { 200 })
+        crate::support::downstream::Answer::status(if n <= failures { 500 } else { 200 })
     });
     (format!("http://{addr}/alert"), posts)
 }

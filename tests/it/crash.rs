@@ -6,8 +6,6 @@
 //! Every test uses its own stream, group and database on the shared servers
 //! (no server is stopped here).
 
-mod support;
-
 use std::collections::{BTreeMap, HashMap};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,7 +13,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 use taskhub::{handler_fn, DeadLetterKind, Event, HandlerError, Summary, Tx, Worker};
 
 /// How long a run of the binary may take to reach a fault or to finish.
