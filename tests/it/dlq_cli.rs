@@ -11,8 +11,8 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use serde_json::Value;
 use crate::support::*;
+use serde_json::Value;
 use taskhub::dlq::Attempt;
 use taskhub::{DeadLetter, DeadLetterKind};
 

@@ -1,7 +1,7 @@
 //! Checks the test support itself: private servers start, stop and restart.
 
-use std::time::Duration;
 use crate::support::*;
+use std::time::Duration;
 
 #[test]
 fn private_servers_start_stop_and_restart() {
