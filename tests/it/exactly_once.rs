@@ -734,12 +734,29 @@ fn shutdown_deadline_second_signal_and_sigint() {
         }
         Proc::spawn(cmd)
     };
+    // Sessions of this database that run the sleepy statement: `active`
+    // while it sleeps, then `idle in transaction` until the session finds
+    // its client gone and ends, rolling back.
+    let sleepers = |state: &str| {
+        db.count(&format!(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND pid <> pg_backend_pid() \
+             AND query LIKE '%pg_sleep(4)' AND state LIKE '{state}'"
+        ))
+    };
     // Until the entry is read and its handler sits in pg_sleep.
     let wait_running = |conn: &mut redis::Connection| {
         assert!(wait_until(Duration::from_secs(20), || pending(
             conn, &stream, &group
-        ) == 1));
-        std::thread::sleep(Duration::from_millis(500));
+        ) == 1
+            && sleepers("active") == 1));
+    };
+    // Until the interrupted transaction has ended: it can commit no more.
+    let wait_ended = || {
+        assert!(
+            wait_until(Duration::from_secs(20), || sleepers("%") == 0),
+            "the interrupted transaction is still open"
+        );
     };
 
     let mut p = run(Some(SLEEPY_SQL), "1s");
@@ -753,19 +770,25 @@ fn shutdown_deadline_second_signal_and_sigint() {
         p.stderr()
     );
     assert_eq!(pending(&mut conn, &stream, &group), 1);
+    wait_ended();
     assert_eq!(db.effects("slow-1"), 0);
 
     let mut p = run(Some(SLEEPY_SQL), "30s");
     wait_running(&mut conn);
     p.signal("TERM");
-    std::thread::sleep(Duration::from_millis(200));
+    // The first signal was taken as a graceful stop before the second comes.
+    assert!(
+        p.wait_for("shutting down gracefully", Duration::from_secs(10)),
+        "{}",
+        p.stderr()
+    );
     p.signal("TERM");
     let status = p.wait(Duration::from_secs(20));
     assert_eq!(status.code(), Some(130), "{}", p.stderr());
     assert!(p.stderr().contains("second signal"), "{}", p.stderr());
     assert_eq!(pending(&mut conn, &stream, &group), 1);
     // The interrupted transactions never commit, even once their sleep ends.
-    std::thread::sleep(Duration::from_secs(5));
+    wait_ended();
     assert_eq!(db.effects("slow-1"), 0);
 
     let mut p = run(None, "10s");

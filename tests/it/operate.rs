@@ -343,6 +343,28 @@ fn receiver(failures: usize) -> (String, Posts) {
     (format!("http://{addr}/alert"), posts)
 }
 
+/// Waits until the alert thread of `stream` has run a whole round that began
+/// after this call, so that an alert it was going to send has been sent. The
+/// lease holder renews its lease (resets its TTL) at the start of every round
+/// (src/alerts/state.rs): the second renewal seen starts the round after one
+/// that began, and so ended, after this call.
+fn wait_for_alert_round(r: &mut redis::Connection, stream: &str) {
+    let lease = format!("th:alert:lease:{}:{stream}", stream.len());
+    let mut ttl = || -> i64 { redis::cmd("PTTL").arg(&lease).query(r).unwrap() };
+    let (mut last, mut renewals) = (ttl(), 0);
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            let now = ttl();
+            if now > last {
+                renewals += 1;
+            }
+            last = now;
+            renewals >= 2
+        }),
+        "the alert thread of {stream} did not renew its lease twice"
+    );
+}
+
 #[test]
 fn webhook_is_retried_and_rate_limited() {
     let (hook, posts) = receiver(1);
@@ -371,7 +393,7 @@ fn webhook_is_retried_and_rate_limited() {
     assert!(wait_until(Duration::from_secs(10), || p
         .stderr()
         .contains("dead letters (growing)")));
-    std::thread::sleep(Duration::from_millis(500));
+    wait_for_alert_round(&mut r, &stream);
     assert_eq!(count(), 2);
     p.signal("TERM");
     assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
@@ -392,7 +414,7 @@ fn webhook_fires_once_per_state_change() {
     // Healthy events: no alert.
     xadd(&mut r, &stream, &[("event_id", "ok"), ("payload", "1")]);
     assert!(wait_until(Duration::from_secs(10), || db.effects("ok") == 1));
-    std::thread::sleep(Duration::from_millis(500));
+    wait_for_alert_round(&mut r, &stream);
     assert_eq!(count(), 0);
 
     // The stream becomes non-empty: one alert, then silence.
@@ -402,7 +424,7 @@ fn webhook_fires_once_per_state_change() {
         "{}",
         p.stderr()
     );
-    std::thread::sleep(Duration::from_millis(600));
+    wait_for_alert_round(&mut r, &stream);
     assert_eq!(count(), 1);
     {
         let posts = posts.lock().unwrap();
@@ -431,7 +453,7 @@ fn webhook_fires_once_per_state_change() {
         "{}",
         p.stderr()
     );
-    std::thread::sleep(Duration::from_millis(600));
+    wait_for_alert_round(&mut r, &stream);
     assert_eq!(count(), 2);
     assert_eq!(posts.lock().unwrap()[1]["change"], "grew");
     assert_eq!(posts.lock().unwrap()[1]["count"], 2);
