@@ -8,13 +8,12 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::support::*;
 use taskhub::{
     handler_fn, Builder, DeadLetter, DeadLetterKind, Event, Handler, HandlerError, Mode,
-    SqlHandler, Summary, Tx, Worker,
+    SqlHandler, Tx,
 };
 
 const INSERT: &str = "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)";
@@ -90,59 +89,6 @@ fn builder(redis_url: &str, db_url: &str, stream: &str, group: &str) -> Builder 
         .reclaim_interval(Duration::from_secs(1))
 }
 
-/// A worker running on its own thread.
-struct Running {
-    handle: Option<JoinHandle<Result<Summary, taskhub::Error>>>,
-    stop: taskhub::Shutdown,
-}
-
-fn start(worker: Worker) -> Running {
-    let stop = worker.shutdown_handle();
-    let handle = std::thread::Builder::new()
-        .name("test-worker-run".into())
-        .spawn(move || worker.run())
-        .unwrap();
-    Running {
-        handle: Some(handle),
-        stop,
-    }
-}
-
-impl Running {
-    /// Waits at most `timeout` for `run()` to return by itself; on timeout
-    /// asks for a shutdown, waits a little more and panics.
-    fn join(mut self, timeout: Duration) -> Summary {
-        let handle = self.handle.take().unwrap();
-        let finished = wait_until(timeout, || handle.is_finished());
-        if !finished {
-            self.stop.shutdown();
-            let stopped = wait_until(Duration::from_secs(20), || handle.is_finished());
-            panic!("run() did not finish by itself within {timeout:?} (stopped after a shutdown request: {stopped})");
-        }
-        match handle.join() {
-            Ok(Ok(summary)) => summary,
-            Ok(Err(e)) => panic!("run() failed: {e}"),
-            Err(_) => panic!("run() panicked"),
-        }
-    }
-
-    /// Asks for a shutdown and waits (bounded) for `run()` to return.
-    fn stop(self, timeout: Duration) -> Summary {
-        self.stop.shutdown();
-        self.join(timeout)
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        // A failed test must not leave a worker running against its servers.
-        if let Some(h) = self.handle.take() {
-            self.stop.shutdown();
-            wait_until(Duration::from_secs(20), || h.is_finished());
-        }
-    }
-}
-
 /// XADD of raw byte fields; returns the entry id.
 fn xadd_raw(conn: &mut redis::Connection, stream: &str, fields: &[(&[u8], &[u8])]) -> String {
     let mut cmd = redis::cmd("XADD");
@@ -151,51 +97,6 @@ fn xadd_raw(conn: &mut redis::Connection, stream: &str, fields: &[(&[u8], &[u8])
         cmd.arg(*k).arg(*v);
     }
     cmd.query(conn).unwrap()
-}
-
-/// Adds `event_ids` with a payload each, pipelined; returns the entry ids.
-fn xadd_many(conn: &mut redis::Connection, stream: &str, event_ids: &[String]) -> Vec<String> {
-    let mut ids = Vec::with_capacity(event_ids.len());
-    for chunk in event_ids.chunks(500) {
-        let mut pipe = redis::pipe();
-        for id in chunk {
-            pipe.cmd("XADD")
-                .arg(stream)
-                .arg("*")
-                .arg("event_id")
-                .arg(id)
-                .arg("payload")
-                .arg(format!("payload of {id}"));
-        }
-        let got: Vec<String> = pipe.query(conn).unwrap();
-        ids.extend(got);
-    }
-    ids
-}
-
-fn ids(prefix: &str, n: usize) -> Vec<String> {
-    (0..n).map(|i| format!("{prefix}-{i:05}")).collect()
-}
-
-/// Asserts every id in `expected` has exactly one effect row and that no
-/// other event has any.
-fn assert_exactly_once(db: &TestDb, expected: &[String]) {
-    let counts = db.effect_counts();
-    let wrong: Vec<(&String, i64)> = expected
-        .iter()
-        .map(|id| (id, counts.get(id).copied().unwrap_or(0)))
-        .filter(|(_, n)| *n != 1)
-        .take(20)
-        .collect();
-    assert!(
-        wrong.is_empty(),
-        "events without exactly one effect (first 20): {wrong:?}"
-    );
-    assert_eq!(
-        counts.len(),
-        expected.len(),
-        "effects for events that should have none"
-    );
 }
 
 fn now_millis() -> u64 {
@@ -224,8 +125,8 @@ fn permanent_error_is_dead_lettered_at_once_with_full_context() {
     let db = TestDb::new();
     let (stream, group) = (unique("s"), unique("g"));
     let mut conn = redis(&redis_url());
-    let good = ids("ok", 10);
-    xadd_many(&mut conn, &stream, &good[..5]);
+    let good = event_ids("ok", 10);
+    xadd_events(&mut conn, &stream, &good[..5]);
     let payload = "x".repeat(3000);
     let bad_entry = xadd(
         &mut conn,
@@ -236,7 +137,7 @@ fn permanent_error_is_dead_lettered_at_once_with_full_context() {
             ("tenant", "acme"),
         ],
     );
-    xadd_many(&mut conn, &stream, &good[5..]);
+    xadd_events(&mut conn, &stream, &good[5..]);
 
     let bad_calls = Arc::new(AtomicUsize::new(0));
     let calls = Calls::default();
@@ -252,7 +153,7 @@ fn permanent_error_is_dead_lettered_at_once_with_full_context() {
             insert(event, tx)
         }))
         .unwrap();
-    let summary = start(worker).join(Duration::from_secs(30));
+    let summary = Running::of(worker).join(Duration::from_secs(30));
 
     assert_eq!(
         bad_calls.load(Ordering::SeqCst),
@@ -264,7 +165,7 @@ fn permanent_error_is_dead_lettered_at_once_with_full_context() {
     assert_eq!(summary.dead_lettered, 1);
     assert_eq!(summary.applied, 10);
     assert_handled(&calls, &good, 1);
-    assert_exactly_once(&db, &good);
+    db.assert_effects_once(&good);
     assert_eq!(db.effects("bad-1"), 0);
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 
@@ -329,8 +230,8 @@ fn a_dead_letter_that_cannot_be_written_stays_pending() {
     let db = TestDb::new();
     let (stream, group) = (unique("s"), unique("g"));
     let mut conn = redis(&r.url());
-    let good = ids("ok", 5);
-    xadd_many(&mut conn, &stream, &good);
+    let good = event_ids("ok", 5);
+    xadd_events(&mut conn, &stream, &good);
     xadd(
         &mut conn,
         &stream,
@@ -351,7 +252,7 @@ fn a_dead_letter_that_cannot_be_written_stays_pending() {
         })
     };
 
-    let running = start(
+    let running = Running::of(
         builder(&r.url(), &db.url, &stream, &group)
             .until_idle(false)
             .build(handler())
@@ -366,7 +267,7 @@ fn a_dead_letter_that_cannot_be_written_stays_pending() {
         wait_until(Duration::from_secs(20), || failed_xadds(&mut conn) >= 3),
         "the dead letter was not tried three times"
     );
-    let summary = running.stop(Duration::from_secs(30));
+    let summary = running.stop();
     assert_eq!(summary.dead_lettered, 0, "{summary}");
     assert_eq!(
         pending(&mut conn, &stream, &group),
@@ -375,10 +276,10 @@ fn a_dead_letter_that_cannot_be_written_stays_pending() {
     );
     let kind: String = redis::cmd("TYPE").arg(&dlq).query(&mut conn).unwrap();
     assert_eq!(kind, "string");
-    assert_exactly_once(&db, &good);
+    db.assert_effects_once(&good);
 
     let _: () = redis::cmd("DEL").arg(&dlq).query(&mut conn).unwrap();
-    let summary = start(
+    let summary = Running::of(
         builder(&r.url(), &db.url, &stream, &group)
             .build(handler())
             .unwrap(),
@@ -389,7 +290,7 @@ fn a_dead_letter_that_cannot_be_written_stays_pending() {
     assert_eq!(letters.len(), 1);
     assert_eq!(letters[0].event_id.as_deref(), Some("bad-1"));
     assert_eq!(pending(&mut conn, &stream, &group), 0);
-    assert_exactly_once(&db, &good);
+    db.assert_effects_once(&good);
 }
 
 #[test]
@@ -397,8 +298,8 @@ fn retries_exhaust_with_growing_backoff_then_dead_letter() {
     let db = TestDb::new();
     let (stream, group) = (unique("s"), unique("g"));
     let mut conn = redis(&redis_url());
-    let good = ids("ok", 5);
-    xadd_many(&mut conn, &stream, &good);
+    let good = event_ids("ok", 5);
+    xadd_events(&mut conn, &stream, &good);
     xadd(
         &mut conn,
         &stream,
@@ -419,7 +320,7 @@ fn retries_exhaust_with_growing_backoff_then_dead_letter() {
             insert(event, tx)
         }))
         .unwrap();
-    let summary = start(worker).join(Duration::from_secs(30));
+    let summary = Running::of(worker).join(Duration::from_secs(30));
 
     // Batch mode: the batch try is the first attempt. (In 5d95c9b a failed
     // batch re-ran its events one by one at once, so "flaky" ran 5 times and
@@ -437,7 +338,7 @@ fn retries_exhaust_with_growing_backoff_then_dead_letter() {
     assert_eq!(summary.retries, 3);
     assert_eq!(summary.dead_exhausted, 1);
     assert_eq!(summary.dead_lettered, 1);
-    assert_exactly_once(&db, &good);
+    db.assert_effects_once(&good);
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 
     let letters = dead_letters(&mut conn, &stream);
@@ -489,7 +390,7 @@ fn retry_after_is_honoured() {
             insert(event, tx)
         }))
         .unwrap();
-    let summary = start(worker).join(Duration::from_secs(30));
+    let summary = Running::of(worker).join(Duration::from_secs(30));
 
     let limited = calls.of("limited");
     assert_eq!(limited.len(), 2);
@@ -501,7 +402,7 @@ fn retry_after_is_honoured() {
     assert_eq!(summary.retries, 1);
     assert_eq!(summary.applied, 1);
     assert_eq!(summary.dead_lettered, 0);
-    assert_exactly_once(&db, &["limited".to_string()]);
+    db.assert_effects_once(&["limited".to_string()]);
     assert!(dead_letters(&mut conn, &stream).is_empty());
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 }
@@ -517,9 +418,9 @@ fn a_waiting_retry_does_not_block_other_events() {
     // batch as others: a worker sleeping through a backoff would hold up its
     // whole batch, and two of them would stall the pool.
     let slow = vec!["slow-a".to_string(), "slow-b".to_string()];
-    let others = ids("other", 200);
-    xadd_many(&mut conn, &stream, &slow);
-    xadd_many(&mut conn, &stream, &others);
+    let others = event_ids("other", 200);
+    xadd_events(&mut conn, &stream, &slow);
+    xadd_events(&mut conn, &stream, &others);
 
     let calls = Calls::default();
     let c = calls.clone();
@@ -535,7 +436,7 @@ fn a_waiting_retry_does_not_block_other_events() {
             insert(event, tx)
         }))
         .unwrap();
-    let summary = start(worker).join(Duration::from_secs(30));
+    let summary = Running::of(worker).join(Duration::from_secs(30));
 
     // Also pins Retry-After in batch mode: in 5d95c9b a slow event failing in
     // its batch ran again one by one at once (3 calls, no 2 s wait).
@@ -562,7 +463,7 @@ fn a_waiting_retry_does_not_block_other_events() {
     assert_eq!(summary.retries, 2);
     let mut all = slow.clone();
     all.extend(others);
-    assert_exactly_once(&db, &all);
+    db.assert_effects_once(&all);
     assert!(dead_letters(&mut conn, &stream).is_empty());
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 }
@@ -574,13 +475,13 @@ fn handler_panicking_once_is_retried_and_applied_once() {
     let db = TestDb::new();
     let (stream, group) = (unique("s"), unique("g"));
     let mut conn = redis(&redis_url());
-    let others = ids("other", 20);
+    let others = event_ids("other", 20);
     xadd(
         &mut conn,
         &stream,
         &[("event_id", "boom-once"), ("payload", "p")],
     );
-    xadd_many(&mut conn, &stream, &others);
+    xadd_events(&mut conn, &stream, &others);
 
     let calls = Calls::default();
     let c = calls.clone();
@@ -595,7 +496,7 @@ fn handler_panicking_once_is_retried_and_applied_once() {
             Ok(())
         }))
         .unwrap();
-    let summary = start(worker).join(Duration::from_secs(30));
+    let summary = Running::of(worker).join(Duration::from_secs(30));
 
     assert_eq!(summary.panics, 1);
     assert_eq!(calls.of("boom-once").len(), 2);
@@ -607,7 +508,7 @@ fn handler_panicking_once_is_retried_and_applied_once() {
     assert_eq!(summary.dead_lettered, 0);
     let mut all = vec!["boom-once".to_string()];
     all.extend(others);
-    assert_exactly_once(&db, &all);
+    db.assert_effects_once(&all);
     assert!(dead_letters(&mut conn, &stream).is_empty());
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 }
@@ -617,13 +518,13 @@ fn handler_always_panicking_is_dead_lettered_and_the_pool_keeps_its_size() {
     let db = TestDb::new();
     let (stream, group) = (unique("s"), unique("g"));
     let mut conn = redis(&redis_url());
-    let others = ids("other", 500);
+    let others = event_ids("other", 500);
     xadd(
         &mut conn,
         &stream,
         &[("event_id", "boom"), ("payload", "p")],
     );
-    xadd_many(&mut conn, &stream, &others);
+    xadd_events(&mut conn, &stream, &others);
 
     let calls = Calls::default();
     let c = calls.clone();
@@ -644,7 +545,7 @@ fn handler_always_panicking_is_dead_lettered_and_the_pool_keeps_its_size() {
         .unwrap();
     // run() fails when one of its threads stops unexpectedly, so Ok here
     // also says that no thread was lost.
-    let summary = start(worker).join(Duration::from_secs(60));
+    let summary = Running::of(worker).join(Duration::from_secs(60));
 
     // Two attempts, in both modes: a panic counts as a failed attempt of
     // the event that panicked.
@@ -656,7 +557,7 @@ fn handler_always_panicking_is_dead_lettered_and_the_pool_keeps_its_size() {
     assert_eq!(summary.dead_lettered, 1);
     assert_eq!(summary.applied, 500);
     assert_handled(&calls, &others, 1);
-    assert_exactly_once(&db, &others);
+    db.assert_effects_once(&others);
     let letters = dead_letters(&mut conn, &stream);
     assert_eq!(letters.len(), 1, "{letters:?}");
     let l = letter_for(&letters, "boom");
@@ -736,7 +637,7 @@ fn invalid_entries_are_dead_lettered_at_once_and_odd_ids_are_applied() {
     for (i, (label, fields, _)) in invalid.iter().enumerate() {
         entry_of.insert(label, xadd_raw(&mut conn, &stream, fields));
         if let Some(id) = weird.get(i) {
-            xadd_many(&mut conn, &stream, std::slice::from_ref(id));
+            xadd_events(&mut conn, &stream, std::slice::from_ref(id));
         }
     }
     let calls = Calls::default();
@@ -748,7 +649,7 @@ fn invalid_entries_are_dead_lettered_at_once_and_odd_ids_are_applied() {
             insert(event, tx)
         }))
         .unwrap();
-    let summary = start(worker).join(Duration::from_secs(30));
+    let summary = Running::of(worker).join(Duration::from_secs(30));
 
     assert_eq!(summary.dead_invalid, invalid.len() as u64);
     assert_eq!(summary.dead_lettered, invalid.len() as u64);
@@ -761,7 +662,7 @@ fn invalid_entries_are_dead_lettered_at_once_and_odd_ids_are_applied() {
     let mut expected = weird.clone();
     expected.sort();
     assert_eq!(sorted, expected, "handler calls");
-    assert_exactly_once(&db, &weird);
+    db.assert_effects_once(&weird);
     let stored: Vec<String> = db
         .client()
         .query("SELECT event_id FROM notifications", &[])
@@ -852,7 +753,7 @@ fn sql_constraint_violation_is_permanent() {
     let worker = builder(&redis_url(), &db.url, &stream, &group)
         .build(counted(handler, calls.clone()))
         .unwrap();
-    let summary = start(worker).join(Duration::from_secs(30));
+    let summary = Running::of(worker).join(Duration::from_secs(30));
 
     for id in ["b", "d"] {
         assert_eq!(calls.of(id).len(), 1, "{id}: not retried");
@@ -908,7 +809,7 @@ fn sql_undefined_table_and_syntax_errors_are_permanent() {
         let worker = builder(&redis_url(), &db.url, &stream, &group)
             .build(counted(SqlHandler::new(statement.clone()), calls.clone()))
             .unwrap();
-        let summary = start(worker).join(Duration::from_secs(30));
+        let summary = Running::of(worker).join(Duration::from_secs(30));
 
         for id in ["x1", "x2", "x3"] {
             assert_eq!(calls.of(id).len(), 1, "{statement}: {id} not retried");
@@ -933,28 +834,23 @@ fn sql_undefined_table_and_syntax_errors_are_permanent() {
 #[test]
 fn postgres_outage_mid_run_is_waited_out_without_dead_letters() {
     let mut pg = PrivatePostgres::start();
-    let db = TestDb::on(&pg.url("postgres"));
-    let (stream, group) = (unique("s"), unique("g"));
-    let mut conn = redis(&redis_url());
-    let events = ids("pg", 2000);
-    xadd_many(&mut conn, &stream, &events);
+    let mut s = Scenario::on(&redis_url(), TestDb::on(&pg.url("postgres")), "s");
+    let events = s.produce(&event_ids("pg", 2000));
 
     let done = Arc::new(AtomicUsize::new(0));
     let d = done.clone();
     // One attempt only: an outage must not cost an attempt, so even without
     // any retry budget nothing may be dead-lettered. (With more attempts,
     // failed attempts would hide behind the pool's 5 s connect wait.)
-    let worker = builder(&redis_url(), &db.url, &stream, &group)
-        .workers(2)
-        .max_attempts(1)
-        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+    let running = Running::start(
+        s.builder().until_idle(true).workers(2).max_attempts(1),
+        handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
             pause(1);
             insert(event, tx)?;
             d.fetch_add(1, Ordering::SeqCst);
             Ok(())
-        }))
-        .unwrap();
-    let running = start(worker);
+        }),
+    );
     assert!(
         wait_until(Duration::from_secs(30), || done.load(Ordering::SeqCst)
             >= 300),
@@ -978,13 +874,7 @@ fn postgres_outage_mid_run_is_waited_out_without_dead_letters() {
     // duplicate, never a second effect.
     assert!(summary.applied <= 2000, "{summary:?}");
     assert!(summary.applied + summary.duplicates >= 2000, "{summary:?}");
-    assert_exactly_once(&db, &events);
-    assert_eq!(
-        db.count("SELECT count(*) FROM processed_events"),
-        events.len() as i64
-    );
-    assert!(dead_letters(&mut conn, &stream).is_empty());
-    assert_eq!(pending(&mut conn, &stream, &group), 0);
+    s.assert_applied_once(&events);
 }
 
 // 9. ---------------------------------------------------------------------
@@ -992,24 +882,20 @@ fn postgres_outage_mid_run_is_waited_out_without_dead_letters() {
 #[test]
 fn redis_restart_mid_run_loses_nothing_and_duplicates_nothing() {
     let mut r = PrivateRedis::start();
-    let db = TestDb::new();
-    let (stream, group) = (unique("s"), unique("g"));
-    let mut conn = redis(&r.url());
-    let events = ids("rd", 1000);
-    xadd_many(&mut conn, &stream, &events);
+    let mut s = Scenario::on(&r.url(), TestDb::new(), "s");
+    let events = s.produce(&event_ids("rd", 1000));
 
     let done = Arc::new(AtomicUsize::new(0));
     let d = done.clone();
-    let worker = builder(&r.url(), &db.url, &stream, &group)
-        .workers(2)
-        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+    let running = Running::start(
+        s.builder().until_idle(true).workers(2),
+        handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
             pause(1);
             insert(event, tx)?;
             d.fetch_add(1, Ordering::SeqCst);
             Ok(())
-        }))
-        .unwrap();
-    let running = start(worker);
+        }),
+    );
     assert!(
         wait_until(Duration::from_secs(30), || done.load(Ordering::SeqCst)
             >= 200),
@@ -1026,11 +912,8 @@ fn redis_restart_mid_run_loses_nothing_and_duplicates_nothing() {
         "Redis stopped mid-run ({at_stop} done)"
     );
     assert_eq!(summary.dead_lettered, 0);
-    assert_exactly_once(&db, &events);
-    let mut conn = redis(&r.url());
-    assert_eq!(xlen(&mut conn, &stream), events.len() as u64);
-    assert!(dead_letters(&mut conn, &stream).is_empty());
-    assert_eq!(pending(&mut conn, &stream, &group), 0);
+    s.assert_applied_once(&events);
+    assert_eq!(xlen(&mut redis(&r.url()), &s.stream), events.len() as u64);
 }
 
 #[test]
@@ -1039,8 +922,8 @@ fn destroyed_group_is_recreated_and_new_events_are_processed() {
     let db = TestDb::new();
     let (stream, group) = (unique("s"), unique("g"));
     let mut conn = redis(&r.url());
-    let before = ids("before", 20);
-    xadd_many(&mut conn, &stream, &before);
+    let before = event_ids("before", 20);
+    xadd_events(&mut conn, &stream, &before);
 
     let calls = Calls::default();
     let c = calls.clone();
@@ -1051,7 +934,7 @@ fn destroyed_group_is_recreated_and_new_events_are_processed() {
             insert(event, tx)
         }))
         .unwrap();
-    let running = start(worker);
+    let running = Running::of(worker);
     assert!(
         wait_until(Duration::from_secs(20), || {
             db.effect_counts().len() == before.len() && pending(&mut conn, &stream, &group) == 0
@@ -1066,21 +949,21 @@ fn destroyed_group_is_recreated_and_new_events_are_processed() {
         .query(&mut conn)
         .unwrap();
     assert_eq!(destroyed, 1);
-    let after = ids("after", 20);
-    xadd_many(&mut conn, &stream, &after);
+    let after = event_ids("after", 20);
+    xadd_events(&mut conn, &stream, &after);
     let mut all = before.clone();
     all.extend(after.iter().cloned());
     let processed = wait_until(Duration::from_secs(20), || {
         db.effect_counts().len() == all.len() && pending(&mut conn, &stream, &group) == 0
     });
-    let summary = running.stop(Duration::from_secs(30));
+    let summary = running.stop();
     assert!(
         processed,
         "events added after XGROUP DESTROY were not processed: {:?}",
         db.effect_counts()
     );
 
-    assert_exactly_once(&db, &all);
+    db.assert_effects_once(&all);
     assert_eq!(summary.applied, all.len() as u64);
     // The group was recreated at 0, so the old entries came again and were
     // recognised as duplicates.
@@ -1128,7 +1011,7 @@ fn a_handler_that_swallows_a_statement_error_is_not_acked_as_applied() {
             insert(event, tx)
         }))
         .unwrap();
-    let summary = start(worker).join(Duration::from_secs(30));
+    let summary = Running::of(worker).join(Duration::from_secs(30));
     assert_eq!(summary.applied, 1, "{summary:?}");
     assert_eq!(db.effects("swallow"), 0);
     assert_eq!(db.effects("fine"), 1);
@@ -1199,14 +1082,14 @@ fn a_failing_event_costs_its_batch_a_savepoint_not_a_transaction() {
     let picky = std::sync::Arc::new(Picky {
         xids: Mutex::default(),
     });
-    let summary = start(
+    let summary = Running::of(
         builder(&redis_url(), &db.url, &stream, &group)
             .workers(1)
             .build(picky.clone())
             .unwrap(),
     )
     .join(Duration::from_secs(60));
-    assert_exactly_once(&db, &good);
+    db.assert_effects_once(&good);
     assert_eq!(summary.dead_lettered, 30, "{summary}");
     assert_eq!(db.count("SELECT count(*) FROM processed_events"), 270);
     let transactions = picky.xids.lock().unwrap().len();

@@ -93,6 +93,27 @@ impl TestDb {
             .collect()
     }
 
+    /// Asserts that each of `expected` has exactly one effect row in
+    /// `notifications`, and no other event has any.
+    pub fn assert_effects_once(&self, expected: &[String]) {
+        let counts = self.effect_counts();
+        let wrong: Vec<(&String, i64)> = expected
+            .iter()
+            .map(|id| (id, counts.get(id).copied().unwrap_or(0)))
+            .filter(|(_, n)| *n != 1)
+            .take(20)
+            .collect();
+        assert!(
+            wrong.is_empty(),
+            "events without exactly one effect (first 20): {wrong:?}"
+        );
+        assert_eq!(
+            counts.len(),
+            expected.len(),
+            "effects for events that should have none"
+        );
+    }
+
     /// Effect rows for `event_id` in `notifications`.
     pub fn effects(&self, event_id: &str) -> i64 {
         self.client()

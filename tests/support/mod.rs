@@ -1,8 +1,9 @@
 //! Shared test support, declared once by `tests/it/main.rs` and split by
 //! concern: `databases` (a fresh database per test), `streams` (Redis as the
 //! tests see it), `binary` (`taskhub` as a subprocess), `worker` (the library
-//! in the test process), `servers` (private Redis and PostgreSQL), and the
-//! specialised ones: `certs`, `cluster`, `downstream` (an HTTP server),
+//! in the test process), `servers` (private Redis and PostgreSQL),
+//! `scenario` (arrange, run until idle, assert each event applied once), and
+//! the specialised ones: `certs`, `cluster`, `downstream` (an HTTP server),
 //! `browser` (headless Chromium) and `proxy` (fault injection; the chaos
 //! driver includes that file by path too, so it stands alone). What every
 //! test uses is re-exported here.
@@ -16,6 +17,7 @@
 
 mod binary;
 mod databases;
+mod scenario;
 mod servers;
 mod streams;
 mod worker;
@@ -28,6 +30,7 @@ pub mod proxy;
 
 pub use binary::*;
 pub use databases::*;
+pub use scenario::*;
 pub use servers::*;
 pub use streams::*;
 pub use worker::*;

@@ -26,6 +26,31 @@ pub fn xadd(conn: &mut dyn redis::ConnectionLike, stream: &str, fields: &[(&str,
     cmd.query(conn).unwrap()
 }
 
+/// Adds one event per id, with the payload `payload of <id>`, pipelined;
+/// returns the entry ids.
+pub fn xadd_events(
+    conn: &mut dyn redis::ConnectionLike,
+    stream: &str,
+    event_ids: &[String],
+) -> Vec<String> {
+    let mut entries = Vec::with_capacity(event_ids.len());
+    for chunk in event_ids.chunks(500) {
+        let mut pipe = redis::pipe();
+        for id in chunk {
+            pipe.cmd("XADD")
+                .arg(stream)
+                .arg("*")
+                .arg("event_id")
+                .arg(id)
+                .arg("payload")
+                .arg(format!("payload of {id}"));
+        }
+        let added: Vec<String> = pipe.query(conn).unwrap();
+        entries.extend(added);
+    }
+    entries
+}
+
 /// Entries pending in `group` (all consumers); 0 when the group is missing.
 pub fn pending(conn: &mut dyn redis::ConnectionLike, stream: &str, group: &str) -> u64 {
     let reply: redis::RedisResult<Vec<redis::Value>> =

@@ -47,7 +47,11 @@ pub struct Running {
 
 impl Running {
     pub fn start(builder: taskhub::Builder, handler: impl taskhub::Handler) -> Running {
-        let worker = builder.build(handler).expect("valid configuration");
+        Running::of(builder.build(handler).expect("valid configuration"))
+    }
+
+    /// Runs a worker the test built itself (to take its monitor first, say).
+    pub fn of(worker: taskhub::Worker) -> Running {
         let stop = worker.shutdown_handle();
         let handle = std::thread::Builder::new()
             .name("test-worker-run".into())
