@@ -472,21 +472,16 @@ fn a_waiting_retry_does_not_block_other_events() {
 
 #[test]
 fn handler_panicking_once_is_retried_and_applied_once() {
-    let db = TestDb::new();
-    let (stream, group) = (unique("s"), unique("g"));
-    let mut conn = redis(&redis_url());
-    let others = event_ids("other", 20);
-    xadd(
-        &mut conn,
-        &stream,
-        &[("event_id", "boom-once"), ("payload", "p")],
-    );
-    xadd_events(&mut conn, &stream, &others);
+    let mut s = Scenario::new("s");
+    let mut all = s.produce(&["boom-once".to_string()]);
+    let others = s.produce(&event_ids("other", 20));
+    all.extend(others.iter().cloned());
 
     let calls = Calls::default();
     let c = calls.clone();
-    let worker = builder(&redis_url(), &db.url, &stream, &group)
-        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+    let summary = s.run_until_idle(
+        s.builder(),
+        handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
             c.record(event);
             // Write first, so the panic leaves work to roll back.
             insert(event, tx)?;
@@ -494,9 +489,8 @@ fn handler_panicking_once_is_retried_and_applied_once() {
                 panic!("simulated bug on the first attempt");
             }
             Ok(())
-        }))
-        .unwrap();
-    let summary = Running::of(worker).join(Duration::from_secs(30));
+        }),
+    );
 
     assert_eq!(summary.panics, 1);
     assert_eq!(calls.of("boom-once").len(), 2);
@@ -506,11 +500,7 @@ fn handler_panicking_once_is_retried_and_applied_once() {
     assert_eq!(summary.retries, 1);
     assert_handled(&calls, &others, 1);
     assert_eq!(summary.dead_lettered, 0);
-    let mut all = vec!["boom-once".to_string()];
-    all.extend(others);
-    db.assert_effects_once(&all);
-    assert!(dead_letters(&mut conn, &stream).is_empty());
-    assert_eq!(pending(&mut conn, &stream, &group), 0);
+    s.assert_applied_once(&all);
 }
 
 #[test]
