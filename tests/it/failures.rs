@@ -411,22 +411,18 @@ fn retry_after_is_honoured() {
 
 #[test]
 fn a_waiting_retry_does_not_block_other_events() {
-    let db = TestDb::new();
-    let (stream, group) = (unique("s"), unique("g"));
-    let mut conn = redis(&redis_url());
+    let mut s = Scenario::new("s");
     // As many slow events as workers, first in the stream and in the same
     // batch as others: a worker sleeping through a backoff would hold up its
     // whole batch, and two of them would stall the pool.
-    let slow = vec!["slow-a".to_string(), "slow-b".to_string()];
-    let others = event_ids("other", 200);
-    xadd_events(&mut conn, &stream, &slow);
-    xadd_events(&mut conn, &stream, &others);
+    let slow = s.produce(&["slow-a".to_string(), "slow-b".to_string()]);
+    let others = s.produce(&event_ids("other", 200));
 
     let calls = Calls::default();
     let c = calls.clone();
-    let worker = builder(&redis_url(), &db.url, &stream, &group)
-        .workers(2)
-        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+    let summary = s.run_until_idle(
+        s.builder().workers(2),
+        handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
             c.record(event);
             if event.event_id().starts_with("slow-") && c.of(event.event_id()).len() == 1 {
                 return Err(
@@ -434,9 +430,8 @@ fn a_waiting_retry_does_not_block_other_events() {
                 );
             }
             insert(event, tx)
-        }))
-        .unwrap();
-    let summary = Running::of(worker).join(Duration::from_secs(30));
+        }),
+    );
 
     // Also pins Retry-After in batch mode: in 5d95c9b a slow event failing in
     // its batch ran again one by one at once (3 calls, no 2 s wait).
@@ -463,9 +458,7 @@ fn a_waiting_retry_does_not_block_other_events() {
     assert_eq!(summary.retries, 2);
     let mut all = slow.clone();
     all.extend(others);
-    db.assert_effects_once(&all);
-    assert!(dead_letters(&mut conn, &stream).is_empty());
-    assert_eq!(pending(&mut conn, &stream, &group), 0);
+    s.assert_applied_once(&all);
 }
 
 // 5. ---------------------------------------------------------------------
