@@ -745,7 +745,7 @@ fn sigterm_mid_run_then_until_idle_finishes_exactly_once() {
     let mut conn = redis(&redis_url());
     let produced = produce(stream, "term", 0..N);
 
-    let mut cmd = run_cmd(&db, &stream, &group, "c1");
+    let mut cmd = run_cmd(db, stream, group, "c1");
     cmd.args(["--workers", "2", "--sql", SLOW_SQL]);
     let mut first = Proc::spawn(cmd);
     assert!(
@@ -768,10 +768,10 @@ fn sigterm_mid_run_then_until_idle_finishes_exactly_once() {
         (300..N as u64).contains(&applied_first),
         "the run was stopped in the middle: {applied_first} applied"
     );
-    let pending_list = pending_entries(&mut conn, &stream, &group);
+    let pending_list = pending_entries(&mut conn, stream, group);
     assert!(pending_list.iter().all(|(_, c, _)| c == "c1"));
     let pending_ids: HashSet<&str> = pending_list.iter().map(|(id, _, _)| id.as_str()).collect();
-    let delivered_up_to = entry_id(&group_info(&mut conn, &stream, &group)["last-delivered-id"]);
+    let delivered_up_to = entry_id(&group_info(&mut conn, stream, group)["last-delivered-id"]);
     let (mut acked, mut unread) = (0, 0);
     for (entry, event) in &produced {
         let n = effects.get(event).copied().unwrap_or(0);
@@ -789,11 +789,8 @@ fn sigterm_mid_run_then_until_idle_finishes_exactly_once() {
         N,
         "every entry is acked, pending or unread"
     );
-    assert_eq!(
-        pending(&mut conn, &stream, &group),
-        pending_ids.len() as u64
-    );
-    assert_eq!(xlen(&mut conn, &stream), N as u64, "nothing was lost");
+    assert_eq!(pending(&mut conn, stream, group), pending_ids.len() as u64);
+    assert_eq!(xlen(&mut conn, stream), N as u64, "nothing was lost");
 
     // The rest.
     let second = s.run_binary_until_idle(&["--workers", "2", "--sql", SLOW_SQL]);
