@@ -40,7 +40,8 @@ pub struct Scenario {
 }
 
 impl Scenario {
-    /// On the shared servers, with a stream and a group named after `prefix`.
+    /// On the shared servers, with a stream named after `prefix` and a
+    /// group of its own.
     pub fn new(prefix: &str) -> Scenario {
         Scenario::on(&redis_url(), TestDb::new(), prefix)
     }
