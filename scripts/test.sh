@@ -3,7 +3,8 @@
 #
 # Usage:  bash scripts/test.sh [cargo test arguments...]
 #   e.g.  bash scripts/test.sh                      everything
-#         bash scripts/test.sh --test redelivery    one integration test file
+#         bash scripts/test.sh --test it crash::     one area of the integration
+#                                                  tests (tests/it/crash.rs)
 #         bash scripts/test.sh -- --nocapture       show the tests' output
 #
 # What it does:
@@ -35,15 +36,15 @@ source scripts/pg_bin_dir.sh
 
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
-# tests/cluster.rs joins its private cluster nodes with `redis-cli --cluster create`.
+# tests/it/cluster.rs joins its private cluster nodes with `redis-cli --cluster create`.
 command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
-# tests/dlq_page.rs renders the dead-letter page in a real headless Chromium.
+# tests/it/dlq_page.rs renders the dead-letter page in a real headless Chromium.
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 pg_bin_dir >/dev/null || missing+=(postgresql)
-# tests/tls.rs and tests/cluster.rs make their certificates with the openssl
+# tests/it/tls.rs and tests/it/cluster.rs make their certificates with the openssl
 # command (the build itself needs no OpenSSL: TLS is rustls).
 command -v openssl >/dev/null 2>&1 || missing+=(openssl)
-# tests/operate.rs checks /metrics with `promtool check metrics`; the package
+# tests/it/operate.rs checks /metrics with `promtool check metrics`; the package
 # alone, not the services it recommends.
 lean=()
 command -v promtool >/dev/null 2>&1 || lean+=(prometheus)
@@ -76,5 +77,5 @@ cargo test "$@"
 # the tests start, and support::mode() the in-process workers).
 if (($# == 0)); then
     echo "test.sh: exactly-once and crash tests again with TASKHUB_MODE=per-event" >&2
-    TASKHUB_MODE=per-event cargo test --test crash --test exactly_once
+    TASKHUB_MODE=per-event cargo test --test it -- crash:: exactly_once::
 fi

@@ -244,7 +244,7 @@ impl Pipe {
                 }
                 // A pipeline cut short on one node can leave replies unread
                 // on another, which the next command would take for its own
-                // (seen in tests/cluster.rs: markers read as present after a
+                // (seen in tests/it/cluster.rs: markers read as present after a
                 // node restart, so events skipped as duplicates): after such
                 // a failure the connection is dropped.
                 result => lost_unless_all_read(result, stale),

@@ -1,12 +1,6 @@
 //! The fault-injection proxy (`tests/support/proxy.rs`) against a tiny echo
 //! server: each mode does to the sockets what its doc says, the counters count
 //! right, and dropping the proxy ends its threads. Every wait is bounded.
-//!
-//! The proxy is included by path, not through `mod support;`, because the chaos
-//! driver includes it the same way: this also checks that it stands alone.
-
-#[path = "support/proxy.rs"]
-mod proxy;
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -15,7 +9,7 @@ use std::sync::{mpsc, Arc};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use proxy::Proxy;
+use crate::support::proxy::Proxy;
 
 /// Bound on every wait that should succeed.
 const PATIENCE: Duration = Duration::from_secs(2);

@@ -9,8 +9,6 @@
 //!   and through a real Redis stream entry; and decoding arbitrary fields
 //!   never panics.
 
-mod support;
-
 use std::time::{Duration, UNIX_EPOCH};
 
 use proptest::prelude::*;
@@ -223,8 +221,8 @@ proptest! {
     /// `from_fields` (Redis keeps names and values binary-safe, in order).
     #[test]
     fn dead_letter_round_trips_through_a_redis_stream(letter in dead_letter()) {
-        let mut conn = support::redis(&support::redis_url());
-        let stream = support::unique("props");
+        let mut conn = crate::support::redis(&crate::support::redis_url());
+        let stream = crate::support::unique("props");
         let mut xadd = redis::cmd("XADD");
         xadd.arg(&stream).arg("*");
         let fields = letter.to_fields();

@@ -2,12 +2,10 @@
 //! the errors a user sees for bad URLs, servers that are down, bad flags and a
 //! missing schema.
 
-mod support;
-
 use std::process::Command;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 const T: Duration = Duration::from_secs(30);
 
@@ -467,36 +465,24 @@ fn empty_tls_variables_are_not_set() {
 
 #[test]
 fn produce_count_then_run_until_idle_applies_all() {
-    let db = TestDb::new();
-    let (stream, group) = (unique("s"), unique("g"));
-    let mut cmd = th(&db.url);
-    cmd.args(["produce", "--stream", &stream, "--count", "50"]);
+    let s = Scenario::new("s");
+    let mut cmd = th(&s.db.url);
+    cmd.args(["produce", "--stream", &s.stream, "--count", "50"]);
     let out = output(cmd, None, T);
     assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
     assert_eq!(out.stdout.lines().count(), 50);
 
-    let mut cmd = th(&db.url);
-    cmd.args(["run", "--stream", &stream, "--group", &group])
-        .args(["--consumer", "c1", "--block-ms", "200", "--until-idle"]);
-    let out = output(cmd, None, T);
-    assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
-    let summary = out
-        .stdout
-        .lines()
-        .find(|l| l.starts_with("read="))
-        .unwrap_or_else(|| panic!("summary on stdout: {:?}", out.stdout));
-    assert!(summary.contains("read=50 "), "{summary}");
-    assert!(summary.contains(" applied=50 "), "{summary}");
-    assert!(summary.contains(" duplicates=0 "), "{summary}");
-    assert!(summary.contains(" dead_lettered=0 "), "{summary}");
+    let summary = s.run_binary_until_idle(&[]);
+    let counters = ["read", "applied", "duplicates", "dead_lettered"].map(|k| summary[k]);
+    assert_eq!(counters, [50, 50, 0, 0], "{summary:?}");
+    let db = &s.db;
     assert_eq!(db.count("SELECT count(*) FROM notifications"), 50);
     assert_eq!(
         db.count("SELECT count(DISTINCT event_id) FROM notifications"),
         50
     );
     assert_eq!(db.count("SELECT count(*) FROM processed_events"), 50);
-    let mut conn = redis(&redis_url());
-    assert_eq!(pending(&mut conn, &stream, &group), 0);
+    assert_eq!(s.pending(), 0);
 }
 
 // ---------------------------------------------------------------------------

@@ -6,18 +6,16 @@
 //! asserts exact counts: effect rows per event, `processed_events` rows,
 //! pending entries, dead letters and the run's summary.
 
-mod support;
-
 use std::collections::{HashMap, HashSet};
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 use taskhub::{
-    handler_fn, Builder, DeadLetterKind, Event, Handler, HandlerError, Producer, Shutdown,
-    SqlHandler, Summary, Tx,
+    handler_fn, Builder, DeadLetterKind, Event, Handler, HandlerError, Producer, SqlHandler,
+    Summary, Tx,
 };
 
 /// The longest an in-process `until_idle` run may take.
@@ -33,63 +31,9 @@ fn builder(db_url: &str, stream: &str, group: &str) -> Builder {
         .shutdown_timeout(Duration::from_secs(10))
 }
 
-/// A worker running on its own thread.
-struct Running {
-    stop: Shutdown,
-    done: mpsc::Receiver<Result<Summary, taskhub::Error>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Running {
-    fn start(b: Builder, handler: impl Handler) -> Running {
-        let worker = b.build(handler).expect("valid configuration");
-        let stop = worker.shutdown_handle();
-        let (tx, done) = mpsc::channel();
-        let thread = std::thread::spawn(move || {
-            let _ = tx.send(worker.run());
-        });
-        Running {
-            stop,
-            done,
-            thread: Some(thread),
-        }
-    }
-
-    /// Waits for `run()` to return, at most `timeout`; on timeout stops the
-    /// worker and panics.
-    fn finish(mut self, timeout: Duration) -> Summary {
-        match self.done.recv_timeout(timeout) {
-            Ok(result) => {
-                if let Some(t) = self.thread.take() {
-                    t.join().expect("worker thread");
-                }
-                result.expect("worker run succeeds")
-            }
-            Err(_) => {
-                self.stop.shutdown();
-                let _ = self.done.recv_timeout(Duration::from_secs(15));
-                panic!("worker did not finish within {timeout:?}");
-            }
-        }
-    }
-
-    /// Graceful stop, bounded.
-    fn stop(self) -> Summary {
-        self.stop.shutdown();
-        self.finish(Duration::from_secs(20))
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        // A failed assertion must not leave a worker running.
-        self.stop.shutdown();
-    }
-}
-
 /// Runs until idle (bounded) and returns the summary.
 fn run_until_idle(b: Builder, handler: impl Handler) -> Summary {
-    Running::start(b.until_idle(true), handler).finish(IDLE_TIMEOUT)
+    Running::start(b.until_idle(true), handler).join(IDLE_TIMEOUT)
 }
 
 fn processed_rows(db: &TestDb, scope: &str, event_id: &str) -> i64 {
@@ -179,18 +123,6 @@ fn run_cmd(db: &TestDb, stream: &str, group: &str, consumer: &str) -> Command {
         .args(["--backoff-base", "10ms", "--backoff-cap", "100ms"])
         .args(["--shutdown-timeout", "10s"]);
     cmd
-}
-
-/// The counters of the summary line `read=.. applied=.. ...` on stdout.
-fn summary_of(stdout: &str) -> HashMap<String, u64> {
-    let line = stdout
-        .lines()
-        .find(|l| l.starts_with("read="))
-        .unwrap_or_else(|| panic!("no summary line on stdout: {stdout:?}"));
-    line.split_whitespace()
-        .filter_map(|t| t.trim_matches(|c| c == '(' || c == ')').split_once('='))
-        .map(|(k, v)| (k.to_owned(), v.parse().unwrap()))
-        .collect()
 }
 
 // ---------------------------------------------------------------------------
@@ -353,7 +285,7 @@ fn marker_deleted_before_redelivery_of_the_same_entry() {
     let mut again = Proc::spawn(cmd);
     let status = again.wait(Duration::from_secs(30));
     assert!(status.success(), "stderr:\n{}", again.stderr());
-    let summary = summary_of(&again.stdout());
+    let summary = parse_summary(&again.stdout());
     assert_eq!(summary["read"], 1, "the pending entry was redelivered");
     assert_eq!(summary["applied"], 0);
     assert_eq!(summary["duplicates"], 1);
@@ -521,7 +453,7 @@ fn two_groups_each_apply_their_own_effect_once() {
         builder(&db.url, &stream, &gb).until_idle(true),
         recording_handler(&gb),
     );
-    let (sa, sb) = (a.finish(IDLE_TIMEOUT), b.finish(IDLE_TIMEOUT));
+    let (sa, sb) = (a.join(IDLE_TIMEOUT), b.join(IDLE_TIMEOUT));
 
     for s in [sa, sb] {
         assert_eq!(
@@ -580,7 +512,7 @@ fn two_groups_sharing_a_scope_apply_each_event_once_in_total() {
             .until_idle(true),
         recording_handler(&gd),
     );
-    let (sc, sd) = (c.finish(IDLE_TIMEOUT), d.finish(IDLE_TIMEOUT));
+    let (sc, sd) = (c.join(IDLE_TIMEOUT), d.join(IDLE_TIMEOUT));
 
     assert_eq!((sc.read, sd.read), (30, 30));
     assert_eq!(sc.applied + sd.applied, 30, "{sc} / {sd}");
@@ -691,7 +623,7 @@ fn two_worker_processes_share_a_stream_exactly_once() {
     assert_eq!(db.count("SELECT count(*) FROM notifications"), 2000);
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 
-    let (a, b) = (summary_of(&w1.stdout()), summary_of(&w2.stdout()));
+    let (a, b) = (parse_summary(&w1.stdout()), parse_summary(&w2.stdout()));
     assert_eq!(a["applied"] + b["applied"], 2000, "{a:?} {b:?}");
     assert_eq!(a["duplicates"] + b["duplicates"], 200, "{a:?} {b:?}");
     assert_eq!(a["read"] + b["read"], 2200, "{a:?} {b:?}");
@@ -736,12 +668,29 @@ fn shutdown_deadline_second_signal_and_sigint() {
         }
         Proc::spawn(cmd)
     };
+    // Sessions of this database that run the sleepy statement: `active`
+    // while it sleeps, then `idle in transaction` until the session finds
+    // its client gone and ends, rolling back.
+    let sleepers = |state: &str| {
+        db.count(&format!(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND pid <> pg_backend_pid() \
+             AND query LIKE '%pg_sleep(4)' AND state LIKE '{state}'"
+        ))
+    };
     // Until the entry is read and its handler sits in pg_sleep.
     let wait_running = |conn: &mut redis::Connection| {
         assert!(wait_until(Duration::from_secs(20), || pending(
             conn, &stream, &group
-        ) == 1));
-        std::thread::sleep(Duration::from_millis(500));
+        ) == 1
+            && sleepers("active") == 1));
+    };
+    // Until the interrupted transaction has ended: it can commit no more.
+    let wait_ended = || {
+        assert!(
+            wait_until(Duration::from_secs(20), || sleepers("%") == 0),
+            "the interrupted transaction is still open"
+        );
     };
 
     let mut p = run(Some(SLEEPY_SQL), "1s");
@@ -755,19 +704,25 @@ fn shutdown_deadline_second_signal_and_sigint() {
         p.stderr()
     );
     assert_eq!(pending(&mut conn, &stream, &group), 1);
+    wait_ended();
     assert_eq!(db.effects("slow-1"), 0);
 
     let mut p = run(Some(SLEEPY_SQL), "30s");
     wait_running(&mut conn);
     p.signal("TERM");
-    std::thread::sleep(Duration::from_millis(200));
+    // The first signal was taken as a graceful stop before the second comes.
+    assert!(
+        p.wait_for("shutting down gracefully", Duration::from_secs(10)),
+        "{}",
+        p.stderr()
+    );
     p.signal("TERM");
     let status = p.wait(Duration::from_secs(20));
     assert_eq!(status.code(), Some(130), "{}", p.stderr());
     assert!(p.stderr().contains("second signal"), "{}", p.stderr());
     assert_eq!(pending(&mut conn, &stream, &group), 1);
     // The interrupted transactions never commit, even once their sleep ends.
-    std::thread::sleep(Duration::from_secs(5));
+    wait_ended();
     assert_eq!(db.effects("slow-1"), 0);
 
     let mut p = run(None, "10s");
@@ -785,12 +740,12 @@ fn sigterm_mid_run_then_until_idle_finishes_exactly_once() {
     const N: usize = 3000;
     const SLOW_SQL: &str =
         "INSERT INTO notifications (event_id, payload) SELECT $1, $2 FROM pg_sleep(0.003)";
-    let db = TestDb::new();
-    let (stream, group) = (unique("s"), unique("g"));
+    let s = Scenario::new("s");
+    let (db, stream, group) = (&s.db, &s.stream, &s.group);
     let mut conn = redis(&redis_url());
-    let produced = produce(&stream, "term", 0..N);
+    let produced = produce(stream, "term", 0..N);
 
-    let mut cmd = run_cmd(&db, &stream, &group, "c1");
+    let mut cmd = run_cmd(db, stream, group, "c1");
     cmd.args(["--workers", "2", "--sql", SLOW_SQL]);
     let mut first = Proc::spawn(cmd);
     assert!(
@@ -803,7 +758,7 @@ fn sigterm_mid_run_then_until_idle_finishes_exactly_once() {
     first.signal("TERM");
     let status = first.wait(Duration::from_secs(20));
     assert_eq!(status.code(), Some(0), "stderr:\n{}", first.stderr());
-    let applied_first = summary_of(&first.stdout())["applied"];
+    let applied_first = parse_summary(&first.stdout())["applied"];
 
     // The state after the graceful stop.
     let effects = db.effect_counts();
@@ -813,10 +768,10 @@ fn sigterm_mid_run_then_until_idle_finishes_exactly_once() {
         (300..N as u64).contains(&applied_first),
         "the run was stopped in the middle: {applied_first} applied"
     );
-    let pending_list = pending_entries(&mut conn, &stream, &group);
+    let pending_list = pending_entries(&mut conn, stream, group);
     assert!(pending_list.iter().all(|(_, c, _)| c == "c1"));
     let pending_ids: HashSet<&str> = pending_list.iter().map(|(id, _, _)| id.as_str()).collect();
-    let delivered_up_to = entry_id(&group_info(&mut conn, &stream, &group)["last-delivered-id"]);
+    let delivered_up_to = entry_id(&group_info(&mut conn, stream, group)["last-delivered-id"]);
     let (mut acked, mut unread) = (0, 0);
     for (entry, event) in &produced {
         let n = effects.get(event).copied().unwrap_or(0);
@@ -834,29 +789,14 @@ fn sigterm_mid_run_then_until_idle_finishes_exactly_once() {
         N,
         "every entry is acked, pending or unread"
     );
-    assert_eq!(
-        pending(&mut conn, &stream, &group),
-        pending_ids.len() as u64
-    );
-    assert_eq!(xlen(&mut conn, &stream), N as u64, "nothing was lost");
+    assert_eq!(pending(&mut conn, stream, group), pending_ids.len() as u64);
+    assert_eq!(xlen(&mut conn, stream), N as u64, "nothing was lost");
 
     // The rest.
-    let mut cmd = run_cmd(&db, &stream, &group, "c1");
-    cmd.args(["--workers", "2", "--sql", SLOW_SQL, "--until-idle"]);
-    let mut second = Proc::spawn(cmd);
-    let status = second.wait(Duration::from_secs(60));
-    assert_eq!(status.code(), Some(0), "stderr:\n{}", second.stderr());
-    let applied_second = summary_of(&second.stdout())["applied"];
-    assert_eq!(applied_first + applied_second, N as u64);
-
-    let effects = db.effect_counts();
-    assert_eq!(effects.len(), N);
-    for (_, event) in &produced {
-        assert_eq!(effects.get(event), Some(&1), "{event}");
-    }
-    assert_eq!(db.count("SELECT count(*) FROM notifications"), N as i64);
-    assert_eq!(db.count("SELECT count(*) FROM processed_events"), N as i64);
-    assert_eq!(pending(&mut conn, &stream, &group), 0);
+    let second = s.run_binary_until_idle(&["--workers", "2", "--sql", SLOW_SQL]);
+    assert_eq!(applied_first + second["applied"], N as u64);
+    let events: Vec<String> = produced.into_iter().map(|(_, event)| event).collect();
+    s.assert_applied_once(&events);
 }
 
 // ---------------------------------------------------------------------------
@@ -910,7 +850,7 @@ fn extra_fields_reach_the_sql_handler_and_binary_values_are_dead_lettered() {
     let mut p = Proc::spawn(cmd);
     let status = p.wait(Duration::from_secs(30));
     assert_eq!(status.code(), Some(0), "stderr:\n{}", p.stderr());
-    let summary = summary_of(&p.stdout());
+    let summary = parse_summary(&p.stdout());
     assert_eq!(summary["applied"], 3, "{summary:?}");
     assert_eq!(summary["dead_lettered"], 2, "{summary:?}");
     assert_eq!(summary["invalid"], 2, "{summary:?}");
@@ -1102,7 +1042,7 @@ fn per_event_mode_spreads_a_read_over_the_workers() {
         .mode(taskhub::Mode::PerEvent)
         .workers(4)
         .until_idle(true);
-    let summary = Running::start(b, slow.clone()).finish(IDLE_TIMEOUT);
+    let summary = Running::start(b, slow.clone()).join(IDLE_TIMEOUT);
     assert_eq!(summary.applied, 8, "{summary}");
     let most = slow.most.load(Ordering::SeqCst);
     assert!(most >= 2, "at most {most} handler call(s) at once");

@@ -1,11 +1,9 @@
 //! `taskhub status`: counts a test arranged by hand, exactly, as the
 //! operator's JSON and table show them.
 
-mod support;
-
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use support::*;
+use crate::support::*;
 
 fn now_ms() -> u64 {
     SystemTime::now()

@@ -1,12 +1,10 @@
 //! Operating `taskhub run`: /metrics, /healthz, /readyz and the dead-letter
 //! webhook alert, against real servers and a local HTTP receiver.
 
-mod support;
-
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 fn get(url: &str) -> (u16, String) {
     let agent: ureq::Agent = ureq::Agent::config_builder()
@@ -334,15 +332,37 @@ type Posts = Arc<Mutex<Vec<serde_json::Value>>>;
 fn receiver(failures: usize) -> (String, Posts) {
     let posts: Posts = Arc::default();
     let seen = posts.clone();
-    let addr = support::downstream::start(move |request| {
+    let addr = crate::support::downstream::start(move |request| {
         let n = {
             let mut seen = seen.lock().unwrap();
             seen.push(serde_json::from_slice(&request.body).unwrap());
             seen.len()
         };
-        support::downstream::Answer::status(if n <= failures { 500 } else { 200 })
+        crate::support::downstream::Answer::status(if n <= failures { 500 } else { 200 })
     });
     (format!("http://{addr}/alert"), posts)
+}
+
+/// Waits until the alert thread of `stream` has run a whole round that began
+/// after this call, so that an alert it was going to send has been sent. The
+/// lease holder renews its lease (resets its TTL) at the start of every round
+/// (src/alerts/state.rs): the second renewal seen starts the round after one
+/// that began, and so ended, after this call.
+fn wait_for_alert_round(r: &mut redis::Connection, stream: &str) {
+    let lease = format!("th:alert:lease:{}:{stream}", stream.len());
+    let mut ttl = || -> i64 { redis::cmd("PTTL").arg(&lease).query(r).unwrap() };
+    let (mut last, mut renewals) = (ttl(), 0);
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            let now = ttl();
+            if now > last {
+                renewals += 1;
+            }
+            last = now;
+            renewals >= 2
+        }),
+        "the alert thread of {stream} did not renew its lease twice"
+    );
 }
 
 #[test]
@@ -373,7 +393,7 @@ fn webhook_is_retried_and_rate_limited() {
     assert!(wait_until(Duration::from_secs(10), || p
         .stderr()
         .contains("dead letters (growing)")));
-    std::thread::sleep(Duration::from_millis(500));
+    wait_for_alert_round(&mut r, &stream);
     assert_eq!(count(), 2);
     p.signal("TERM");
     assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
@@ -394,7 +414,7 @@ fn webhook_fires_once_per_state_change() {
     // Healthy events: no alert.
     xadd(&mut r, &stream, &[("event_id", "ok"), ("payload", "1")]);
     assert!(wait_until(Duration::from_secs(10), || db.effects("ok") == 1));
-    std::thread::sleep(Duration::from_millis(500));
+    wait_for_alert_round(&mut r, &stream);
     assert_eq!(count(), 0);
 
     // The stream becomes non-empty: one alert, then silence.
@@ -404,7 +424,7 @@ fn webhook_fires_once_per_state_change() {
         "{}",
         p.stderr()
     );
-    std::thread::sleep(Duration::from_millis(600));
+    wait_for_alert_round(&mut r, &stream);
     assert_eq!(count(), 1);
     {
         let posts = posts.lock().unwrap();
@@ -433,7 +453,7 @@ fn webhook_fires_once_per_state_change() {
         "{}",
         p.stderr()
     );
-    std::thread::sleep(Duration::from_millis(600));
+    wait_for_alert_round(&mut r, &stream);
     assert_eq!(count(), 2);
     assert_eq!(posts.lock().unwrap()[1]["change"], "grew");
     assert_eq!(posts.lock().unwrap()[1]["count"], 2);

@@ -3,7 +3,7 @@
 //! node restart and a failover, with the usual checks: no event lost, none
 //! applied twice, every failure dead-lettered once.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

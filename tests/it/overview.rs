@@ -2,12 +2,10 @@
 //! the streams as `taskhub status` sees them, this instance's counters, and
 //! the entries waiting here for a retry with their last error.
 
-mod support;
-
 use std::time::Duration;
 
-use support::browser::render;
-use support::*;
+use crate::support::browser::render;
+use crate::support::*;
 
 /// A handler statement that fails retryably (SQLSTATE 40001) for payload
 /// `busy`, permanently for a payload that is not an integer, and inserts

@@ -1,9 +1,7 @@
 //! Checks the test support itself: private servers start, stop and restart.
 
-mod support;
-
+use crate::support::*;
 use std::time::Duration;
-use support::*;
 
 #[test]
 fn private_servers_start_stop_and_restart() {

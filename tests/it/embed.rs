@@ -2,11 +2,9 @@
 //! PostgreSQL client runs a small tokio runtime of its own, and starting one
 //! inside another panics), and watched through its Monitor.
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 use taskhub::SqlHandler;
 
 fn runtime() -> tokio::runtime::Runtime {

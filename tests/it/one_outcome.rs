@@ -21,14 +21,12 @@
 //! - a group started at `$` and destroyed is created again where this
 //!   consumer stopped reading, not at `$`.
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 use taskhub::{DeadLetterKind, Event, Handler, HandlerError, Tx};
 
 /// The longest any run of the binary may take here.

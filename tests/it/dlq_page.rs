@@ -3,13 +3,11 @@
 //! replay and delete only with the admin token. Chromium is installed by
 //! scripts/test.sh when missing.
 
-mod support;
-
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 const EVIL_ID: &str = "<b id=\"evil\">evil</b>";
 const EVIL_PAYLOAD: &str =

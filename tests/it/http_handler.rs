@@ -2,13 +2,11 @@
 //! server run by the test, `support::downstream`) and its answers decide what
 //! happens.
 
-mod support;
-
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use support::downstream::Answer;
-use support::*;
+use crate::support::downstream::Answer;
+use crate::support::*;
 
 /// What the downstream saw: (time, Idempotency-Key, body, fields header).
 type Seen = Arc<Mutex<Vec<(Instant, String, Vec<u8>, String)>>>;
@@ -19,7 +17,7 @@ type Seen = Arc<Mutex<Vec<(Instant, String, Vec<u8>, String)>>>;
 fn downstream(script: fn(&str, usize) -> (u16, Option<&'static str>)) -> (String, Seen) {
     let seen: Seen = Arc::default();
     let log = seen.clone();
-    let addr = support::downstream::start(move |request| {
+    let addr = crate::support::downstream::start(move |request| {
         let key = request.header("Idempotency-Key");
         let fields = request.header("X-Taskhub-Fields");
         let n = {
@@ -168,7 +166,7 @@ fn an_unreachable_downstream_is_an_outage_not_a_failure() {
     );
     let seen = Arc::new(Mutex::new(Vec::new()));
     let s = seen.clone();
-    support::downstream::start_at(&addr, move |request| {
+    crate::support::downstream::start_at(&addr, move |request| {
         s.lock().unwrap().push(request.header("Idempotency-Key"));
         Answer::status(200)
     });

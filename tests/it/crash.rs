@@ -6,8 +6,6 @@
 //! Every test uses its own stream, group and database on the shared servers
 //! (no server is stopped here).
 
-mod support;
-
 use std::collections::{BTreeMap, HashMap};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,7 +13,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 use taskhub::{handler_fn, DeadLetterKind, Event, HandlerError, Summary, Tx, Worker};
 
 /// How long a run of the binary may take to reach a fault or to finish.
@@ -86,23 +84,6 @@ fn run_to_idle(cmd: Command) -> (BTreeMap<String, u64>, String) {
     (parse_summary(&p.stdout()), stderr)
 }
 
-/// Parses `read=.. applied=.. duplicates=.. ... (permanent=.. ...) reclaimed=..`.
-fn parse_summary(stdout: &str) -> BTreeMap<String, u64> {
-    let line = stdout
-        .lines()
-        .rev()
-        .find(|l| l.contains("applied="))
-        .unwrap_or_else(|| panic!("no summary line on stdout:\n{stdout}"));
-    line.split_whitespace()
-        .filter_map(|tok| {
-            let tok = tok.trim_matches(|c| c == '(' || c == ')');
-            let (k, v) = tok.split_once('=')?;
-            Some((k.to_owned(), v.parse().ok()?))
-        })
-        .collect()
-}
-
-/// event_id → rows, for a query returning (event_id, count).
 /// `processed_events` rows per event_id under `scope`.
 fn processed_by_event(db: &TestDb, scope: &str) -> HashMap<String, i64> {
     db.client()

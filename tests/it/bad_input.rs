@@ -14,54 +14,18 @@
 //!   the entries added afterwards, and drops the waiting retry of the deleted
 //!   entry instead of applying or dead-lettering it.
 
-mod support;
-
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use support::*;
-use taskhub::{handler_fn, Builder, DeadLetterKind, Event, HandlerError, Summary, Tx, Worker};
+use crate::support::*;
+use taskhub::{handler_fn, Builder, DeadLetterKind, Event, HandlerError, Tx};
 
 const INSERT: &str = "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)";
 
 fn builder(db_url: &str, stream: &str, group: &str) -> Builder {
     fast_builder(&redis_url(), db_url, stream, group)
-}
-
-/// Runs `worker` on a thread; `finish` waits (bounded) for `run()` to return.
-struct Running {
-    stop: taskhub::Shutdown,
-    done: mpsc::Receiver<Result<Summary, taskhub::Error>>,
-}
-
-impl Running {
-    fn start(worker: Worker) -> Running {
-        let stop = worker.shutdown_handle();
-        let (tx, done) = mpsc::channel();
-        std::thread::spawn(move || {
-            let _ = tx.send(worker.run());
-        });
-        Running { stop, done }
-    }
-
-    fn finish(self, timeout: Duration) -> Summary {
-        match self.done.recv_timeout(timeout) {
-            Ok(result) => result.expect("run() succeeds"),
-            Err(_) => {
-                self.stop.shutdown();
-                let _ = self.done.recv_timeout(Duration::from_secs(20));
-                panic!("run() did not return within {timeout:?}");
-            }
-        }
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        self.stop.shutdown();
-    }
 }
 
 fn xadd_raw(conn: &mut redis::Connection, stream: &str, fields: &[(Vec<u8>, Vec<u8>)]) -> String {
@@ -79,7 +43,7 @@ fn del(conn: &mut redis::Connection, keys: &[&str]) {
 
 /// `taskhub run --until-idle` with fast timings; returns the summary line
 /// parsed, after asserting exit 0.
-fn run_binary(db: &TestDb, stream: &str, group: &str, extra: &[&str]) -> HashMap<String, u64> {
+fn run_binary(db: &TestDb, stream: &str, group: &str, extra: &[&str]) -> BTreeMap<String, u64> {
     let mut cmd = taskhub(&redis_url(), &db.url);
     cmd.args([
         "run",
@@ -96,15 +60,7 @@ fn run_binary(db: &TestDb, stream: &str, group: &str, extra: &[&str]) -> HashMap
     let mut p = Proc::spawn(cmd);
     let status = p.wait(Duration::from_secs(60));
     assert!(status.success(), "exit {status}\nstderr:\n{}", p.stderr());
-    let stdout = p.stdout();
-    let line = stdout
-        .lines()
-        .find(|l| l.starts_with("read="))
-        .unwrap_or_else(|| panic!("no summary line on stdout: {stdout:?}"));
-    line.split_whitespace()
-        .filter_map(|t| t.trim_matches(|c| c == '(' || c == ')').split_once('='))
-        .filter_map(|(k, v)| Some((k.to_owned(), v.parse().ok()?)))
-        .collect()
+    parse_summary(&p.stdout())
 }
 
 // ---------------------------------------------------------------------------
@@ -149,7 +105,7 @@ fn entry_with_a_thousand_fields_is_applied_with_every_field() {
             Ok::<(), HandlerError>(())
         }))
         .unwrap();
-    let summary = Running::start(worker).finish(Duration::from_secs(40));
+    let summary = Running::of(worker).join(Duration::from_secs(40));
 
     assert_eq!(
         (summary.applied, summary.dead_lettered),
@@ -326,7 +282,7 @@ fn stream_deleted_while_the_worker_reads_then_new_entries_are_applied() {
             Ok(())
         }))
         .unwrap();
-    let running = Running::start(worker);
+    let running = Running::of(worker);
     assert!(
         wait_until(Duration::from_secs(20), || {
             db.count("SELECT count(*) FROM notifications") == 20
@@ -355,7 +311,7 @@ fn stream_deleted_while_the_worker_reads_then_new_entries_are_applied() {
         deleted_at.elapsed() < Duration::from_secs(4),
         "the new entries must arrive while the retry still waits (machine too slow?)"
     );
-    let summary = running.finish(Duration::from_secs(40));
+    let summary = running.join(Duration::from_secs(40));
 
     let mut all = before.clone();
     all.extend(after.iter().cloned());
@@ -386,7 +342,7 @@ fn stream_deleted_while_the_worker_reads_then_new_entries_are_applied() {
 /// Wide entries without an event_id are dead-lettered whole: 1,000 fields
 /// (written by the conditional Lua step) and 5,000 fields (over what Lua's
 /// `unpack` takes, written with MULTI/EXEC). Pins the fallback of the
-/// conditional dead-letter write (see tests/chaos.rs): a letter over Lua's
+/// conditional dead-letter write (see tests/it/chaos.rs): a letter over Lua's
 /// limit would fail to write, and the writer would retry it forever.
 #[test]
 fn very_wide_invalid_entries_are_dead_lettered_whole() {
@@ -411,7 +367,7 @@ fn very_wide_invalid_entries_are_dead_lettered_whole() {
         .until_idle(true)
         .build(taskhub::SqlHandler::default())
         .unwrap();
-    let summary = Running::start(worker).finish(Duration::from_secs(40));
+    let summary = Running::of(worker).join(Duration::from_secs(40));
 
     assert_eq!(summary.dead_invalid, 2, "{summary}");
     assert_eq!(summary.applied, 1, "{summary}");

@@ -3,12 +3,10 @@
 //! RESULT line, in both modes, with scripted failures and under a steady
 //! load.
 
-mod support;
-
 use std::process::Command;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 fn bench(db: &TestDb, args: &[&str]) -> String {
     let exe = std::env::current_exe().unwrap();

@@ -1,8 +1,6 @@
 //! Listing a group's consumers and removing one that left, safely.
 
-mod support;
-
-use support::*;
+use crate::support::*;
 
 fn read_as(
     conn: &mut redis::Connection,

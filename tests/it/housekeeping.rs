@@ -2,11 +2,9 @@
 //! pruned in small transactions, consumers of instances that are gone
 //! removed, and a warning when Redis may evict streams.
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 const T: Duration = Duration::from_secs(30);
 

@@ -1,12 +1,10 @@
 //! The learners' examples reproduce the book's three demonstrations against
 //! real servers; these tests run them and check what they print.
 
-mod support;
-
 use std::path::PathBuf;
 use std::process::Command;
 
-use support::*;
+use crate::support::*;
 
 /// `cargo test` builds the examples next to the test binaries.
 fn example(name: &str) -> Command {

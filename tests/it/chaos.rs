@@ -9,7 +9,7 @@
 //! built by `cargo test`, or here if missing) so CI does not pay for a
 //! release build. The long run is `bash scripts/chaos.sh` (see its header).
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -6,17 +6,15 @@
 //! The PostgreSQL server rejects every connection over TCP that is not TLS,
 //! so a passing run really was encrypted.
 
-mod support;
-
 use std::io::Write;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use support::certs::{make_certs, Certs, Client};
-use support::downstream::{self, Answer};
-use support::*;
+use crate::support::certs::{make_certs, Certs, Client};
+use crate::support::downstream::{self, Answer};
+use crate::support::*;
 
 const ACL_USER: &str = "taskhub";
 const ACL_PASSWORD: &str = "tls-test-pass-7f3a";

@@ -8,13 +8,11 @@
 //! written directly with `DeadLetter::to_fields` when a test needs control over
 //! kinds, reasons and times.
 
-mod support;
-
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::support::*;
 use serde_json::Value;
-use support::*;
 use taskhub::dlq::Attempt;
 use taskhub::{DeadLetter, DeadLetterKind};
 
@@ -44,7 +42,7 @@ fn dlq_ok(db_url: &str, stream: &str, args: &[&str]) -> Out {
 
 /// `taskhub run --until-idle` on `stream` (group `g`, one worker), with
 /// `sql` as the handler; returns the summary line's counters.
-fn run_worker(db_url: &str, stream: &str, sql: Option<&str>) -> HashMap<String, u64> {
+fn run_worker(db_url: &str, stream: &str, sql: Option<&str>) -> BTreeMap<String, u64> {
     let mut cmd = taskhub(&redis_url(), db_url);
     cmd.args(["run", "--stream", stream, "--group", "g", "--consumer", "c"])
         .args(["--workers", "1", "--block-ms", "200", "--until-idle"])
@@ -54,15 +52,7 @@ fn run_worker(db_url: &str, stream: &str, sql: Option<&str>) -> HashMap<String, 
     }
     let out = output(cmd, None, T);
     assert_eq!(out.code(), Some(0), "run: {}", out.stderr);
-    let line = out
-        .stdout
-        .lines()
-        .find(|l| l.starts_with("read="))
-        .unwrap_or_else(|| panic!("no summary line: {}", out.stdout));
-    line.split_whitespace()
-        .filter_map(|kv| kv.trim_matches(['(', ')']).split_once('='))
-        .filter_map(|(k, v)| Some((k.to_owned(), v.parse().ok()?)))
-        .collect()
+    parse_summary(&out.stdout)
 }
 
 fn now_ms() -> u64 {

@@ -6,13 +6,11 @@
 //! symlink refusal. Each test pins a finding of the review of the endpoint
 //! when it was served by tiny_http (named in its comment).
 
-mod support;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use support::*;
+use crate::support::*;
 
 const ADMIN: &str = "admin-token-0123456789";
 const READ: &str = "read-token-0123456789";
@@ -873,8 +871,8 @@ fn secrets_never_show_in_letters_page_listings_logs_or_errors() {
         "{}",
         p.stderr()
     );
-    support::downstream::start_at(&format!("127.0.0.1:{closed}"), |request| {
-        support::downstream::Answer::status(if request.path.starts_with("/ingest") {
+    crate::support::downstream::start_at(&format!("127.0.0.1:{closed}"), |request| {
+        crate::support::downstream::Answer::status(if request.path.starts_with("/ingest") {
             503
         } else {
             500

@@ -5,18 +5,15 @@
 //! Library-level: each test runs a `Worker` in-process (with `until_idle`
 //! unless stated otherwise) on a thread, and joins it with a bounded wait.
 
-mod support;
-
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use support::*;
+use crate::support::*;
 use taskhub::{
     handler_fn, Builder, DeadLetter, DeadLetterKind, Event, Handler, HandlerError, Mode,
-    SqlHandler, Summary, Tx, Worker,
+    SqlHandler, Tx,
 };
 
 const INSERT: &str = "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)";
@@ -92,59 +89,6 @@ fn builder(redis_url: &str, db_url: &str, stream: &str, group: &str) -> Builder 
         .reclaim_interval(Duration::from_secs(1))
 }
 
-/// A worker running on its own thread.
-struct Running {
-    handle: Option<JoinHandle<Result<Summary, taskhub::Error>>>,
-    stop: taskhub::Shutdown,
-}
-
-fn start(worker: Worker) -> Running {
-    let stop = worker.shutdown_handle();
-    let handle = std::thread::Builder::new()
-        .name("test-worker-run".into())
-        .spawn(move || worker.run())
-        .unwrap();
-    Running {
-        handle: Some(handle),
-        stop,
-    }
-}
-
-impl Running {
-    /// Waits at most `timeout` for `run()` to return by itself; on timeout
-    /// asks for a shutdown, waits a little more and panics.
-    fn join(mut self, timeout: Duration) -> Summary {
-        let handle = self.handle.take().unwrap();
-        let finished = wait_until(timeout, || handle.is_finished());
-        if !finished {
-            self.stop.shutdown();
-            let stopped = wait_until(Duration::from_secs(20), || handle.is_finished());
-            panic!("run() did not finish by itself within {timeout:?} (stopped after a shutdown request: {stopped})");
-        }
-        match handle.join() {
-            Ok(Ok(summary)) => summary,
-            Ok(Err(e)) => panic!("run() failed: {e}"),
-            Err(_) => panic!("run() panicked"),
-        }
-    }
-
-    /// Asks for a shutdown and waits (bounded) for `run()` to return.
-    fn stop(self, timeout: Duration) -> Summary {
-        self.stop.shutdown();
-        self.join(timeout)
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        // A failed test must not leave a worker running against its servers.
-        if let Some(h) = self.handle.take() {
-            self.stop.shutdown();
-            wait_until(Duration::from_secs(20), || h.is_finished());
-        }
-    }
-}
-
 /// XADD of raw byte fields; returns the entry id.
 fn xadd_raw(conn: &mut redis::Connection, stream: &str, fields: &[(&[u8], &[u8])]) -> String {
     let mut cmd = redis::cmd("XADD");
@@ -153,51 +97,6 @@ fn xadd_raw(conn: &mut redis::Connection, stream: &str, fields: &[(&[u8], &[u8])
         cmd.arg(*k).arg(*v);
     }
     cmd.query(conn).unwrap()
-}
-
-/// Adds `event_ids` with a payload each, pipelined; returns the entry ids.
-fn xadd_many(conn: &mut redis::Connection, stream: &str, event_ids: &[String]) -> Vec<String> {
-    let mut ids = Vec::with_capacity(event_ids.len());
-    for chunk in event_ids.chunks(500) {
-        let mut pipe = redis::pipe();
-        for id in chunk {
-            pipe.cmd("XADD")
-                .arg(stream)
-                .arg("*")
-                .arg("event_id")
-                .arg(id)
-                .arg("payload")
-                .arg(format!("payload of {id}"));
-        }
-        let got: Vec<String> = pipe.query(conn).unwrap();
-        ids.extend(got);
-    }
-    ids
-}
-
-fn ids(prefix: &str, n: usize) -> Vec<String> {
-    (0..n).map(|i| format!("{prefix}-{i:05}")).collect()
-}
-
-/// Asserts every id in `expected` has exactly one effect row and that no
-/// other event has any.
-fn assert_exactly_once(db: &TestDb, expected: &[String]) {
-    let counts = db.effect_counts();
-    let wrong: Vec<(&String, i64)> = expected
-        .iter()
-        .map(|id| (id, counts.get(id).copied().unwrap_or(0)))
-        .filter(|(_, n)| *n != 1)
-        .take(20)
-        .collect();
-    assert!(
-        wrong.is_empty(),
-        "events without exactly one effect (first 20): {wrong:?}"
-    );
-    assert_eq!(
-        counts.len(),
-        expected.len(),
-        "effects for events that should have none"
-    );
 }
 
 fn now_millis() -> u64 {
@@ -226,8 +125,8 @@ fn permanent_error_is_dead_lettered_at_once_with_full_context() {
     let db = TestDb::new();
     let (stream, group) = (unique("s"), unique("g"));
     let mut conn = redis(&redis_url());
-    let good = ids("ok", 10);
-    xadd_many(&mut conn, &stream, &good[..5]);
+    let good = event_ids("ok", 10);
+    xadd_events(&mut conn, &stream, &good[..5]);
     let payload = "x".repeat(3000);
     let bad_entry = xadd(
         &mut conn,
@@ -238,7 +137,7 @@ fn permanent_error_is_dead_lettered_at_once_with_full_context() {
             ("tenant", "acme"),
         ],
     );
-    xadd_many(&mut conn, &stream, &good[5..]);
+    xadd_events(&mut conn, &stream, &good[5..]);
 
     let bad_calls = Arc::new(AtomicUsize::new(0));
     let calls = Calls::default();
@@ -254,7 +153,7 @@ fn permanent_error_is_dead_lettered_at_once_with_full_context() {
             insert(event, tx)
         }))
         .unwrap();
-    let summary = start(worker).join(Duration::from_secs(30));
+    let summary = Running::of(worker).join(Duration::from_secs(30));
 
     assert_eq!(
         bad_calls.load(Ordering::SeqCst),
@@ -266,7 +165,7 @@ fn permanent_error_is_dead_lettered_at_once_with_full_context() {
     assert_eq!(summary.dead_lettered, 1);
     assert_eq!(summary.applied, 10);
     assert_handled(&calls, &good, 1);
-    assert_exactly_once(&db, &good);
+    db.assert_effects_once(&good);
     assert_eq!(db.effects("bad-1"), 0);
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 
@@ -306,16 +205,33 @@ fn permanent_error_is_dead_lettered_at_once_with_full_context() {
 
 // 2. ---------------------------------------------------------------------
 
+/// XADD calls that failed on the server of `conn` (`INFO commandstats`
+/// counts those run by scripts too).
+fn failed_xadds(conn: &mut redis::Connection) -> u64 {
+    let info: String = redis::cmd("INFO").arg("commandstats").query(conn).unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_xadd:"))
+        .and_then(|stats| {
+            stats
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("failed_calls="))
+        })
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// A dead letter that cannot be written (here the dead-letter key holds a
 /// string, so its XADD fails) leaves the entry pending, not acked and
 /// missing; once the key is fixed, the next run dead-letters it once.
+/// On a private Redis, whose failed XADD calls are this test's own.
 #[test]
 fn a_dead_letter_that_cannot_be_written_stays_pending() {
+    let r = PrivateRedis::start();
     let db = TestDb::new();
     let (stream, group) = (unique("s"), unique("g"));
-    let mut conn = redis(&redis_url());
-    let good = ids("ok", 5);
-    xadd_many(&mut conn, &stream, &good);
+    let mut conn = redis(&r.url());
+    let good = event_ids("ok", 5);
+    xadd_events(&mut conn, &stream, &good);
     xadd(
         &mut conn,
         &stream,
@@ -336,8 +252,8 @@ fn a_dead_letter_that_cannot_be_written_stays_pending() {
         })
     };
 
-    let running = start(
-        builder(&redis_url(), &db.url, &stream, &group)
+    let running = Running::of(
+        builder(&r.url(), &db.url, &stream, &group)
             .until_idle(false)
             .build(handler())
             .unwrap(),
@@ -346,9 +262,12 @@ fn a_dead_letter_that_cannot_be_written_stays_pending() {
         .effect_counts()
         .len()
         == good.len()));
-    // Long enough for several failed writes.
-    std::thread::sleep(Duration::from_secs(3));
-    let summary = running.stop(Duration::from_secs(30));
+    // Several writes of the letter have failed (and been retried).
+    assert!(
+        wait_until(Duration::from_secs(20), || failed_xadds(&mut conn) >= 3),
+        "the dead letter was not tried three times"
+    );
+    let summary = running.stop();
     assert_eq!(summary.dead_lettered, 0, "{summary}");
     assert_eq!(
         pending(&mut conn, &stream, &group),
@@ -357,11 +276,11 @@ fn a_dead_letter_that_cannot_be_written_stays_pending() {
     );
     let kind: String = redis::cmd("TYPE").arg(&dlq).query(&mut conn).unwrap();
     assert_eq!(kind, "string");
-    assert_exactly_once(&db, &good);
+    db.assert_effects_once(&good);
 
     let _: () = redis::cmd("DEL").arg(&dlq).query(&mut conn).unwrap();
-    let summary = start(
-        builder(&redis_url(), &db.url, &stream, &group)
+    let summary = Running::of(
+        builder(&r.url(), &db.url, &stream, &group)
             .build(handler())
             .unwrap(),
     )
@@ -371,7 +290,7 @@ fn a_dead_letter_that_cannot_be_written_stays_pending() {
     assert_eq!(letters.len(), 1);
     assert_eq!(letters[0].event_id.as_deref(), Some("bad-1"));
     assert_eq!(pending(&mut conn, &stream, &group), 0);
-    assert_exactly_once(&db, &good);
+    db.assert_effects_once(&good);
 }
 
 #[test]
@@ -379,8 +298,8 @@ fn retries_exhaust_with_growing_backoff_then_dead_letter() {
     let db = TestDb::new();
     let (stream, group) = (unique("s"), unique("g"));
     let mut conn = redis(&redis_url());
-    let good = ids("ok", 5);
-    xadd_many(&mut conn, &stream, &good);
+    let good = event_ids("ok", 5);
+    xadd_events(&mut conn, &stream, &good);
     xadd(
         &mut conn,
         &stream,
@@ -401,7 +320,7 @@ fn retries_exhaust_with_growing_backoff_then_dead_letter() {
             insert(event, tx)
         }))
         .unwrap();
-    let summary = start(worker).join(Duration::from_secs(30));
+    let summary = Running::of(worker).join(Duration::from_secs(30));
 
     // Batch mode: the batch try is the first attempt. (In 5d95c9b a failed
     // batch re-ran its events one by one at once, so "flaky" ran 5 times and
@@ -419,7 +338,7 @@ fn retries_exhaust_with_growing_backoff_then_dead_letter() {
     assert_eq!(summary.retries, 3);
     assert_eq!(summary.dead_exhausted, 1);
     assert_eq!(summary.dead_lettered, 1);
-    assert_exactly_once(&db, &good);
+    db.assert_effects_once(&good);
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 
     let letters = dead_letters(&mut conn, &stream);
@@ -471,7 +390,7 @@ fn retry_after_is_honoured() {
             insert(event, tx)
         }))
         .unwrap();
-    let summary = start(worker).join(Duration::from_secs(30));
+    let summary = Running::of(worker).join(Duration::from_secs(30));
 
     let limited = calls.of("limited");
     assert_eq!(limited.len(), 2);
@@ -483,7 +402,7 @@ fn retry_after_is_honoured() {
     assert_eq!(summary.retries, 1);
     assert_eq!(summary.applied, 1);
     assert_eq!(summary.dead_lettered, 0);
-    assert_exactly_once(&db, &["limited".to_string()]);
+    db.assert_effects_once(&["limited".to_string()]);
     assert!(dead_letters(&mut conn, &stream).is_empty());
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 }
@@ -492,22 +411,18 @@ fn retry_after_is_honoured() {
 
 #[test]
 fn a_waiting_retry_does_not_block_other_events() {
-    let db = TestDb::new();
-    let (stream, group) = (unique("s"), unique("g"));
-    let mut conn = redis(&redis_url());
+    let mut s = Scenario::new("s");
     // As many slow events as workers, first in the stream and in the same
     // batch as others: a worker sleeping through a backoff would hold up its
     // whole batch, and two of them would stall the pool.
-    let slow = vec!["slow-a".to_string(), "slow-b".to_string()];
-    let others = ids("other", 200);
-    xadd_many(&mut conn, &stream, &slow);
-    xadd_many(&mut conn, &stream, &others);
+    let slow = s.produce(&["slow-a".to_string(), "slow-b".to_string()]);
+    let others = s.produce(&event_ids("other", 200));
 
     let calls = Calls::default();
     let c = calls.clone();
-    let worker = builder(&redis_url(), &db.url, &stream, &group)
-        .workers(2)
-        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+    let summary = s.run_until_idle(
+        s.builder().workers(2),
+        handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
             c.record(event);
             if event.event_id().starts_with("slow-") && c.of(event.event_id()).len() == 1 {
                 return Err(
@@ -515,9 +430,8 @@ fn a_waiting_retry_does_not_block_other_events() {
                 );
             }
             insert(event, tx)
-        }))
-        .unwrap();
-    let summary = start(worker).join(Duration::from_secs(30));
+        }),
+    );
 
     // Also pins Retry-After in batch mode: in 5d95c9b a slow event failing in
     // its batch ran again one by one at once (3 calls, no 2 s wait).
@@ -544,30 +458,23 @@ fn a_waiting_retry_does_not_block_other_events() {
     assert_eq!(summary.retries, 2);
     let mut all = slow.clone();
     all.extend(others);
-    assert_exactly_once(&db, &all);
-    assert!(dead_letters(&mut conn, &stream).is_empty());
-    assert_eq!(pending(&mut conn, &stream, &group), 0);
+    s.assert_applied_once(&all);
 }
 
 // 5. ---------------------------------------------------------------------
 
 #[test]
 fn handler_panicking_once_is_retried_and_applied_once() {
-    let db = TestDb::new();
-    let (stream, group) = (unique("s"), unique("g"));
-    let mut conn = redis(&redis_url());
-    let others = ids("other", 20);
-    xadd(
-        &mut conn,
-        &stream,
-        &[("event_id", "boom-once"), ("payload", "p")],
-    );
-    xadd_many(&mut conn, &stream, &others);
+    let mut s = Scenario::new("s");
+    let mut all = s.produce(&["boom-once".to_string()]);
+    let others = s.produce(&event_ids("other", 20));
+    all.extend(others.iter().cloned());
 
     let calls = Calls::default();
     let c = calls.clone();
-    let worker = builder(&redis_url(), &db.url, &stream, &group)
-        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+    let summary = s.run_until_idle(
+        s.builder(),
+        handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
             c.record(event);
             // Write first, so the panic leaves work to roll back.
             insert(event, tx)?;
@@ -575,9 +482,8 @@ fn handler_panicking_once_is_retried_and_applied_once() {
                 panic!("simulated bug on the first attempt");
             }
             Ok(())
-        }))
-        .unwrap();
-    let summary = start(worker).join(Duration::from_secs(30));
+        }),
+    );
 
     assert_eq!(summary.panics, 1);
     assert_eq!(calls.of("boom-once").len(), 2);
@@ -587,11 +493,7 @@ fn handler_panicking_once_is_retried_and_applied_once() {
     assert_eq!(summary.retries, 1);
     assert_handled(&calls, &others, 1);
     assert_eq!(summary.dead_lettered, 0);
-    let mut all = vec!["boom-once".to_string()];
-    all.extend(others);
-    assert_exactly_once(&db, &all);
-    assert!(dead_letters(&mut conn, &stream).is_empty());
-    assert_eq!(pending(&mut conn, &stream, &group), 0);
+    s.assert_applied_once(&all);
 }
 
 #[test]
@@ -599,13 +501,13 @@ fn handler_always_panicking_is_dead_lettered_and_the_pool_keeps_its_size() {
     let db = TestDb::new();
     let (stream, group) = (unique("s"), unique("g"));
     let mut conn = redis(&redis_url());
-    let others = ids("other", 500);
+    let others = event_ids("other", 500);
     xadd(
         &mut conn,
         &stream,
         &[("event_id", "boom"), ("payload", "p")],
     );
-    xadd_many(&mut conn, &stream, &others);
+    xadd_events(&mut conn, &stream, &others);
 
     let calls = Calls::default();
     let c = calls.clone();
@@ -626,7 +528,7 @@ fn handler_always_panicking_is_dead_lettered_and_the_pool_keeps_its_size() {
         .unwrap();
     // run() fails when one of its threads stops unexpectedly, so Ok here
     // also says that no thread was lost.
-    let summary = start(worker).join(Duration::from_secs(60));
+    let summary = Running::of(worker).join(Duration::from_secs(60));
 
     // Two attempts, in both modes: a panic counts as a failed attempt of
     // the event that panicked.
@@ -638,7 +540,7 @@ fn handler_always_panicking_is_dead_lettered_and_the_pool_keeps_its_size() {
     assert_eq!(summary.dead_lettered, 1);
     assert_eq!(summary.applied, 500);
     assert_handled(&calls, &others, 1);
-    assert_exactly_once(&db, &others);
+    db.assert_effects_once(&others);
     let letters = dead_letters(&mut conn, &stream);
     assert_eq!(letters.len(), 1, "{letters:?}");
     let l = letter_for(&letters, "boom");
@@ -718,7 +620,7 @@ fn invalid_entries_are_dead_lettered_at_once_and_odd_ids_are_applied() {
     for (i, (label, fields, _)) in invalid.iter().enumerate() {
         entry_of.insert(label, xadd_raw(&mut conn, &stream, fields));
         if let Some(id) = weird.get(i) {
-            xadd_many(&mut conn, &stream, std::slice::from_ref(id));
+            xadd_events(&mut conn, &stream, std::slice::from_ref(id));
         }
     }
     let calls = Calls::default();
@@ -730,7 +632,7 @@ fn invalid_entries_are_dead_lettered_at_once_and_odd_ids_are_applied() {
             insert(event, tx)
         }))
         .unwrap();
-    let summary = start(worker).join(Duration::from_secs(30));
+    let summary = Running::of(worker).join(Duration::from_secs(30));
 
     assert_eq!(summary.dead_invalid, invalid.len() as u64);
     assert_eq!(summary.dead_lettered, invalid.len() as u64);
@@ -743,7 +645,7 @@ fn invalid_entries_are_dead_lettered_at_once_and_odd_ids_are_applied() {
     let mut expected = weird.clone();
     expected.sort();
     assert_eq!(sorted, expected, "handler calls");
-    assert_exactly_once(&db, &weird);
+    db.assert_effects_once(&weird);
     let stored: Vec<String> = db
         .client()
         .query("SELECT event_id FROM notifications", &[])
@@ -834,7 +736,7 @@ fn sql_constraint_violation_is_permanent() {
     let worker = builder(&redis_url(), &db.url, &stream, &group)
         .build(counted(handler, calls.clone()))
         .unwrap();
-    let summary = start(worker).join(Duration::from_secs(30));
+    let summary = Running::of(worker).join(Duration::from_secs(30));
 
     for id in ["b", "d"] {
         assert_eq!(calls.of(id).len(), 1, "{id}: not retried");
@@ -890,7 +792,7 @@ fn sql_undefined_table_and_syntax_errors_are_permanent() {
         let worker = builder(&redis_url(), &db.url, &stream, &group)
             .build(counted(SqlHandler::new(statement.clone()), calls.clone()))
             .unwrap();
-        let summary = start(worker).join(Duration::from_secs(30));
+        let summary = Running::of(worker).join(Duration::from_secs(30));
 
         for id in ["x1", "x2", "x3"] {
             assert_eq!(calls.of(id).len(), 1, "{statement}: {id} not retried");
@@ -915,28 +817,23 @@ fn sql_undefined_table_and_syntax_errors_are_permanent() {
 #[test]
 fn postgres_outage_mid_run_is_waited_out_without_dead_letters() {
     let mut pg = PrivatePostgres::start();
-    let db = TestDb::on(&pg.url("postgres"));
-    let (stream, group) = (unique("s"), unique("g"));
-    let mut conn = redis(&redis_url());
-    let events = ids("pg", 2000);
-    xadd_many(&mut conn, &stream, &events);
+    let mut s = Scenario::on(&redis_url(), TestDb::on(&pg.url("postgres")), "s");
+    let events = s.produce(&event_ids("pg", 2000));
 
     let done = Arc::new(AtomicUsize::new(0));
     let d = done.clone();
     // One attempt only: an outage must not cost an attempt, so even without
     // any retry budget nothing may be dead-lettered. (With more attempts,
     // failed attempts would hide behind the pool's 5 s connect wait.)
-    let worker = builder(&redis_url(), &db.url, &stream, &group)
-        .workers(2)
-        .max_attempts(1)
-        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+    let running = Running::start(
+        s.builder().until_idle(true).workers(2).max_attempts(1),
+        handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
             pause(1);
             insert(event, tx)?;
             d.fetch_add(1, Ordering::SeqCst);
             Ok(())
-        }))
-        .unwrap();
-    let running = start(worker);
+        }),
+    );
     assert!(
         wait_until(Duration::from_secs(30), || done.load(Ordering::SeqCst)
             >= 300),
@@ -960,13 +857,7 @@ fn postgres_outage_mid_run_is_waited_out_without_dead_letters() {
     // duplicate, never a second effect.
     assert!(summary.applied <= 2000, "{summary:?}");
     assert!(summary.applied + summary.duplicates >= 2000, "{summary:?}");
-    assert_exactly_once(&db, &events);
-    assert_eq!(
-        db.count("SELECT count(*) FROM processed_events"),
-        events.len() as i64
-    );
-    assert!(dead_letters(&mut conn, &stream).is_empty());
-    assert_eq!(pending(&mut conn, &stream, &group), 0);
+    s.assert_applied_once(&events);
 }
 
 // 9. ---------------------------------------------------------------------
@@ -974,24 +865,20 @@ fn postgres_outage_mid_run_is_waited_out_without_dead_letters() {
 #[test]
 fn redis_restart_mid_run_loses_nothing_and_duplicates_nothing() {
     let mut r = PrivateRedis::start();
-    let db = TestDb::new();
-    let (stream, group) = (unique("s"), unique("g"));
-    let mut conn = redis(&r.url());
-    let events = ids("rd", 1000);
-    xadd_many(&mut conn, &stream, &events);
+    let mut s = Scenario::on(&r.url(), TestDb::new(), "s");
+    let events = s.produce(&event_ids("rd", 1000));
 
     let done = Arc::new(AtomicUsize::new(0));
     let d = done.clone();
-    let worker = builder(&r.url(), &db.url, &stream, &group)
-        .workers(2)
-        .build(handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+    let running = Running::start(
+        s.builder().until_idle(true).workers(2),
+        handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
             pause(1);
             insert(event, tx)?;
             d.fetch_add(1, Ordering::SeqCst);
             Ok(())
-        }))
-        .unwrap();
-    let running = start(worker);
+        }),
+    );
     assert!(
         wait_until(Duration::from_secs(30), || done.load(Ordering::SeqCst)
             >= 200),
@@ -1008,11 +895,8 @@ fn redis_restart_mid_run_loses_nothing_and_duplicates_nothing() {
         "Redis stopped mid-run ({at_stop} done)"
     );
     assert_eq!(summary.dead_lettered, 0);
-    assert_exactly_once(&db, &events);
-    let mut conn = redis(&r.url());
-    assert_eq!(xlen(&mut conn, &stream), events.len() as u64);
-    assert!(dead_letters(&mut conn, &stream).is_empty());
-    assert_eq!(pending(&mut conn, &stream, &group), 0);
+    s.assert_applied_once(&events);
+    assert_eq!(xlen(&mut redis(&r.url()), &s.stream), events.len() as u64);
 }
 
 #[test]
@@ -1021,8 +905,8 @@ fn destroyed_group_is_recreated_and_new_events_are_processed() {
     let db = TestDb::new();
     let (stream, group) = (unique("s"), unique("g"));
     let mut conn = redis(&r.url());
-    let before = ids("before", 20);
-    xadd_many(&mut conn, &stream, &before);
+    let before = event_ids("before", 20);
+    xadd_events(&mut conn, &stream, &before);
 
     let calls = Calls::default();
     let c = calls.clone();
@@ -1033,7 +917,7 @@ fn destroyed_group_is_recreated_and_new_events_are_processed() {
             insert(event, tx)
         }))
         .unwrap();
-    let running = start(worker);
+    let running = Running::of(worker);
     assert!(
         wait_until(Duration::from_secs(20), || {
             db.effect_counts().len() == before.len() && pending(&mut conn, &stream, &group) == 0
@@ -1048,21 +932,21 @@ fn destroyed_group_is_recreated_and_new_events_are_processed() {
         .query(&mut conn)
         .unwrap();
     assert_eq!(destroyed, 1);
-    let after = ids("after", 20);
-    xadd_many(&mut conn, &stream, &after);
+    let after = event_ids("after", 20);
+    xadd_events(&mut conn, &stream, &after);
     let mut all = before.clone();
     all.extend(after.iter().cloned());
     let processed = wait_until(Duration::from_secs(20), || {
         db.effect_counts().len() == all.len() && pending(&mut conn, &stream, &group) == 0
     });
-    let summary = running.stop(Duration::from_secs(30));
+    let summary = running.stop();
     assert!(
         processed,
         "events added after XGROUP DESTROY were not processed: {:?}",
         db.effect_counts()
     );
 
-    assert_exactly_once(&db, &all);
+    db.assert_effects_once(&all);
     assert_eq!(summary.applied, all.len() as u64);
     // The group was recreated at 0, so the old entries came again and were
     // recognised as duplicates.
@@ -1110,7 +994,7 @@ fn a_handler_that_swallows_a_statement_error_is_not_acked_as_applied() {
             insert(event, tx)
         }))
         .unwrap();
-    let summary = start(worker).join(Duration::from_secs(30));
+    let summary = Running::of(worker).join(Duration::from_secs(30));
     assert_eq!(summary.applied, 1, "{summary:?}");
     assert_eq!(db.effects("swallow"), 0);
     assert_eq!(db.effects("fine"), 1);
@@ -1188,14 +1072,14 @@ fn a_failing_event_costs_its_batch_a_savepoint_not_a_transaction() {
     let picky = std::sync::Arc::new(Picky {
         xids: Mutex::default(),
     });
-    let summary = start(
+    let summary = Running::of(
         builder(&redis_url(), &db.url, &stream, &group)
             .workers(1)
             .build(picky.clone())
             .unwrap(),
     )
     .join(Duration::from_secs(60));
-    assert_exactly_once(&db, &good);
+    db.assert_effects_once(&good);
     assert_eq!(summary.dead_lettered, 30, "{summary}");
     assert_eq!(db.count("SELECT count(*) FROM processed_events"), 270);
     // Failures after which the same transaction went on: all but those of
