@@ -366,27 +366,8 @@ pub(crate) fn selected_ids(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dlq::Kind;
+    use crate::dlq::letter::tests::sample_letter;
     use std::time::UNIX_EPOCH;
-
-    /// A permanent dead letter of entry 1-0 on stream `s`, with `fields`.
-    fn sample_letter(fields: Fields) -> DeadLetter {
-        DeadLetter {
-            id: Some("9-0".into()),
-            original_id: "1-0".into(),
-            stream: "s".into(),
-            group: "g".into(),
-            consumer: "c".into(),
-            event_id: Some("e".into()),
-            kind: Kind::Permanent,
-            reason: "r".into(),
-            attempts: 1,
-            history: Vec::new(),
-            first_failed_at: 1,
-            dead_at: 2,
-            fields,
-        }
-    }
 
     #[test]
     fn replay_fields_replace_earlier_audit_fields() {
