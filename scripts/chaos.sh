@@ -36,7 +36,7 @@
 #      redis-cli and psql directly.
 # It prints a summary table and exits non-zero on any violation.
 #
-# Why a chaos driver (examples/chaos_worker.rs) instead of `taskhub run`:
+# Why a chaos driver (tests/chaos/driver.rs, the bin taskhub-chaos) instead of `taskhub run`:
 # the workers run the same library (`Worker` with the flags of `taskhub
 # run`, `TASKHUB_MODE` honoured), but with a handler written for the chaos.
 # `taskhub run --sql` cannot panic, nor abort its process, and a pure-SQL
@@ -57,7 +57,8 @@
 #   MAX_ATTEMPTS=4 SEED=<random> SETTLE_TIMEOUT=300 TASKHUB_MODE=batch
 #   (SEED fixes the mix of events and the order and spacing of the faults,
 #   not the timing of the processes: a failing seed is worth re-running)
-#   CHAOS_BIN=<path of a built chaos_worker; default: cargo build --release>
+#   CHAOS_BIN=<path of a built taskhub-chaos; default: cargo build --release
+#   --features fault-injection --bin taskhub-chaos>
 #   CHAOS_KEEP=0 (1: keep the temporary directory with logs and data)
 #   TASKHUB_PG_BIN=<directory of initdb and pg_ctl; default: found>
 set -euo pipefail
@@ -105,9 +106,10 @@ if [[ -z ${CHAOS_BIN:-} ]]; then
         # shellcheck source=/dev/null
         source "$HOME/.cargo/env"
     fi
-    say "building the chaos driver (cargo build --release --example chaos_worker)"
-    (cd "$ROOT" && cargo build --quiet --release --example chaos_worker)
-    CHAOS_BIN=$ROOT/target/release/examples/chaos_worker
+    # The driver is a test program: only its features bring it into a build.
+    say "building the chaos driver (cargo build --release --features fault-injection --bin taskhub-chaos)"
+    (cd "$ROOT" && cargo build --quiet --release --features fault-injection --bin taskhub-chaos)
+    CHAOS_BIN=$ROOT/target/release/taskhub-chaos
 fi
 [[ -x $CHAOS_BIN ]] || die "no chaos driver at $CHAOS_BIN"
 

@@ -5,9 +5,9 @@
 //! exits non-zero on any lost, duplicated or wrongly handled event; this
 //! test also reads its summary table and asserts the figures.
 //!
-//! It runs the debug build of the chaos driver (`examples/chaos_worker.rs`,
-//! built by `cargo test`, or here if missing) so CI does not pay for a
-//! release build. The long run is `bash scripts/chaos.sh` (see its header).
+//! It runs the debug build of the chaos driver (`tests/chaos/driver.rs`,
+//! the bin `taskhub-chaos`, which `cargo test` builds for this test) so CI
+//! does not pay for a release build. The long run is `bash scripts/chaos.sh` (see its header).
 
 mod support;
 
@@ -21,32 +21,11 @@ use support::*;
 /// The whole script must finish within this (its own waits are shorter).
 const SCRIPT_TIMEOUT: Duration = Duration::from_secs(170);
 
-/// The debug chaos driver, next to the test binaries; built if missing or
-/// older than this test (when only this test target was built).
+/// The chaos driver (`tests/chaos/driver.rs`, the bin `taskhub-chaos`),
+/// built by `cargo test` along with this test: its required features are on
+/// only in test builds.
 fn driver() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let path = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join("chaos_worker");
-    let modified = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    if modified(&path).is_none() || modified(&path) < modified(&exe) {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "--quiet", "--example", "chaos_worker"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("cargo runs");
-        assert!(
-            status.success(),
-            "cargo build --example chaos_worker failed"
-        );
-    }
-    assert!(path.exists(), "{} is missing", path.display());
-    path
+    PathBuf::from(env!("CARGO_BIN_EXE_taskhub-chaos"))
 }
 
 /// Runs the bounded chaos in `mode`; returns the summary table as

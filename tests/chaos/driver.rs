@@ -167,7 +167,7 @@ fn main() {
         Command::Check(a) => check(&cli.redis_url, &cli.database_url, &a),
     };
     if let Err(e) = result {
-        eprintln!("chaos_worker: error: {e}");
+        eprintln!("taskhub-chaos: error: {e}");
         std::process::exit(1);
     }
 }
