@@ -9,8 +9,9 @@
 //!   never trust markers written for another history. `<len>` is the
 //!   scope's length in bytes: without it, scope `g` with event `x:1` and
 //!   scope `g:x` with event `1` would be one key.
-//! - The start counter of a redelivered entry,
-//!   `th:s:<len>:<group>:<len>:<stream>:<entry_id>` (see `process.rs`).
+//! - The start set of a redelivered entry (one member per delivery; a new
+//!   name since it was a counter),
+//!   `th:d:<len>:<group>:<len>:<stream>:<entry_id>` (see `process.rs`).
 //! - The index of dead-lettered entries, the hash `<stream>:dlq:index`
 //!   (entry id → dead-letter id), in the stream's hash slot: an entry
 //!   delivered again after its group was created again is recognised as
@@ -139,7 +140,7 @@ pub(crate) fn marker(ns: &str, scope: &str, event_id: &str) -> String {
 /// The start counter of one entry of `stream` in `group`.
 pub(crate) fn started(group: &str, stream: &str, entry_id: &str) -> String {
     format!(
-        "th:s:{}:{group}:{}:{stream}:{entry_id}",
+        "th:d:{}:{group}:{}:{stream}:{entry_id}",
         group.len(),
         stream.len()
     )

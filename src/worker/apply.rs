@@ -295,17 +295,38 @@ fn count_start(stage: &Stage, delivery: &Delivery) -> Option<u64> {
     let settings = &stage.settings;
     let key = crate::redis::keys::started(&settings.group, &delivery.stream, &delivery.entry_id);
     let ttl = settings.marker_ttl.as_secs().max(1);
-    stage.common.with_redis(|conn| {
-        let (n,): (u64,) = redis::pipe()
-            .cmd("INCR")
-            .arg(&key)
-            .cmd("EXPIRE")
-            .arg(&key)
-            .arg(ttl)
-            .ignore()
-            .query(conn)?;
-        Ok(n)
-    })
+    let count = delivery.delivery_count;
+    stage
+        .common
+        .with_redis(|conn| record_start(conn, &key, count, ttl))
+}
+
+/// Records the start of the delivery numbered `delivery` under `key`;
+/// returns the starts recorded so far.
+///
+/// A set with one member per delivery, not a counter: `with_redis` sends
+/// the command again when its reply was lost (a reset, a read timeout after
+/// Redis ran it), and one delivery must count one start however often it
+/// is sent.
+fn record_start(
+    conn: &mut crate::redis::RedisConn,
+    key: &str,
+    delivery: u64,
+    ttl: u64,
+) -> redis::RedisResult<u64> {
+    let (n,): (u64,) = redis::pipe()
+        .cmd("SADD")
+        .arg(key)
+        .arg(delivery)
+        .ignore()
+        .cmd("SCARD")
+        .arg(key)
+        .cmd("EXPIRE")
+        .arg(key)
+        .arg(ttl)
+        .ignore()
+        .query(conn)?;
+    Ok(n)
 }
 
 /// Checks (and refreshes) that each of `held` is still this consumer's, in
@@ -413,6 +434,28 @@ fn committed(stage: &Stage, event: &Event) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression (found by scripts/chaos.sh with network faults between a
+    /// worker and Redis): the start of a redelivery was an INCR, sent again
+    /// by `with_redis` when its reply was lost (a reset, or a read timeout
+    /// after Redis had run it). One delivery then counted two starts, and an
+    /// innocent event that met a few such faults was dead-lettered as a
+    /// crash loop. A start is now one set member per delivery: sending it
+    /// again counts nothing.
+    #[test]
+    fn a_start_sent_twice_for_one_delivery_counts_once() {
+        let url = std::env::var("TASKHUB_TEST_REDIS_URL")
+            .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let mut conn =
+            crate::redis::connect(&url, &crate::Tls::default()).expect("the test Redis answers");
+        let key =
+            crate::redis::keys::started("g", &format!("starts-{}", uuid::Uuid::new_v4()), "1-0");
+        assert_eq!(record_start(&mut conn, &key, 2, 60).unwrap(), 1);
+        // The same delivery's start, sent again after a lost reply.
+        assert_eq!(record_start(&mut conn, &key, 2, 60).unwrap(), 1);
+        assert_eq!(record_start(&mut conn, &key, 3, 60).unwrap(), 2);
+        let _: () = redis::cmd("DEL").arg(&key).query(&mut conn).unwrap();
+    }
 
     #[test]
     fn a_deleted_entry_is_committed_only_while_fresh() {

@@ -629,7 +629,11 @@ impl Chaos {
         };
         conn.set_read_timeout(Some(Duration::from_secs(5)))?;
         let n: u64 = redis::cmd("INCR")
-            .arg(format!("chaos:calls:{}:{}", event.stream(), event.event_id()))
+            .arg(format!(
+                "chaos:calls:{}:{}",
+                event.stream(),
+                event.event_id()
+            ))
             .query(&mut conn)?;
         self.conns.lock().unwrap().push(conn);
         Ok(n)
@@ -676,10 +680,10 @@ impl Handler for Chaos {
                 let n = self.count_call(event)?;
                 if n <= k {
                     std::thread::sleep(Duration::from_millis(1500));
-                    return Err(HandlerError::retryable(format!(
-                        "chaos: slow failure {n} of {k}"
-                    ))
-                    .with_retry_after(Duration::from_secs(1)));
+                    return Err(
+                        HandlerError::retryable(format!("chaos: slow failure {n} of {k}"))
+                            .with_retry_after(Duration::from_secs(1)),
+                    );
                 }
             }
             "killer" => {
@@ -946,10 +950,7 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
     let manifest = read_manifest(&a.manifest)?;
     // Entries below the highest MINID were deleted by an XTRIM.
     let minid = match &a.trims {
-        Some(path) if path.exists() => std::fs::read_to_string(path)?
-            .lines()
-            .map(id_key)
-            .max(),
+        Some(path) if path.exists() => std::fs::read_to_string(path)?.lines().map(id_key).max(),
         _ => None,
     };
     let trimmed = |entry_id: &str| minid.is_some_and(|m| id_key(entry_id) < m);
