@@ -331,3 +331,112 @@ fn crash_loop_does_not_charge_events_running_beside_it() {
     assert_eq!(db.effects("poison"), 0);
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 }
+
+/// Regression (found by scripts/chaos.sh, batch mode, a worker's Redis
+/// connection frozen half-open): an entry claimed from one holder to the
+/// next while each was held up (the frozen one waited for Redis inside its
+/// transaction, the next waited for its row lock) counted one start per
+/// holder, although each of those runs ended, rolled back, when its holder
+/// found the entry claimed away: after `max_attempts` holders the last one
+/// dead-lettered a plain event as a crash loop. A holder that finds its
+/// entry claimed away now takes its start back.
+///
+/// Here a ghost consumer leaves the entry pending; the slow consumer claims
+/// it (a redelivery: its start is counted) and holds it 4 s in its handler;
+/// the fast one claims it after 2 s idle, waits for the slow one's row lock,
+/// then starts it: without the fix its second start made it a crash loop
+/// at `max_attempts` 2.
+#[test]
+fn a_start_claimed_away_is_not_a_crash() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use taskhub::{handler_fn, Event, Tx, Worker};
+
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let entry = xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "claimed"), ("payload", "p")],
+    );
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&stream)
+        .arg(&group)
+        .arg("0")
+        .query(&mut conn)
+        .unwrap();
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(&group)
+        .arg("ghost")
+        .arg("COUNT")
+        .arg(1)
+        .arg("STREAMS")
+        .arg(&stream)
+        .arg(">")
+        .query(&mut conn)
+        .unwrap();
+
+    let worker = |consumer: &str, handler: Box<dyn taskhub::Handler>| {
+        Worker::builder()
+            .mode(mode())
+            .redis_url(&redis_url())
+            .database_url(&db.url)
+            .stream(&stream)
+            .group(&group)
+            .consumer(consumer)
+            .workers(1)
+            .max_attempts(2)
+            .block(Duration::from_millis(100))
+            .backoff_base(Duration::from_millis(10))
+            .backoff_cap(Duration::from_millis(100))
+            .max_retry_after(Duration::from_millis(500))
+            .reclaim_interval(Duration::from_millis(200))
+            .reclaim_min_idle(Duration::from_secs(2))
+            .shutdown_timeout(Duration::from_secs(15))
+            .build(handler)
+            .unwrap()
+    };
+    let spawn = |w: Worker| {
+        let stop = w.shutdown_handle();
+        (stop, std::thread::spawn(move || w.run()))
+    };
+    let entered = Arc::new(AtomicBool::new(false));
+    let e = entered.clone();
+    let (stop_slow, slow_run) = spawn(worker(
+        "slow",
+        Box::new(handler_fn(move |_: &Event, _: &mut Tx<'_>| {
+            e.store(true, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_secs(4));
+            Ok(())
+        })),
+    ));
+    assert!(
+        wait_until(Duration::from_secs(20), || entered.load(Ordering::SeqCst)),
+        "the slow consumer never claimed and ran the entry"
+    );
+    let (stop_fast, fast_run) = spawn(worker(
+        "fast",
+        Box::new(handler_fn(|_: &Event, _: &mut Tx<'_>| Ok(()))),
+    ));
+    let settled = wait_until(Duration::from_secs(20), || {
+        pending(&mut conn, &stream, &group) == 0
+    });
+    stop_slow.shutdown();
+    stop_fast.shutdown();
+    let a = slow_run.join().unwrap().expect("slow run");
+    let b = fast_run.join().unwrap().expect("fast run");
+    assert!(settled, "the entry is still pending");
+    let letters = dead_letters(&mut conn, &stream);
+    assert!(
+        letters.is_empty(),
+        "entry {entry} dead-lettered: {letters:?}; {a} / {b}"
+    );
+    assert_eq!(a.applied + b.applied, 1, "{a} / {b}");
+    assert_eq!(
+        db.count("SELECT count(*) FROM processed_events WHERE event_id = 'claimed'"),
+        1
+    );
+}

@@ -115,10 +115,11 @@ impl Processor {
         let xid: i64 = row.get(0);
         self.reached_database = true;
         if delivery.delivery_count > 1 && delivery.failures.is_empty() {
-            if !delivery.start_counted {
+            if delivery.started_as.is_none() {
+                let member = delivery.delivery_count;
                 let started = count_start(&stage, delivery).ok_or_else(stopped)?;
                 delivery.delivery_count = delivery.delivery_count.min(started.saturating_add(1));
-                delivery.start_counted = true;
+                delivery.started_as = Some(member);
             }
             if delivery.prior_attempts() >= stage.settings.max_attempts {
                 return Ok(Applied::CrashLoop);
@@ -148,6 +149,11 @@ impl Processor {
         if delivery.held_long() {
             let owned = ownership(&stage, std::slice::from_ref(delivery)).ok_or_else(stopped)?;
             if let Some(lost) = not_ours(&owned[0]) {
+                if lost == Applied::NotOurs {
+                    // Before the rollback frees the row for the new owner,
+                    // whose start must not see ours.
+                    take_back_start(&stage, delivery);
+                }
                 return Ok(lost);
             }
         }
@@ -299,6 +305,36 @@ fn count_start(stage: &Stage, delivery: &Delivery) -> Option<u64> {
     stage
         .common
         .with_redis(|conn| record_start(conn, &key, count, ttl))
+}
+
+/// Takes back the start of a delivery whose run ended without a crash
+/// (to be rolled back because another consumer claimed the entry
+/// meanwhile): the start set counts runs that never ended. Without it, an
+/// entry claimed from holder to holder while each was held up (one waiting
+/// for Redis inside its transaction, the next for its row lock) counted one
+/// start per holder, and the last one dead-lettered it as a crash loop.
+/// Called while the transaction still holds the event's row, so the new
+/// owner's start, which waits for that row, cannot count ours. Best
+/// effort: a start left behind counts one attempt more.
+fn take_back_start(stage: &Stage, delivery: &Delivery) {
+    let Some(member) = delivery.started_as else {
+        return;
+    };
+    let settings = &stage.settings;
+    let key = crate::redis::keys::started(&settings.group, &delivery.stream, &delivery.entry_id);
+    let taken = stage.common.redis_conn().and_then(|mut conn| {
+        redis::cmd("SREM")
+            .arg(&key)
+            .arg(member)
+            .query::<()>(&mut conn)
+    });
+    if let Err(e) = taken {
+        log::warn!(
+            "{}/{}: start not taken back ({e}); it counts as one attempt",
+            delivery.stream,
+            delivery.entry_id
+        );
+    }
 }
 
 /// Records the start of the delivery numbered `delivery` under `key`;
