@@ -440,3 +440,91 @@ fn a_start_claimed_away_is_not_a_crash() {
         1
     );
 }
+
+/// Regression (found by scripts/chaos.sh, batch mode, with XTRIM and a
+/// 2 s `--reclaim-min-idle`): the entries a job finished were acked only
+/// at the end of the job, so a finished entry waited for every slower one
+/// behind it (a slow redelivery, a slow handler). Idle past
+/// `reclaim_min_idle`, it was claimed by another instance; deleted from the
+/// stream meanwhile, it became a `trimmed` dead letter although it had been
+/// applied. A job now acks what it finished once the oldest has waited
+/// 250 ms.
+///
+/// Per-event mode, one worker thread, one job of three entries: the first
+/// is fast, the second takes 400 ms, the third's handler 3 s. The first
+/// must be acked while the third still runs.
+#[test]
+fn a_finished_entry_is_acked_while_a_slow_one_runs() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use taskhub::{handler_fn, Event, Tx, Worker};
+
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let fast = xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "fast"), ("payload", "p")],
+    );
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "medium"), ("payload", "p")],
+    );
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "slow"), ("payload", "p")],
+    );
+    let (entered, returned) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let (e, r) = (entered.clone(), returned.clone());
+    let worker = Worker::builder()
+        .mode(taskhub::Mode::PerEvent)
+        .redis_url(&redis_url())
+        .database_url(&db.url)
+        .stream(&stream)
+        .group(&group)
+        .consumer("c")
+        .workers(1)
+        .count(16)
+        .block(Duration::from_millis(100))
+        .shutdown_timeout(Duration::from_secs(15))
+        .build(Box::new(handler_fn(move |ev: &Event, _: &mut Tx<'_>| {
+            if ev.event_id() == "medium" {
+                std::thread::sleep(Duration::from_millis(400));
+            }
+            if ev.event_id() == "slow" {
+                e.store(true, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_secs(3));
+                r.store(true, Ordering::SeqCst);
+            }
+            Ok(())
+        })))
+        .unwrap();
+    let stop = worker.shutdown_handle();
+    let run = std::thread::spawn(move || worker.run());
+    assert!(
+        wait_until(Duration::from_secs(20), || entered.load(Ordering::SeqCst)),
+        "the slow handler never ran"
+    );
+    let acked = wait_until(Duration::from_secs(2), || {
+        !pending_entries(&mut conn, &stream, &group)
+            .iter()
+            .any(|(id, _, _)| *id == fast)
+    });
+    let slow_still_running = !returned.load(Ordering::SeqCst);
+    wait_until(Duration::from_secs(10), || {
+        pending(&mut conn, &stream, &group) == 0
+    });
+    stop.shutdown();
+    let summary = run.join().unwrap().expect("run");
+    assert!(
+        acked && slow_still_running,
+        "the fast entry waited for the slow one to be acked: {summary}"
+    );
+    assert_eq!(summary.applied, 3, "{summary}");
+}

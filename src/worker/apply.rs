@@ -471,8 +471,8 @@ fn committed(stage: &Stage, event: &Event) {
 mod tests {
     use super::*;
 
-    /// Regression (found by scripts/chaos.sh with network faults between a
-    /// worker and Redis): the start of a redelivery was an INCR, sent again
+    /// Regression (the network faults of scripts/chaos.sh between a worker
+    /// and Redis): the start of a redelivery was an INCR, sent again
     /// by `with_redis` when its reply was lost (a reset, or a read timeout
     /// after Redis had run it). One delivery then counted two starts, and an
     /// innocent event that met a few such faults was dead-lettered as a
