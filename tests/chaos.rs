@@ -1,9 +1,14 @@
 //! The bounded chaos run: `scripts/chaos.sh` with small parameters (2,000
 //! events over 15 s, 3 SIGKILLs of workers, one Redis restart, one
-//! PostgreSQL restart, one worker killed for good, one crash-looping event),
-//! once per commit mode. The script checks every event's outcome in SQL and
-//! exits non-zero on any lost, duplicated or wrongly handled event; this
-//! test also reads its summary table and asserts the figures.
+//! PostgreSQL restart, one worker killed for good, one crash-looping event
+//! and one that kills its database session, 4 network faults through the
+//! fault proxy, a read-only window, a graceful restart of every worker
+//! while PostgreSQL is down, an `XGROUP DESTROY`, an `XTRIM`, and a second
+//! deployment with the same group name), once per commit mode, each with a
+//! fixed seed. The script checks every event's outcome in SQL and exits
+//! non-zero on any lost, duplicated or wrongly handled event; this test
+//! also reads its summary tables (one per deployment) and asserts the
+//! figures.
 //!
 //! It runs the debug build of the chaos driver (`tests/chaos/driver.rs`,
 //! the bin `taskhub-chaos`, which `cargo test` builds for this test) so CI
@@ -19,7 +24,7 @@ use std::time::Duration;
 use support::*;
 
 /// The whole script must finish within this (its own waits are shorter).
-const SCRIPT_TIMEOUT: Duration = Duration::from_secs(170);
+const SCRIPT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// The chaos driver (`tests/chaos/driver.rs`, the bin `taskhub-chaos`),
 /// built by `cargo test` along with this test: its required features are on
@@ -28,9 +33,10 @@ fn driver() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_taskhub-chaos"))
 }
 
-/// Runs the bounded chaos in `mode`; returns the summary table as
-/// (label, value) pairs, after asserting a clean exit.
-fn chaos(mode: &str) -> HashMap<String, String> {
+/// Runs the bounded chaos in `mode` with `seed`; returns the summary tables
+/// of the two deployments as (label, value) pairs, after asserting a clean
+/// exit.
+fn chaos(mode: &str, seed: &str) -> (HashMap<String, String>, HashMap<String, String>) {
     let mut cmd = Command::new("bash");
     cmd.arg(repo_path("scripts/chaos.sh"))
         .env("CHAOS_BIN", driver())
@@ -42,7 +48,16 @@ fn chaos(mode: &str) -> HashMap<String, String> {
         .env("PG_RESTARTS", "1")
         .env("PERMANENT_KILLS", "1")
         .env("ABORTS", "1")
-        .env("SETTLE_TIMEOUT", "90")
+        .env("KILLERS", "1")
+        .env("NET_FAULTS", "4")
+        .env("READONLY_WINDOWS", "1")
+        .env("PG_GRACEFUL", "1")
+        .env("GROUP_DESTROYS", "1")
+        .env("TRIMS", "1")
+        .env("DEPLOYMENTS", "2")
+        .env("RECLAIM_MIN_IDLE", "2s")
+        .env("SEED", seed)
+        .env("SETTLE_TIMEOUT", "120")
         .env("CHAOS_LOG", "info")
         .stdin(Stdio::null());
     let mut p = Proc::spawn(cmd);
@@ -66,14 +81,20 @@ fn chaos(mode: &str) -> HashMap<String, String> {
         status.success(),
         "chaos ({mode}) found violations or failed: {status}\nstdout:\n{stdout}\nstderr:\n{stderr}"
     );
-    // The table: "label   value" lines between two dashed lines.
-    stdout
-        .lines()
-        .filter_map(|l| {
-            let (k, v) = l.split_once("  ")?;
-            Some((k.trim().to_owned(), v.trim().to_owned()))
-        })
-        .collect()
+    // The tables: "label   value" lines between two dashed lines, the
+    // second deployment's after its heading.
+    let table = |text: &str| -> HashMap<String, String> {
+        text.lines()
+            .filter_map(|l| {
+                let (k, v) = l.split_once("  ")?;
+                Some((k.trim().to_owned(), v.trim().to_owned()))
+            })
+            .collect()
+    };
+    let (first, second) = stdout
+        .split_once("second deployment")
+        .unwrap_or_else(|| panic!("no second deployment in:\n{stdout}"));
+    (table(first), table(second))
 }
 
 fn number(table: &HashMap<String, String>, label: &str) -> u64 {
@@ -86,29 +107,21 @@ fn number(table: &HashMap<String, String>, label: &str) -> u64 {
         .unwrap_or_else(|| panic!("{label}: {v:?} is not a number"))
 }
 
-fn check(mode: &str) {
-    let t = chaos(mode);
-    assert_eq!(number(&t, "lost (must be 0)"), 0, "{t:?}");
-    assert_eq!(number(&t, "duplicated (must be 0)"), 0, "{t:?}");
-    assert_eq!(number(&t, "other violations (must be 0)"), 0, "{t:?}");
-    assert_eq!(number(&t, "pending at the end"), 0, "{t:?}");
-    assert_eq!(number(&t, "events (stream entries)"), 2000, "{t:?}");
-    // The faults really happened.
-    assert_eq!(number(&t, "SIGKILLs of workers (restarted)"), 3, "{t:?}");
-    assert_eq!(number(&t, "Redis restarts (SIGKILL, AOF)"), 1, "{t:?}");
-    assert_eq!(number(&t, "PostgreSQL restarts (immediate)"), 1, "{t:?}");
-    assert_eq!(number(&t, "workers killed for good"), 1, "{t:?}");
-    assert!(
-        number(&t, "crash-loop aborts (restarted)") >= 1,
-        "the crash-loop event never ran: {t:?}"
-    );
+/// The promises, in one deployment's table.
+fn outcomes(t: &HashMap<String, String>) {
+    assert_eq!(number(t, "lost (must be 0)"), 0, "{t:?}");
+    assert_eq!(number(t, "duplicated (must be 0)"), 0, "{t:?}");
+    assert_eq!(number(t, "other violations (must be 0)"), 0, "{t:?}");
+    assert_eq!(number(t, "pending at the end"), 0, "{t:?}");
+    assert_eq!(number(t, "events (stream entries)"), 2000, "{t:?}");
     // "N (expected N)": everything that should apply did, and everything
     // that should be dead-lettered was.
     for label in ["applied (event_ids with an effect)", "dead-lettered"] {
         let v = &t[label];
-        let got = number(&t, label);
+        let got = number(t, label);
         assert!(v.contains(&format!("(expected {got})")), "{label}: {v}");
     }
+    // The aborting event and the session killer are crash loops.
     let crash_loops: u64 = t["dead-lettered"]
         .split("crash_loop ")
         .nth(1)
@@ -116,19 +129,52 @@ fn check(mode: &str) {
         .and_then(|n| n.parse().ok())
         .unwrap_or(0);
     assert!(
-        crash_loops >= 1,
-        "the aborting event is a crash loop: {t:?}"
+        crash_loops >= 2,
+        "the abort and the killer are crash loops: {t:?}"
+    );
+}
+
+fn check(mode: &str, seed: &str) {
+    let (t, second) = chaos(mode, seed);
+    outcomes(&t);
+    outcomes(&second);
+    // The faults really happened.
+    assert_eq!(number(&t, "SIGKILLs of workers (restarted)"), 3, "{t:?}");
+    assert_eq!(number(&t, "Redis restarts (SIGKILL, AOF)"), 1, "{t:?}");
+    assert_eq!(number(&t, "PostgreSQL restarts (immediate)"), 1, "{t:?}");
+    assert_eq!(number(&t, "workers killed for good"), 1, "{t:?}");
+    assert_eq!(number(&t, "network faults (worker <-> server)"), 4, "{t:?}");
+    assert_eq!(
+        number(&t, "PostgreSQL read-only windows (standby, promoted)"),
+        1,
+        "{t:?}"
+    );
+    assert_eq!(
+        number(&t, "graceful restarts while PostgreSQL is down"),
+        1,
+        "{t:?}"
+    );
+    assert_eq!(number(&t, "XGROUP DESTROY"), 1, "{t:?}");
+    assert_eq!(number(&t, "XTRIM MINID (entries deleted)"), 1, "{t:?}");
+    assert_eq!(
+        number(&t, "deployments (same group, own stream and database)"),
+        2,
+        "{t:?}"
+    );
+    assert!(
+        number(&t, "crash-loop aborts (restarted)") >= 1,
+        "the crash-loop event never ran: {t:?}"
     );
 }
 
 #[test]
 fn chaos_batch_mode_loses_nothing_and_repeats_nothing() {
-    check("batch");
+    check("batch", "20261201");
 }
 
 #[test]
 fn chaos_per_event_mode_loses_nothing_and_repeats_nothing() {
-    check("per-event");
+    check("per-event", "20261202");
 }
 
 // ---------------------------------------------------------------------------
@@ -527,4 +573,85 @@ fn a_finished_entry_is_acked_while_a_slow_one_runs() {
         "the fast entry waited for the slow one to be acked: {summary}"
     );
     assert_eq!(summary.applied, 3, "{summary}");
+}
+
+/// Regression (batch mode, under the chaos run's claims and trims): before
+/// committing a batch held over a second, the worker checked that every entry of the
+/// batch was still its own, duplicates included. A duplicate that another
+/// consumer had claimed meanwhile (or one deleted from the stream) rolled
+/// the whole batch back: its new events ran their handler again, and the
+/// deleted duplicate became a `trimmed` dead letter of an event that had
+/// been applied. Only the entries the batch applies are checked now; a
+/// duplicate is acked whoever holds it.
+///
+/// Batch mode, one job of two first deliveries: `new` and `dup`, whose event
+/// was applied before (its `processed_events` row exists, no marker). The
+/// handler holds the batch 1.5 s; meanwhile the test claims `dup` for
+/// another consumer. `new` must be handled once and committed.
+#[test]
+fn a_batch_commits_whoever_holds_its_duplicates() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use taskhub::{handler_fn, Event, Tx, Worker};
+
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    db.client()
+        .execute(
+            "INSERT INTO processed_events (scope, event_id) VALUES ($1, 'dup')",
+            &[&group],
+        )
+        .unwrap();
+    let mut conn = redis(&redis_url());
+    xadd(&mut conn, &stream, &[("event_id", "new"), ("payload", "p")]);
+    let dup = xadd(&mut conn, &stream, &[("event_id", "dup"), ("payload", "p")]);
+    let (entered, calls) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicUsize::new(0)),
+    );
+    let (e, c) = (entered.clone(), calls.clone());
+    let worker = Worker::builder()
+        .mode(taskhub::Mode::Batch)
+        .redis_url(&redis_url())
+        .database_url(&db.url)
+        .stream(&stream)
+        .group(&group)
+        .consumer("c")
+        .workers(1)
+        .count(16)
+        .block(Duration::from_millis(100))
+        .reclaim_interval(Duration::from_secs(60))
+        .shutdown_timeout(Duration::from_secs(15))
+        .build(Box::new(handler_fn(move |ev: &Event, _: &mut Tx<'_>| {
+            if ev.event_id() == "new" {
+                c.fetch_add(1, Ordering::SeqCst);
+                e.store(true, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(1500));
+            }
+            Ok(())
+        })))
+        .unwrap();
+    let stop = worker.shutdown_handle();
+    let run = std::thread::spawn(move || worker.run());
+    assert!(
+        wait_until(Duration::from_secs(20), || entered.load(Ordering::SeqCst)),
+        "the handler never ran"
+    );
+    let _: redis::Value = redis::cmd("XCLAIM")
+        .arg(&stream)
+        .arg(&group)
+        .arg("thief")
+        .arg(0)
+        .arg(&dup)
+        .query(&mut conn)
+        .unwrap();
+    let settled = wait_until(Duration::from_secs(15), || {
+        pending(&mut conn, &stream, &group) == 0
+    });
+    stop.shutdown();
+    let summary = run.join().unwrap().expect("run");
+    assert!(settled, "still pending: {summary}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "handled again: {summary}");
+    assert_eq!(summary.applied, 1, "{summary}");
+    assert!(dead_letters(&mut conn, &stream).is_empty());
 }

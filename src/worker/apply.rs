@@ -262,7 +262,15 @@ impl Processor {
             let delete = tx.prepare_cached(DELETE_PROCESSED)?;
             tx.execute(&delete, &[&scope, &ids])?;
         }
-        let long: Vec<usize> = (0..batch.len()).filter(|i| batch[*i].held_long()).collect();
+        // Only what this COMMIT applies needs to be ours: a duplicate is
+        // acked whoever holds it, and checking it rolled the batch back
+        // (its new events ran again) or made a deleted duplicate a
+        // `trimmed` letter of an applied event.
+        let long: Vec<usize> = positions
+            .iter()
+            .copied()
+            .filter(|i| batch[*i].held_long())
+            .collect();
         if !long.is_empty() {
             let held: Vec<&Delivery> = long.iter().map(|i| &batch[*i]).collect();
             let owned = ownership(&stage, held).ok_or_else(stopped)?;
