@@ -655,3 +655,58 @@ fn a_batch_commits_whoever_holds_its_duplicates() {
     assert_eq!(summary.applied, 1, "{summary}");
     assert!(dead_letters(&mut conn, &stream).is_empty());
 }
+
+/// Regression (found by scripts/chaos.sh, batch mode, after `XGROUP
+/// DESTROY`): an event whose statement kills its own PostgreSQL session got
+/// a strike only when other transactions had committed meanwhile. When
+/// everything else was a duplicate (settled by markers, no commit) or
+/// waited for this redelivered suspect, nothing committed: the event ran
+/// again and again, never a crash loop, and the other redeliveries of its
+/// process waited for it a minute each. A session lost right after the
+/// previous attempt lost its own the same way is now a strike too.
+///
+/// One session-killing event alone in its stream, `max_attempts` 3: it must
+/// become a `crash_loop` dead letter.
+#[test]
+fn a_lone_session_killer_is_a_crash_loop() {
+    use taskhub::{handler_fn, Event, Tx, Worker};
+
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let killer = xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "killer"), ("payload", "p")],
+    );
+    let worker = Worker::builder()
+        .mode(mode())
+        .redis_url(&redis_url())
+        .database_url(&db.url)
+        .stream(&stream)
+        .group(&group)
+        .consumer("c")
+        .workers(1)
+        .max_attempts(3)
+        .block(Duration::from_millis(100))
+        .shutdown_timeout(Duration::from_secs(15))
+        .build(Box::new(handler_fn(|_: &Event, tx: &mut Tx<'_>| {
+            tx.batch_execute("SELECT pg_terminate_backend(pg_backend_pid())")?;
+            Ok(())
+        })))
+        .unwrap();
+    let stop = worker.shutdown_handle();
+    let run = std::thread::spawn(move || worker.run());
+    let settled = wait_until(Duration::from_secs(40), || {
+        !dead_letters(&mut conn, &stream).is_empty() && pending(&mut conn, &stream, &group) == 0
+    });
+    stop.shutdown();
+    let summary = run.join().unwrap().expect("run");
+    assert!(settled, "the session killer is still running: {summary}");
+    let letters = dead_letters(&mut conn, &stream);
+    let dead: Vec<(&str, &str)> = letters
+        .iter()
+        .map(|l| (l.original_id.as_str(), l.kind.as_str()))
+        .collect();
+    assert_eq!(dead, vec![(killer.as_str(), "crash_loop")], "{summary}");
+}
