@@ -67,6 +67,19 @@ enum Command {
     Check(CheckArgs),
     Proxy(ProxyArgs),
     Trim(TrimArgs),
+    Destroy(DestroyArgs),
+}
+
+#[derive(Args)]
+struct DestroyArgs {
+    #[arg(long)]
+    stream: String,
+    #[arg(long)]
+    group: String,
+    /// The file to append the ids pending at the destroy to (the check
+    /// reads it).
+    #[arg(long)]
+    record: std::path::PathBuf,
 }
 
 #[derive(Args)]
@@ -203,6 +216,9 @@ struct CheckArgs {
     /// The MINIDs of the XTRIMs of the run (`trim --record`), if any.
     #[arg(long)]
     trims: Option<std::path::PathBuf>,
+    /// The ids pending at each XGROUP DESTROY (`destroy --record`), if any.
+    #[arg(long)]
+    destroyed: Option<std::path::PathBuf>,
     /// More figures of the run, `label=value`, for the table.
     #[arg(long = "figure")]
     figures: Vec<String>,
@@ -221,6 +237,7 @@ fn main() {
         Command::Check(a) => check(&cli.redis_url, &cli.database_url, &a),
         Command::Proxy(a) => run_proxy(&a),
         Command::Trim(a) => trim(&cli.redis_url, &a),
+        Command::Destroy(a) => destroy(&cli.redis_url, &a),
     };
     if let Err(e) = result {
         eprintln!("taskhub-chaos: error: {e}");
@@ -847,18 +864,20 @@ fn read_manifest(path: &std::path::Path) -> Res<Vec<Manifest>> {
 /// Entries deleted by the run's XTRIMs (`chaos_expected.trimmed`) were all
 /// delivered before (the cut is at a pending entry): each has its expected
 /// outcome, or, if it was still pending, a `trimmed` dead letter instead,
-/// never both. An effect belongs to the entry whose payload it holds.
+/// never both. One still pending when an XGROUP DESTROY wiped the pending
+/// list (`gone`) may have no outcome at all: nothing records that it ever
+/// existed. An effect belongs to the entry whose payload it holds.
 const CHECKS: &[(&str, &str, &str)] = &[
     (
         "applied events without an effect",
         "lost",
         // Lost unless every entry of the event that should apply was
-        // trimmed while pending (and has its trimmed letter).
+        // trimmed while pending (and has its trimmed letter, or is gone).
         "SELECT DISTINCT e.event_id FROM chaos_expected e
          WHERE e.expect = 'apply'
            AND NOT EXISTS (SELECT 1 FROM notifications n WHERE n.event_id = e.event_id)
            AND EXISTS (SELECT 1 FROM chaos_expected o
-                       WHERE o.event_id = e.event_id AND o.expect = 'apply'
+                       WHERE o.event_id = e.event_id AND o.expect = 'apply' AND NOT o.gone
                          AND NOT (o.trimmed AND EXISTS (SELECT 1 FROM chaos_dlq d
                                   WHERE d.original_id = o.entry_id AND d.kind = 'trimmed')))",
     ),
@@ -871,7 +890,7 @@ const CHECKS: &[(&str, &str, &str)] = &[
         "entries to dead-letter missing from the DLQ",
         "lost",
         "SELECT e.chaos_id FROM chaos_expected e
-         WHERE e.expect <> 'apply'
+         WHERE e.expect <> 'apply' AND NOT e.gone
            AND NOT EXISTS (SELECT 1 FROM chaos_dlq d WHERE d.original_id = e.entry_id)",
     ),
     (
@@ -954,6 +973,15 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
         _ => None,
     };
     let trimmed = |entry_id: &str| minid.is_some_and(|m| id_key(entry_id) < m);
+    // Pending when a destroy wiped the pending list: if trimmed too, gone.
+    let destroyed: std::collections::HashSet<String> = match &a.destroyed {
+        Some(path) if path.exists() => std::fs::read_to_string(path)?
+            .lines()
+            .map(str::to_owned)
+            .collect(),
+        _ => Default::default(),
+    };
+    let gone = |entry_id: &str| trimmed(entry_id) && destroyed.contains(entry_id);
     let trimmed_entries = manifest.iter().filter(|m| trimmed(&m.entry_id)).count() as u64;
     let by_entry: HashMap<&str, &Manifest> =
         manifest.iter().map(|m| (m.entry_id.as_str(), m)).collect();
@@ -971,13 +999,13 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
         "DROP TABLE IF EXISTS chaos_expected, chaos_dlq;
          CREATE TABLE chaos_expected (chaos_id text PRIMARY KEY, entry_id text UNIQUE NOT NULL,
              kind text NOT NULL, event_id text, expect text NOT NULL, reason text NOT NULL,
-             trimmed bool NOT NULL);
+             trimmed bool NOT NULL, gone bool NOT NULL);
          CREATE TABLE chaos_dlq (dlq_id text PRIMARY KEY, original_id text NOT NULL,
              event_id text, kind text NOT NULL, reason text NOT NULL, attempts int NOT NULL,
              fields_intact bool NOT NULL);",
     )?;
     let mut tx = db.transaction()?;
-    let ins = tx.prepare("INSERT INTO chaos_expected VALUES ($1, $2, $3, $4, $5, $6, $7)")?;
+    let ins = tx.prepare("INSERT INTO chaos_expected VALUES ($1, $2, $3, $4, $5, $6, $7, $8)")?;
     for m in &manifest {
         tx.execute(
             &ins,
@@ -989,6 +1017,7 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
                 &m.expect,
                 &m.reason,
                 &trimmed(&m.entry_id),
+                &gone(&m.entry_id),
             ],
         )?;
     }
@@ -1079,6 +1108,14 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
     fn count(db: &mut postgres::Client, sql: &str) -> Res<i64> {
         Ok(db.query_one(sql, &[])?.get(0))
     }
+    // Gone entries without any outcome (no letter, and no effect of theirs).
+    let gone_silent = count(
+        &mut db,
+        "SELECT count(*) FROM chaos_expected e WHERE e.gone
+           AND NOT EXISTS (SELECT 1 FROM chaos_dlq d WHERE d.original_id = e.entry_id)
+           AND NOT EXISTS (SELECT 1 FROM notifications n
+                           WHERE (n.payload::jsonb ->> 'id') = e.chaos_id)",
+    )?;
     let applied = count(
         &mut db,
         "SELECT count(DISTINCT event_id) FROM notifications",
@@ -1129,6 +1166,10 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
         (
             "entries trimmed (XTRIM, all delivered before)",
             trimmed_entries.to_string(),
+        ),
+        (
+            "  of which pending at a group destroy, no outcome",
+            gone_silent.to_string(),
         ),
         (
             "applied (event_ids with an effect)",
@@ -1285,6 +1326,37 @@ fn trim(url: &str, a: &TrimArgs) -> Res<()> {
         .open(&a.record)?;
     writeln!(record, "{minid}")?;
     println!("{deleted} {minid}");
+    Ok(())
+}
+
+/// XGROUP DESTROY, in one step with the list of what was pending then:
+/// an entry deleted from the stream (XTRIM) and still pending at the
+/// destroy is gone with no trace; no consumer can ever learn of it, so it
+/// can have no outcome.
+const DESTROY: &str = r"
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1000000)
+redis.call('XGROUP', 'DESTROY', KEYS[1], ARGV[1])
+local ids = {}
+for i = 1, #p do ids[i] = p[i][1] end
+return ids
+";
+
+fn destroy(url: &str, a: &DestroyArgs) -> Res<()> {
+    let mut conn = redis_conn(url)?;
+    let ids: Vec<String> = redis::cmd("EVAL")
+        .arg(DESTROY)
+        .arg(1)
+        .arg(&a.stream)
+        .arg(&a.group)
+        .query(&mut conn)?;
+    let mut record = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&a.record)?;
+    for id in &ids {
+        writeln!(record, "{id}")?;
+    }
+    println!("{} pending", ids.len());
     Ok(())
 }
 
