@@ -710,3 +710,97 @@ fn a_lone_session_killer_is_a_crash_loop() {
         .collect();
     assert_eq!(dead, vec![(killer.as_str(), "crash_loop")], "{summary}");
 }
+
+/// Regression (found by scripts/chaos.sh, per-event mode): the start of a
+/// redelivered event whose run ended in a failure stayed counted. When its
+/// dead letter or retry was refused because another consumer had claimed
+/// the entry meanwhile, the next holder counted that finished run as a
+/// crash: permanent events were dead-lettered as crash loops. A run that
+/// ends in a failure now takes its start back, before its rollback.
+///
+/// A ghost consumer leaves the entry pending; the worker claims it (its
+/// start is counted) and fails it permanently after 1.5 s, while the test
+/// claims it away; the worker's letter is refused; the worker claims it
+/// again later. With `max_attempts` 2 it must end as `permanent`.
+#[test]
+fn a_failed_run_claimed_away_is_not_a_crash() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use taskhub::{handler_fn, Event, HandlerError, Tx, Worker};
+
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let entry = xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "rejected"), ("payload", "p")],
+    );
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&stream)
+        .arg(&group)
+        .arg("0")
+        .query(&mut conn)
+        .unwrap();
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(&group)
+        .arg("ghost")
+        .arg("COUNT")
+        .arg(1)
+        .arg("STREAMS")
+        .arg(&stream)
+        .arg(">")
+        .query(&mut conn)
+        .unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let worker = Worker::builder()
+        .mode(mode())
+        .redis_url(&redis_url())
+        .database_url(&db.url)
+        .stream(&stream)
+        .group(&group)
+        .consumer("c")
+        .workers(1)
+        .max_attempts(2)
+        .block(Duration::from_millis(100))
+        .backoff_base(Duration::from_millis(10))
+        .backoff_cap(Duration::from_millis(100))
+        .max_retry_after(Duration::from_millis(500))
+        .reclaim_interval(Duration::from_millis(200))
+        .reclaim_min_idle(Duration::from_secs(2))
+        .shutdown_timeout(Duration::from_secs(15))
+        .build(Box::new(handler_fn(move |_: &Event, _: &mut Tx<'_>| {
+            if c.fetch_add(1, Ordering::SeqCst) == 0 {
+                std::thread::sleep(Duration::from_millis(1500));
+            }
+            Err(HandlerError::permanent("rejected"))
+        })))
+        .unwrap();
+    let stop = worker.shutdown_handle();
+    let run = std::thread::spawn(move || worker.run());
+    assert!(
+        wait_until(Duration::from_secs(20), || calls.load(Ordering::SeqCst)
+            >= 1),
+        "the worker never claimed and ran the entry"
+    );
+    let _: redis::Value = redis::cmd("XCLAIM")
+        .arg(&stream)
+        .arg(&group)
+        .arg("thief")
+        .arg(0)
+        .arg(&entry)
+        .query(&mut conn)
+        .unwrap();
+    let settled = wait_until(Duration::from_secs(20), || {
+        !dead_letters(&mut conn, &stream).is_empty() && pending(&mut conn, &stream, &group) == 0
+    });
+    stop.shutdown();
+    let summary = run.join().unwrap().expect("run");
+    assert!(settled, "not settled: {summary}");
+    let letters = dead_letters(&mut conn, &stream);
+    let kinds: Vec<&str> = letters.iter().map(|l| l.kind.as_str()).collect();
+    assert_eq!(kinds, vec!["permanent"], "{letters:?}");
+}

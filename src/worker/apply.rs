@@ -144,7 +144,12 @@ impl Processor {
             if e.is_panic() {
                 Stats::add(&stage.common.stats.panics, 1);
             }
-            return Err(ended(&mut tx, xid).unwrap_or(e));
+            let e = ended(&mut tx, xid).unwrap_or(e);
+            if e.class() != FailureClass::Outage {
+                // The run is over (an outage runs it again, the same start).
+                take_back_start(&stage, delivery);
+            }
+            return Err(e);
         }
         if delivery.held_long() {
             let owned = ownership(&stage, std::slice::from_ref(delivery)).ok_or_else(stopped)?;
@@ -316,11 +321,13 @@ fn count_start(stage: &Stage, delivery: &Delivery) -> Option<u64> {
 }
 
 /// Takes back the start of a delivery whose run ended without a crash
-/// (to be rolled back because another consumer claimed the entry
-/// meanwhile): the start set counts runs that never ended. Without it, an
-/// entry claimed from holder to holder while each was held up (one waiting
-/// for Redis inside its transaction, the next for its row lock) counted one
-/// start per holder, and the last one dead-lettered it as a crash loop.
+/// (it failed, or is to be rolled back because another consumer claimed
+/// the entry meanwhile): the start set counts runs that never ended.
+/// Without it, an entry claimed from holder to holder while each was held
+/// up (one waiting for Redis inside its transaction, the next for its row
+/// lock) counted one start per holder, and a failed run whose retry or
+/// dead letter was refused (the entry claimed away) counted as a crash for
+/// the next holder: both ended as crash loops.
 /// Called while the transaction still holds the event's row, so the new
 /// owner's start, which waits for that row, cannot count ours. Best
 /// effort: a start left behind counts one attempt more.

@@ -1120,9 +1120,16 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
         &mut db,
         "SELECT count(DISTINCT event_id) FROM notifications",
     )?;
+    // Events that should apply, but not those whose every entry that should
+    // apply was trimmed while pending (and has its trimmed letter) or gone.
     let expected_applied = count(
         &mut db,
-        "SELECT count(DISTINCT event_id) FROM chaos_expected WHERE expect = 'apply'",
+        "SELECT count(DISTINCT e.event_id) FROM chaos_expected e
+         WHERE e.expect = 'apply'
+           AND EXISTS (SELECT 1 FROM chaos_expected o
+                       WHERE o.event_id = e.event_id AND o.expect = 'apply' AND NOT o.gone
+                         AND NOT (o.trimmed AND EXISTS (SELECT 1 FROM chaos_dlq d
+                                  WHERE d.original_id = o.entry_id AND d.kind = 'trimmed')))",
     )?;
     let by_kind: Vec<(String, i64)> = db
         .query(
@@ -1132,9 +1139,16 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
         .into_iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
+    // Entries to dead-letter (not gone ones without a letter), plus the
+    // trimmed letters of entries that should have applied.
     let expected_dead = count(
         &mut db,
-        "SELECT count(*) FROM chaos_expected WHERE expect <> 'apply'",
+        "SELECT count(*) FROM chaos_expected e
+         WHERE (e.expect <> 'apply' AND (NOT e.gone
+                OR EXISTS (SELECT 1 FROM chaos_dlq d WHERE d.original_id = e.entry_id)))
+            OR (e.expect = 'apply' AND e.trimmed
+                AND EXISTS (SELECT 1 FROM chaos_dlq d
+                            WHERE d.original_id = e.entry_id AND d.kind = 'trimmed'))",
     )?;
     let kinds: Vec<(String, i64)> = db
         .query(
