@@ -804,3 +804,99 @@ fn a_failed_run_claimed_away_is_not_a_crash() {
     let kinds: Vec<&str> = letters.iter().map(|l| l.kind.as_str()).collect();
     assert_eq!(kinds, vec!["permanent"], "{letters:?}");
 }
+
+/// Regression (found by scripts/chaos.sh, per-event mode, in the second
+/// deployment: PostgreSQL stopped, then every worker stopped gracefully): a
+/// redelivered event whose run lost its database session, and whose worker
+/// was then stopped while it waited for the database, kept its start
+/// counted, as if it had crashed its process. After a few such restarts a
+/// transient event was dead-lettered as exhausted by attempts it never made.
+/// A run stopped that way now takes its start back.
+///
+/// A ghost consumer leaves the entry pending; the first worker claims it
+/// (its start is counted); while its handler runs, the test ends its
+/// session and stops the worker. A second run (same consumer) with
+/// `max_attempts` 2 must apply it.
+#[test]
+fn a_run_stopped_during_an_outage_is_not_a_crash() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use taskhub::{handler_fn, Event, Tx, Worker};
+
+    let db = TestDb::new();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "stopped"), ("payload", "p")],
+    );
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&stream)
+        .arg(&group)
+        .arg("0")
+        .query(&mut conn)
+        .unwrap();
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(&group)
+        .arg("ghost")
+        .arg("COUNT")
+        .arg(1)
+        .arg("STREAMS")
+        .arg(&stream)
+        .arg(">")
+        .query(&mut conn)
+        .unwrap();
+    let worker = |handler: Box<dyn taskhub::Handler>| {
+        Worker::builder()
+            .mode(mode())
+            .redis_url(&redis_url())
+            .database_url(&db.url)
+            .stream(&stream)
+            .group(&group)
+            .consumer("c")
+            .workers(1)
+            .max_attempts(2)
+            .block(Duration::from_millis(100))
+            .backoff_base(Duration::from_millis(10))
+            .backoff_cap(Duration::from_millis(100))
+            .max_retry_after(Duration::from_millis(500))
+            .reclaim_interval(Duration::from_millis(200))
+            .reclaim_min_idle(Duration::from_secs(2))
+            .shutdown_timeout(Duration::from_secs(15))
+            .build(handler)
+            .unwrap()
+    };
+    let entered = Arc::new(AtomicBool::new(false));
+    let e = entered.clone();
+    let first = worker(Box::new(handler_fn(move |_: &Event, _: &mut Tx<'_>| {
+        e.store(true, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(1500));
+        Ok(())
+    })));
+    let stop = first.shutdown_handle();
+    let run = std::thread::spawn(move || first.run());
+    assert!(
+        wait_until(Duration::from_secs(20), || entered.load(Ordering::SeqCst)),
+        "the first worker never claimed and ran the entry"
+    );
+    db.terminate_sessions();
+    stop.shutdown();
+    let a = run.join().unwrap().expect("first run");
+    assert_eq!(pending(&mut conn, &stream, &group), 1, "{a}");
+
+    let second = worker(Box::new(handler_fn(|_: &Event, _: &mut Tx<'_>| Ok(()))));
+    let stop = second.shutdown_handle();
+    let run = std::thread::spawn(move || second.run());
+    let settled = wait_until(Duration::from_secs(20), || {
+        pending(&mut conn, &stream, &group) == 0
+    });
+    stop.shutdown();
+    let b = run.join().unwrap().expect("second run");
+    assert!(settled, "not settled: {b}");
+    let letters = dead_letters(&mut conn, &stream);
+    assert!(letters.is_empty(), "{letters:?}");
+    assert_eq!(b.applied, 1, "{a} / {b}");
+}

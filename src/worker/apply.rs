@@ -329,9 +329,10 @@ fn count_start(stage: &Stage, delivery: &Delivery) -> Option<u64> {
 /// dead letter was refused (the entry claimed away) counted as a crash for
 /// the next holder: both ended as crash loops.
 /// Called while the transaction still holds the event's row, so the new
-/// owner's start, which waits for that row, cannot count ours. Best
+/// owner's start, which waits for that row, cannot count ours; and when a
+/// shutdown stops a run that waits out an outage (`process.rs`). Best
 /// effort: a start left behind counts one attempt more.
-fn take_back_start(stage: &Stage, delivery: &Delivery) {
+pub(crate) fn take_back_start(stage: &Stage, delivery: &Delivery) {
     let Some(member) = delivery.started_as else {
         return;
     };

@@ -380,7 +380,12 @@ impl Processor {
         let flow = self.through_outages(&mut strikes, max, |p| p.apply(&mut delivery));
         delivery.strikes = strikes;
         match flow {
-            Flow::Stopped => {} // dropped: left pending
+            Flow::Stopped => {
+                // Dropped: left pending. Stopped while it waited out an
+                // outage, its run did not crash the process: the next
+                // delivery must not count it.
+                crate::worker::apply::take_back_start(&self.stage, &delivery);
+            }
             Flow::Struck => {
                 let reason = format!(
                     "the database connection was lost {strikes} times while this event ran, as other events committed (max attempts {max}): the event likely kills its database session"
