@@ -109,19 +109,9 @@ fn number(table: &HashMap<String, String>, label: &str) -> u64 {
 
 /// The promises, in one deployment's table.
 fn outcomes(t: &HashMap<String, String>) {
-    assert_eq!(number(t, "lost (must be 0)"), 0, "{t:?}");
-    assert_eq!(number(t, "duplicated (must be 0)"), 0, "{t:?}");
-    assert_eq!(number(t, "other violations (must be 0)"), 0, "{t:?}");
-    assert_eq!(number(t, "pending at the end"), 0, "{t:?}");
-    assert_eq!(number(t, "events (stream entries)"), 2000, "{t:?}");
-    // "N (expected N)": everything that should apply did, and everything
-    // that should be dead-lettered was.
-    for label in ["applied (event_ids with an effect)", "dead-lettered"] {
-        let v = &t[label];
-        let got = number(t, label);
-        assert!(v.contains(&format!("(expected {got})")), "{label}: {v}");
-    }
-    // The aborting event and the session killer are crash loops.
+    outcomes_but_crash_loops(t);
+    // The aborting event and the session killer are crash loops (in the
+    // first deployment either may be trimmed while pending instead).
     let crash_loops: u64 = t["dead-lettered"]
         .split("crash_loop ")
         .nth(1)
@@ -134,9 +124,24 @@ fn outcomes(t: &HashMap<String, String>) {
     );
 }
 
+fn outcomes_but_crash_loops(t: &HashMap<String, String>) {
+    assert_eq!(number(t, "lost (must be 0)"), 0, "{t:?}");
+    assert_eq!(number(t, "duplicated (must be 0)"), 0, "{t:?}");
+    assert_eq!(number(t, "other violations (must be 0)"), 0, "{t:?}");
+    assert_eq!(number(t, "pending at the end"), 0, "{t:?}");
+    assert_eq!(number(t, "events (stream entries)"), 2000, "{t:?}");
+    // "N (expected N)": everything that should apply did, and everything
+    // that should be dead-lettered was.
+    for label in ["applied (event_ids with an effect)", "dead-lettered"] {
+        let v = &t[label];
+        let got = number(t, label);
+        assert!(v.contains(&format!("(expected {got})")), "{label}: {v}");
+    }
+}
+
 fn check(mode: &str, seed: &str) {
     let (t, second) = chaos(mode, seed);
-    outcomes(&t);
+    outcomes_but_crash_loops(&t);
     outcomes(&second);
     // The faults really happened.
     assert_eq!(number(&t, "SIGKILLs of workers (restarted)"), 3, "{t:?}");
