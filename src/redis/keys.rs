@@ -11,8 +11,9 @@
 //!   scope `g:x` with event `1` would be one key. Its value is its own
 //!   tag ([`marker_tag`]): a reply counts as the marker only when it carries
 //!   the tag of the key that was asked for (see `markers.rs`).
-//! - The start counter of a redelivered entry,
-//!   `th:s:<len>:<group>:<len>:<stream>:<entry_id>` (see `process.rs`).
+//! - The start set of a redelivered entry (one member per delivery; a new
+//!   name since it was a counter),
+//!   `th:d:<len>:<group>:<len>:<stream>:<entry_id>` (see `process.rs`).
 //! - The index of dead-lettered entries, the hash `<stream>:dlq:index`
 //!   (entry id → dead-letter id), in the stream's hash slot: an entry
 //!   delivered again after its group was created again is recognised as
@@ -151,7 +152,7 @@ pub(crate) fn marker_tag(key: &str) -> String {
 /// The start counter of one entry of `stream` in `group`.
 pub(crate) fn started(group: &str, stream: &str, entry_id: &str) -> String {
     format!(
-        "th:s:{}:{group}:{}:{stream}:{entry_id}",
+        "th:d:{}:{group}:{}:{stream}:{entry_id}",
         group.len(),
         stream.len()
     )

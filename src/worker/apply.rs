@@ -115,10 +115,11 @@ impl Processor {
         let xid: i64 = row.get(0);
         self.reached_database = true;
         if delivery.delivery_count > 1 && delivery.failures.is_empty() {
-            if !delivery.start_counted {
+            if delivery.started_as.is_none() {
+                let member = delivery.delivery_count;
                 let started = count_start(&stage, delivery).ok_or_else(stopped)?;
                 delivery.delivery_count = delivery.delivery_count.min(started.saturating_add(1));
-                delivery.start_counted = true;
+                delivery.started_as = Some(member);
             }
             if delivery.prior_attempts() >= stage.settings.max_attempts {
                 return Ok(Applied::CrashLoop);
@@ -143,11 +144,21 @@ impl Processor {
             if e.is_panic() {
                 Stats::add(&stage.common.stats.panics, 1);
             }
-            return Err(ended(&mut tx, xid).unwrap_or(e));
+            let e = ended(&mut tx, xid).unwrap_or(e);
+            if e.class() != FailureClass::Outage {
+                // The run is over (an outage runs it again, the same start).
+                take_back_start(&stage, delivery);
+            }
+            return Err(e);
         }
         if delivery.held_long() {
             let owned = ownership(&stage, std::slice::from_ref(delivery)).ok_or_else(stopped)?;
             if let Some(lost) = not_ours(&owned[0]) {
+                if lost == Applied::NotOurs {
+                    // Before the rollback frees the row for the new owner,
+                    // whose start must not see ours.
+                    take_back_start(&stage, delivery);
+                }
                 return Ok(lost);
             }
         }
@@ -256,7 +267,15 @@ impl Processor {
             let delete = tx.prepare_cached(DELETE_PROCESSED)?;
             tx.execute(&delete, &[&scope, &ids])?;
         }
-        let long: Vec<usize> = (0..batch.len()).filter(|i| batch[*i].held_long()).collect();
+        // Only what this COMMIT applies needs to be ours: a duplicate is
+        // acked whoever holds it, and checking it rolled the batch back
+        // (its new events ran again) or made a deleted duplicate a
+        // `trimmed` letter of an applied event.
+        let long: Vec<usize> = positions
+            .iter()
+            .copied()
+            .filter(|i| batch[*i].held_long())
+            .collect();
         if !long.is_empty() {
             let held: Vec<&Delivery> = long.iter().map(|i| &batch[*i]).collect();
             let owned = ownership(&stage, held).ok_or_else(stopped)?;
@@ -295,17 +314,71 @@ fn count_start(stage: &Stage, delivery: &Delivery) -> Option<u64> {
     let settings = &stage.settings;
     let key = crate::redis::keys::started(&settings.group, &delivery.stream, &delivery.entry_id);
     let ttl = settings.marker_ttl.as_secs().max(1);
-    stage.common.with_redis(|conn| {
-        let (n,): (u64,) = redis::pipe()
-            .cmd("INCR")
+    let count = delivery.delivery_count;
+    stage
+        .common
+        .with_redis(|conn| record_start(conn, &key, count, ttl))
+}
+
+/// Takes back the start of a delivery whose run ended without a crash
+/// (it failed, or is to be rolled back because another consumer claimed
+/// the entry meanwhile): the start set counts runs that never ended.
+/// Without it, an entry claimed from holder to holder while each was held
+/// up (one waiting for Redis inside its transaction, the next for its row
+/// lock) counted one start per holder, and a failed run whose retry or
+/// dead letter was refused (the entry claimed away) counted as a crash for
+/// the next holder: both ended as crash loops.
+/// Called while the transaction still holds the event's row, so the new
+/// owner's start, which waits for that row, cannot count ours; and when a
+/// shutdown stops a run that waits out an outage (`process.rs`). Best
+/// effort: a start left behind counts one attempt more.
+pub(crate) fn take_back_start(stage: &Stage, delivery: &Delivery) {
+    let Some(member) = delivery.started_as else {
+        return;
+    };
+    let settings = &stage.settings;
+    let key = crate::redis::keys::started(&settings.group, &delivery.stream, &delivery.entry_id);
+    let taken = stage.common.redis_conn().and_then(|mut conn| {
+        redis::cmd("SREM")
             .arg(&key)
-            .cmd("EXPIRE")
-            .arg(&key)
-            .arg(ttl)
-            .ignore()
-            .query(conn)?;
-        Ok(n)
-    })
+            .arg(member)
+            .query::<()>(&mut conn)
+    });
+    if let Err(e) = taken {
+        log::warn!(
+            "{}/{}: start not taken back ({e}); it counts as one attempt",
+            delivery.stream,
+            delivery.entry_id
+        );
+    }
+}
+
+/// Records the start of the delivery numbered `delivery` under `key`;
+/// returns the starts recorded so far.
+///
+/// A set with one member per delivery, not a counter: `with_redis` sends
+/// the command again when its reply was lost (a reset, a read timeout after
+/// Redis ran it), and one delivery must count one start however often it
+/// is sent.
+fn record_start(
+    conn: &mut crate::redis::RedisConn,
+    key: &str,
+    delivery: u64,
+    ttl: u64,
+) -> redis::RedisResult<u64> {
+    let (n,): (u64,) = redis::pipe()
+        .cmd("SADD")
+        .arg(key)
+        .arg(delivery)
+        .ignore()
+        .cmd("SCARD")
+        .arg(key)
+        .cmd("EXPIRE")
+        .arg(key)
+        .arg(ttl)
+        .ignore()
+        .query(conn)?;
+    Ok(n)
 }
 
 /// Checks (and refreshes) that each of `held` is still this consumer's, in
@@ -437,6 +510,28 @@ fn committed(stage: &Stage, event: &Event) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression (the network faults of scripts/chaos.sh between a worker
+    /// and Redis): the start of a redelivery was an INCR, sent again
+    /// by `with_redis` when its reply was lost (a reset, or a read timeout
+    /// after Redis had run it). One delivery then counted two starts, and an
+    /// innocent event that met a few such faults was dead-lettered as a
+    /// crash loop. A start is now one set member per delivery: sending it
+    /// again counts nothing.
+    #[test]
+    fn a_start_sent_twice_for_one_delivery_counts_once() {
+        let url = std::env::var("TASKHUB_TEST_REDIS_URL")
+            .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let mut conn =
+            crate::redis::connect(&url, &crate::Tls::default()).expect("the test Redis answers");
+        let key =
+            crate::redis::keys::started("g", &format!("starts-{}", uuid::Uuid::new_v4()), "1-0");
+        assert_eq!(record_start(&mut conn, &key, 2, 60).unwrap(), 1);
+        // The same delivery's start, sent again after a lost reply.
+        assert_eq!(record_start(&mut conn, &key, 2, 60).unwrap(), 1);
+        assert_eq!(record_start(&mut conn, &key, 3, 60).unwrap(), 2);
+        let _: () = redis::cmd("DEL").arg(&key).query(&mut conn).unwrap();
+    }
 
     #[test]
     fn a_deleted_entry_is_committed_only_while_fresh() {

@@ -42,9 +42,11 @@ pub(crate) struct Delivery {
     /// Connections lost while this event ran and other events committed:
     /// an event that kills its database session is a crash loop too.
     pub strikes: u32,
-    /// Whether this delivery's start was counted already (an attempt that
-    /// waits out an outage and runs again is still one start).
-    pub start_counted: bool,
+    /// The member this delivery's start was recorded under (its delivery
+    /// count then), once recorded: an attempt that waits out an outage and
+    /// runs again is still one start, and a start whose entry was claimed
+    /// away is taken back.
+    pub started_as: Option<u64>,
     /// Its place in the in-flight set, released when the delivery is
     /// dropped.
     pub ticket: Option<Ticket>,
@@ -101,7 +103,7 @@ impl Delivery {
                 held_since: sent_at,
                 failures: Vec::new(),
                 strikes: 0,
-                start_counted: false,
+                started_as: None,
                 ticket: Some(ticket),
             });
         }
@@ -129,7 +131,7 @@ impl Delivery {
             held_since: at,
             failures: Vec::new(),
             strikes: 0,
-            start_counted: false,
+            started_as: None,
             ticket,
         }
     }

@@ -37,9 +37,10 @@ impl Processor {
     /// Runs `apply` (one event or a batch), waiting out outages: they are
     /// not the events' fault, so they count no attempt. But a connection
     /// lost while this attempt ran, after the attempt had reached the
-    /// database and while other transactions committed, is a strike
-    /// against it: at `max` strikes it is [`Flow::Struck`] (an event that
-    /// kills its session would otherwise stall a worker for ever).
+    /// database, while other transactions committed or right after the
+    /// previous attempt had lost its own the same way, is a strike against
+    /// it: at `max` strikes it is [`Flow::Struck`] (an event that kills its
+    /// session would otherwise stall a worker for ever).
     pub(crate) fn through_outages<T>(
         &mut self,
         strikes: &mut u32,
@@ -47,6 +48,9 @@ impl Processor {
         mut apply: impl FnMut(&mut Processor) -> Result<T, HandlerError>,
     ) -> Flow<T> {
         let mut outages = 0u32;
+        // Whether the previous attempt lost its session after reaching the
+        // database.
+        let mut lost_before = false;
         let mut commits_before = self
             .stage
             .common
@@ -74,10 +78,15 @@ impl Processor {
                         .load(std::sync::atomic::Ordering::SeqCst);
                     // Only a lost database session is a strike: an event
                     // cannot kill the downstream's or Redis' connection.
-                    if server == Server::Postgres
-                        && self.reached_database
-                        && commits > commits_before
-                    {
+                    // The database worked meanwhile if others committed,
+                    // or if this attempt reached it again right after the
+                    // previous one lost its session: when everything else
+                    // is a duplicate (settled by markers) or waits for this
+                    // suspect, nothing commits, and an event that kills its
+                    // session would otherwise run, and stall, for ever.
+                    let lost_session = server == Server::Postgres && self.reached_database;
+                    let again = std::mem::replace(&mut lost_before, lost_session);
+                    if lost_session && (commits > commits_before || again) {
                         *strikes += 1;
                         log::warn!("postgres: the connection was lost while this worker's transaction ran, others committing meanwhile ({e}; strike {strikes} of {max})");
                         if *strikes >= max {

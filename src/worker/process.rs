@@ -12,7 +12,8 @@
 //! 3. the rest is applied: first deliveries in one transaction per batch
 //!    (batch mode), redeliveries and retries one at a time;
 //! 4. one pipelined round trip sets the markers of what committed and XACKs
-//!    everything finished.
+//!    everything finished: at the end of the job, or before going on once
+//!    the oldest finished entry has waited 250 ms.
 //!
 //! The marker is written only after PostgreSQL committed, so it is a cache of
 //! the truth and never a lock: a crash anywhere leaves the entry pending, and
@@ -47,7 +48,17 @@ use crate::worker::stats::Stats;
 pub(crate) struct Finished {
     pub deliveries: Vec<Delivery>,
     pub to_mark: Vec<usize>,
+    /// When the oldest of them finished.
+    since: Option<Instant>,
 }
+
+/// A job acks what it finished before going on once the oldest has waited
+/// this long. Acks held for the whole job made a finished entry wait for
+/// every slower one behind it; idle past another instance's
+/// `reclaim_min_idle` it was claimed, and if it had been deleted from the
+/// stream meanwhile, dead-lettered as `trimmed` although applied. Now a
+/// finished entry waits at most this plus one transaction.
+const ACK_WITHIN: Duration = Duration::from_millis(250);
 
 impl Finished {
     fn push(&mut self, delivery: Delivery, mark: bool) {
@@ -55,6 +66,12 @@ impl Finished {
             self.to_mark.push(self.deliveries.len());
         }
         self.deliveries.push(delivery);
+        self.since.get_or_insert_with(Instant::now);
+    }
+
+    /// Whether the oldest has waited [`ACK_WITHIN`].
+    fn overdue(&self) -> bool {
+        self.since.is_some_and(|t| t.elapsed() >= ACK_WITHIN)
     }
 }
 
@@ -216,10 +233,19 @@ impl Processor {
         }
         self.apply_batches(&stream, batch, &mut one_by_one, &mut done);
         for delivery in one_by_one {
+            self.ack_if_overdue(&stream, &mut done);
             self.apply_one(delivery, &mut done);
         }
         // Step 4: markers, then acks.
         self.mark_and_ack(&stream, done);
+    }
+
+    /// Marks and acks what the job finished so far if the oldest has waited
+    /// [`ACK_WITHIN`].
+    fn ack_if_overdue(&mut self, stream: &str, done: &mut Finished) {
+        if done.overdue() {
+            self.mark_and_ack(stream, std::mem::take(done));
+        }
     }
 
     /// Which events have a marker, and which entries were dead-lettered
@@ -256,6 +282,7 @@ impl Processor {
         let mut failures = 0;
         let mut strikes = 0;
         while chunk.len() > 1 {
+            self.ack_if_overdue(stream, done);
             let guarded = self.failure_rate >= GUARD_ABOVE;
             match self.through_outages(&mut strikes, BATCH_STRIKES, |p| {
                 p.apply_batch(&chunk, guarded)
@@ -345,7 +372,12 @@ impl Processor {
         let flow = self.through_outages(&mut strikes, max, |p| p.apply(&mut delivery));
         delivery.strikes = strikes;
         match flow {
-            Flow::Stopped => {} // dropped: left pending
+            Flow::Stopped => {
+                // Dropped: left pending. Stopped while it waited out an
+                // outage, its run did not crash the process: the next
+                // delivery must not count it.
+                crate::worker::apply::take_back_start(&self.stage, &delivery);
+            }
             Flow::Struck => {
                 let reason = format!(
                     "the database connection was lost {strikes} times while this event ran, as other events committed (max attempts {max}): the event likely kills its database session"

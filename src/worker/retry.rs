@@ -296,7 +296,7 @@ impl Retrier {
             held_since: at,
             failures: retry.failures,
             strikes: retry.strikes,
-            start_counted: false,
+            started_as: None,
             ticket: retry.ticket,
         }];
         let mut job = job;

@@ -15,6 +15,17 @@
 //!   `panic` panics on every call, `panic-once` on the first only; `abort`
 //!   kills the whole process (a crash loop); a payload that is not JSON is
 //!   invalid;
+//!   `killer` terminates its own PostgreSQL backend (a statement that kills
+//!   its session: a crash loop of the database kind); `slow` fails slowly
+//!   (1.5 s) with a `Retry-After` `k` times, so that its retries outlast a
+//!   short `--reclaim-min-idle` and another instance claims it meanwhile;
+//! - `proxy`: the TCP fault proxy of the tests (`tests/support/proxy.rs`,
+//!   included by path) between each worker process and each server, driven
+//!   through command files: delay, drop (FIN), reset (RST), freeze half-open,
+//!   refuse;
+//! - `trim`: XTRIM MINID of the stream just past one of its pending entries,
+//!   so only delivered entries (acked or pending) are deleted, and records
+//!   the MINID for the check;
 //! - `settle`: waits until everything was delivered and nothing is pending;
 //! - `check`: loads the manifest and the dead-letter stream into PostgreSQL
 //!   and checks, per entry and per event_id, with SQL, that every event has
@@ -28,6 +39,10 @@ use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
+
+// The same proxy the tests use: written once, included by path.
+#[path = "../support/proxy.rs"]
+mod proxy;
 use rand::{Rng, SeedableRng};
 use taskhub::{Event, Handler, HandlerError, Tx, Worker};
 
@@ -50,6 +65,46 @@ enum Command {
     Work(Box<WorkArgs>),
     Settle(SettleArgs),
     Check(CheckArgs),
+    Proxy(ProxyArgs),
+    Trim(TrimArgs),
+    Destroy(DestroyArgs),
+}
+
+#[derive(Args)]
+struct DestroyArgs {
+    #[arg(long)]
+    stream: String,
+    #[arg(long)]
+    group: String,
+    /// The file to append the ids pending at the destroy to (the check
+    /// reads it).
+    #[arg(long)]
+    record: std::path::PathBuf,
+}
+
+#[derive(Args)]
+struct ProxyArgs {
+    /// Where to write `<name>.port` and read `<name>.cmd`.
+    #[arg(long)]
+    dir: std::path::PathBuf,
+    /// `<name>=<host:port>` of a target, repeated.
+    #[arg(long = "route", required = true)]
+    routes: Vec<String>,
+}
+
+#[derive(Args)]
+struct TrimArgs {
+    #[arg(long)]
+    stream: String,
+    #[arg(long)]
+    group: String,
+    /// Cut just past the n-th oldest pending entry (or the last one, if
+    /// fewer are pending).
+    #[arg(long, default_value_t = 20)]
+    pending: usize,
+    /// The file to append the MINID to (the check reads it).
+    #[arg(long)]
+    record: std::path::PathBuf,
 }
 
 fn duration(s: &str) -> Result<Duration, String> {
@@ -68,6 +123,12 @@ struct ProduceArgs {
     /// Events that kill their process (crash loops).
     #[arg(long, default_value_t = 1)]
     aborts: usize,
+    /// Events that kill their PostgreSQL session (crash loops too).
+    #[arg(long, default_value_t = 1)]
+    killers: usize,
+    /// A second stream that gets the same entries (a second deployment).
+    #[arg(long)]
+    also_stream: Option<String>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// The workers' --max-entry-bytes, to size the oversized entries.
@@ -152,6 +213,15 @@ struct CheckArgs {
     reclaimed: u64,
     #[arg(long, default_value_t = 0.0)]
     elapsed: f64,
+    /// The MINIDs of the XTRIMs of the run (`trim --record`), if any.
+    #[arg(long)]
+    trims: Option<std::path::PathBuf>,
+    /// The ids pending at each XGROUP DESTROY (`destroy --record`), if any.
+    #[arg(long)]
+    destroyed: Option<std::path::PathBuf>,
+    /// More figures of the run, `label=value`, for the table.
+    #[arg(long = "figure")]
+    figures: Vec<String>,
 }
 
 fn main() {
@@ -165,9 +235,12 @@ fn main() {
         Command::Work(a) => work(&cli.redis_url, &cli.database_url, &a),
         Command::Settle(a) => settle(&cli.redis_url, &a),
         Command::Check(a) => check(&cli.redis_url, &cli.database_url, &a),
+        Command::Proxy(a) => run_proxy(&a),
+        Command::Trim(a) => trim(&cli.redis_url, &a),
+        Command::Destroy(a) => destroy(&cli.redis_url, &a),
     };
     if let Err(e) = result {
-        eprintln!("chaos_worker: error: {e}");
+        eprintln!("taskhub-chaos: error: {e}");
         std::process::exit(1);
     }
 }
@@ -255,6 +328,12 @@ fn plan(args: &ProduceArgs) -> Vec<Entry> {
         .map(|i| n / 4 + (i * n / 2) / args.aborts.max(1))
         .collect();
     abort_at.sort();
+    // The session killers a little later, away from the aborts.
+    let mut killer_at: Vec<usize> = (0..args.killers.min(n))
+        .map(|i| n / 3 + (i * n / 2) / args.killers.max(1) + 1)
+        .filter(|i| abort_at.binary_search(i).is_err())
+        .collect();
+    killer_at.sort();
     let mut plain_ids: Vec<String> = Vec::new();
     let mut invalid_variant = 0usize;
     let mut out = Vec::with_capacity(n);
@@ -283,6 +362,11 @@ fn plan(args: &ProduceArgs) -> Vec<Entry> {
         };
         let entry = if abort_at.binary_search(&i).is_ok() {
             simple("abort", Expect::CrashLoop, "", 0, &mut rng)
+        } else if killer_at.binary_search(&i).is_ok() {
+            simple("killer", Expect::CrashLoop, "", 0, &mut rng)
+        } else if roll > 0.994 {
+            let k = rng.random_range(1..=2);
+            simple("slow", Expect::Apply, "", k, &mut rng)
         } else if roll < 0.02 {
             let v = invalid_variant;
             invalid_variant += 1;
@@ -443,7 +527,7 @@ fn xadd_cmd(stream: &str, id: &str, fields: &[(Vec<u8>, Vec<u8>)]) -> redis::Cmd
 fn send_chunk(
     url: &str,
     conn: &mut Option<redis::Connection>,
-    stream: &str,
+    streams: &[&str],
     entries: &[(String, &Entry)],
 ) -> Res<()> {
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -464,16 +548,20 @@ fn send_chunk(
         };
         let result: redis::RedisResult<()> = if one_by_one {
             entries.iter().try_for_each(|(id, e)| {
-                match xadd_cmd(stream, id, &e.fields).query::<String>(c) {
-                    Ok(_) => Ok(()),
-                    Err(err) if err.to_string().contains("equal or smaller") => Ok(()),
-                    Err(err) => Err(err),
-                }
+                streams.iter().try_for_each(|stream| {
+                    match xadd_cmd(stream, id, &e.fields).query::<String>(c) {
+                        Ok(_) => Ok(()),
+                        Err(err) if err.to_string().contains("equal or smaller") => Ok(()),
+                        Err(err) => Err(err),
+                    }
+                })
             })
         } else {
             let mut pipe = redis::pipe();
             for (id, e) in entries {
-                pipe.add_command(xadd_cmd(stream, id, &e.fields)).ignore();
+                for stream in streams {
+                    pipe.add_command(xadd_cmd(stream, id, &e.fields)).ignore();
+                }
             }
             pipe.query(c)
         };
@@ -513,13 +601,15 @@ fn produce(url: &str, args: &ProduceArgs) -> Res<()> {
     manifest.flush()?;
     drop(manifest);
 
+    let mut streams = vec![args.stream.as_str()];
+    streams.extend(args.also_stream.as_deref());
     let mut conn = None;
     let started = Instant::now();
     let chunk = 50;
     let per_chunk = Duration::from_secs_f64(args.seconds * chunk as f64 / entries.len() as f64);
     let all: Vec<(String, &Entry)> = ids.into_iter().zip(&entries).collect();
     for (n, part) in all.chunks(chunk).enumerate() {
-        send_chunk(url, &mut conn, &args.stream, part)?;
+        send_chunk(url, &mut conn, &streams, part)?;
         let due = per_chunk * (n as u32 + 1);
         if let Some(wait) = due.checked_sub(started.elapsed()) {
             std::thread::sleep(wait);
@@ -543,9 +633,10 @@ struct Chaos {
 }
 
 impl Chaos {
-    /// Counts a call of `event_id` in Redis (outside the transaction, so a
-    /// rollback does not undo it) and returns the count.
-    fn count_call(&self, event_id: &str) -> Result<u64, HandlerError> {
+    /// Counts a call of `event` in Redis (outside the transaction, so a
+    /// rollback does not undo it) and returns the count. Per stream: each
+    /// deployment counts its own calls.
+    fn count_call(&self, event: &Event) -> Result<u64, HandlerError> {
         let pooled = self.conns.lock().unwrap().pop();
         let mut conn = match pooled {
             Some(c) => c,
@@ -555,7 +646,11 @@ impl Chaos {
         };
         conn.set_read_timeout(Some(Duration::from_secs(5)))?;
         let n: u64 = redis::cmd("INCR")
-            .arg(format!("chaos:calls:{event_id}"))
+            .arg(format!(
+                "chaos:calls:{}:{}",
+                event.stream(),
+                event.event_id()
+            ))
             .query(&mut conn)?;
         self.conns.lock().unwrap().push(conn);
         Ok(n)
@@ -577,7 +672,7 @@ impl Handler for Chaos {
         match kind {
             "transient" => {
                 let k = value["k"].as_u64().unwrap_or(1);
-                let n = self.count_call(id)?;
+                let n = self.count_call(event)?;
                 if n <= k {
                     let e = HandlerError::retryable(format!("chaos: transient failure {n} of {k}"));
                     return Err(if n % 2 == 0 {
@@ -595,7 +690,24 @@ impl Handler for Chaos {
                 )?;
             }
             "panic" => panic!("chaos: {id} panics on every call"),
-            "panic-once" if self.count_call(id)? == 1 => {
+            "slow" => {
+                // Fails slowly, then asks for a wait: its retries outlast
+                // the other instances' --reclaim-min-idle.
+                let k = value["k"].as_u64().unwrap_or(1);
+                let n = self.count_call(event)?;
+                if n <= k {
+                    std::thread::sleep(Duration::from_millis(1500));
+                    return Err(
+                        HandlerError::retryable(format!("chaos: slow failure {n} of {k}"))
+                            .with_retry_after(Duration::from_secs(1)),
+                    );
+                }
+            }
+            "killer" => {
+                // The statement kills its own session, on every call.
+                tx.batch_execute("SELECT pg_terminate_backend(pg_backend_pid())")?;
+            }
+            "panic-once" if self.count_call(event)? == 1 => {
                 panic!("chaos: {id} panics on its first call")
             }
             "abort" => {
@@ -748,13 +860,26 @@ fn read_manifest(path: &std::path::Path) -> Res<Vec<Manifest>> {
 
 /// The checks, as SQL over `chaos_expected`, `chaos_dlq`, `notifications`
 /// and `processed_events`: (name, counts as, query returning offending rows).
+///
+/// Entries deleted by the run's XTRIMs (`chaos_expected.trimmed`) were all
+/// delivered before (the cut is at a pending entry): each has its expected
+/// outcome, or, if it was still pending, a `trimmed` dead letter instead,
+/// never both. One still pending when an XGROUP DESTROY wiped the pending
+/// list (`gone`) may have no outcome at all: nothing records that it ever
+/// existed. An effect belongs to the entry whose payload it holds.
 const CHECKS: &[(&str, &str, &str)] = &[
     (
         "applied events without an effect",
         "lost",
+        // Lost unless every entry of the event that should apply was
+        // trimmed while pending (and has its trimmed letter, or is gone).
         "SELECT DISTINCT e.event_id FROM chaos_expected e
          WHERE e.expect = 'apply'
-           AND NOT EXISTS (SELECT 1 FROM notifications n WHERE n.event_id = e.event_id)",
+           AND NOT EXISTS (SELECT 1 FROM notifications n WHERE n.event_id = e.event_id)
+           AND EXISTS (SELECT 1 FROM chaos_expected o
+                       WHERE o.event_id = e.event_id AND o.expect = 'apply' AND NOT o.gone
+                         AND NOT (o.trimmed AND EXISTS (SELECT 1 FROM chaos_dlq d
+                                  WHERE d.original_id = o.entry_id AND d.kind = 'trimmed')))",
     ),
     (
         "events with more than one effect",
@@ -765,7 +890,7 @@ const CHECKS: &[(&str, &str, &str)] = &[
         "entries to dead-letter missing from the DLQ",
         "lost",
         "SELECT e.chaos_id FROM chaos_expected e
-         WHERE e.expect <> 'apply'
+         WHERE e.expect <> 'apply' AND NOT e.gone
            AND NOT EXISTS (SELECT 1 FROM chaos_dlq d WHERE d.original_id = e.entry_id)",
     ),
     (
@@ -778,7 +903,8 @@ const CHECKS: &[(&str, &str, &str)] = &[
         "wrong",
         "SELECT d.original_id || ' ' || d.kind || ': ' || d.reason FROM chaos_dlq d
          LEFT JOIN chaos_expected e ON e.entry_id = d.original_id
-         WHERE e.entry_id IS NULL OR e.expect = 'apply'",
+         WHERE e.entry_id IS NULL
+            OR (e.expect = 'apply' AND NOT (e.trimmed AND d.kind = 'trimmed'))",
     ),
     (
         "dead letters of the wrong kind or without the expected reason",
@@ -789,14 +915,16 @@ const CHECKS: &[(&str, &str, &str)] = &[
         "SELECT e.chaos_id || ' ' || e.kind || ' -> ' || d.kind || ': ' || d.reason
          FROM chaos_dlq d JOIN chaos_expected e ON e.entry_id = d.original_id
          WHERE e.expect <> 'apply'
-           AND CASE WHEN d.kind = e.expect THEN strpos(d.reason, e.reason) = 0 OR d.reason = ''
+           AND CASE WHEN d.kind = 'trimmed' AND e.trimmed THEN false
+                    WHEN d.kind = e.expect THEN strpos(d.reason, e.reason) = 0 OR d.reason = ''
                     WHEN e.kind = 'panic' AND d.kind = 'crash_loop' THEN d.reason = ''
                     ELSE true END",
     ),
     (
         "dead letters without the original fields and full payload",
         "wrong",
-        "SELECT d.original_id FROM chaos_dlq d WHERE NOT d.fields_intact",
+        // A trimmed letter holds what was known of a deleted entry.
+        "SELECT d.original_id FROM chaos_dlq d WHERE NOT d.fields_intact AND d.kind <> 'trimmed'",
     ),
     (
         "exhausted dead letters without max-attempts attempts",
@@ -807,9 +935,25 @@ const CHECKS: &[(&str, &str, &str)] = &[
     (
         "events both dead-lettered and applied",
         "wrong",
+        // A trimmed letter speaks for its entry alone: the event may have
+        // been applied by another entry of it (a resent one).
         "SELECT DISTINCT d.event_id FROM chaos_dlq d
-         WHERE EXISTS (SELECT 1 FROM notifications n WHERE n.event_id = d.event_id)
-            OR EXISTS (SELECT 1 FROM processed_events p WHERE p.event_id = d.event_id)",
+         WHERE (EXISTS (SELECT 1 FROM notifications n WHERE n.event_id = d.event_id)
+                OR EXISTS (SELECT 1 FROM processed_events p WHERE p.event_id = d.event_id))
+           AND NOT (d.kind = 'trimmed'
+                    AND (SELECT count(*) FROM chaos_expected e WHERE e.event_id = d.event_id) > 1)",
+    ),
+    (
+        "entries both dead-lettered and applied",
+        "wrong",
+        // Except a trimmed entry committed and then deleted before its ack
+        // (a crash or an outage between COMMIT and XACK): its claimer cannot
+        // read its event id any more, nor so ask whether it was applied. A
+        // known limit (docs/design.md), counted on its own line.
+        "SELECT d.original_id || ' ' || d.kind FROM chaos_dlq d
+         JOIN chaos_expected e ON e.entry_id = d.original_id
+         JOIN chaos_effects n ON n.chaos_id = e.chaos_id
+         WHERE NOT (d.kind = 'trimmed' AND e.trimmed)",
     ),
     (
         "effects of events that should have none",
@@ -828,6 +972,22 @@ const CHECKS: &[(&str, &str, &str)] = &[
 
 fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
     let manifest = read_manifest(&a.manifest)?;
+    // Entries below the highest MINID were deleted by an XTRIM.
+    let minid = match &a.trims {
+        Some(path) if path.exists() => std::fs::read_to_string(path)?.lines().map(id_key).max(),
+        _ => None,
+    };
+    let trimmed = |entry_id: &str| minid.is_some_and(|m| id_key(entry_id) < m);
+    // Pending when a destroy wiped the pending list: if trimmed too, gone.
+    let destroyed: std::collections::HashSet<String> = match &a.destroyed {
+        Some(path) if path.exists() => std::fs::read_to_string(path)?
+            .lines()
+            .map(str::to_owned)
+            .collect(),
+        _ => Default::default(),
+    };
+    let gone = |entry_id: &str| trimmed(entry_id) && destroyed.contains(entry_id);
+    let trimmed_entries = manifest.iter().filter(|m| trimmed(&m.entry_id)).count() as u64;
     let by_entry: HashMap<&str, &Manifest> =
         manifest.iter().map(|m| (m.entry_id.as_str(), m)).collect();
     let mut conn = redis_conn(redis_url)?;
@@ -841,15 +1001,16 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
 
     let mut db = postgres::Client::connect(db_url, postgres::NoTls)?;
     db.batch_execute(
-        "DROP TABLE IF EXISTS chaos_expected, chaos_dlq;
+        "DROP TABLE IF EXISTS chaos_expected, chaos_dlq, chaos_effects;
          CREATE TABLE chaos_expected (chaos_id text PRIMARY KEY, entry_id text UNIQUE NOT NULL,
-             kind text NOT NULL, event_id text, expect text NOT NULL, reason text NOT NULL);
+             kind text NOT NULL, event_id text, expect text NOT NULL, reason text NOT NULL,
+             trimmed bool NOT NULL, gone bool NOT NULL);
          CREATE TABLE chaos_dlq (dlq_id text PRIMARY KEY, original_id text NOT NULL,
              event_id text, kind text NOT NULL, reason text NOT NULL, attempts int NOT NULL,
              fields_intact bool NOT NULL);",
     )?;
     let mut tx = db.transaction()?;
-    let ins = tx.prepare("INSERT INTO chaos_expected VALUES ($1, $2, $3, $4, $5, $6)")?;
+    let ins = tx.prepare("INSERT INTO chaos_expected VALUES ($1, $2, $3, $4, $5, $6, $7, $8)")?;
     for m in &manifest {
         tx.execute(
             &ins,
@@ -860,6 +1021,8 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
                 &m.event_id,
                 &m.expect,
                 &m.reason,
+                &trimmed(&m.entry_id),
+                &gone(&m.entry_id),
             ],
         )?;
     }
@@ -903,6 +1066,17 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
         )?;
     }
     tx.commit()?;
+    // Which entry made each effect (its payload names it), indexed: the
+    // checks below ask per entry.
+    db.batch_execute(
+        "DROP TABLE IF EXISTS chaos_effects;
+         CREATE TABLE chaos_effects AS
+             SELECT DISTINCT payload::jsonb ->> 'id' AS chaos_id FROM notifications;
+         CREATE INDEX ON chaos_effects (chaos_id);
+         CREATE INDEX ON chaos_expected (event_id);
+         CREATE INDEX ON chaos_dlq (original_id);
+         ANALYZE chaos_effects, chaos_expected, chaos_dlq;",
+    )?;
 
     let mut lost = 0u64;
     let mut duplicated = 0u64;
@@ -938,10 +1112,11 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
             "VIOLATION group not drained: pending={pending} last-delivered={delivered} last={last}"
         ));
     }
-    if xlen != manifest.len() as u64 {
-        lost += (manifest.len() as u64).saturating_sub(xlen);
+    let left = manifest.len() as u64 - trimmed_entries;
+    if xlen != left {
+        lost += left.saturating_sub(xlen);
         report.push(format!(
-            "VIOLATION the stream has {xlen} entries, {} were produced",
+            "VIOLATION the stream has {xlen} entries, {} were produced and {trimmed_entries} trimmed",
             manifest.len()
         ));
     }
@@ -949,13 +1124,37 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
     fn count(db: &mut postgres::Client, sql: &str) -> Res<i64> {
         Ok(db.query_one(sql, &[])?.get(0))
     }
+    // Gone entries without any outcome (no letter, and no effect of theirs).
+    let gone_silent = count(
+        &mut db,
+        "SELECT count(*) FROM chaos_expected e WHERE e.gone
+           AND NOT EXISTS (SELECT 1 FROM chaos_dlq d WHERE d.original_id = e.entry_id)
+           AND NOT EXISTS (SELECT 1 FROM chaos_effects n WHERE n.chaos_id = e.chaos_id)",
+    )?;
     let applied = count(
         &mut db,
         "SELECT count(DISTINCT event_id) FROM notifications",
     )?;
+    // Events that should apply, but not those whose every entry that should
+    // apply was trimmed while pending (with its trimmed letter) or gone, and
+    // not applied by itself before.
     let expected_applied = count(
         &mut db,
-        "SELECT count(DISTINCT event_id) FROM chaos_expected WHERE expect = 'apply'",
+        "SELECT count(DISTINCT e.event_id) FROM chaos_expected e
+         WHERE e.expect = 'apply'
+           AND EXISTS (SELECT 1 FROM chaos_expected o
+                       WHERE o.event_id = e.event_id AND o.expect = 'apply'
+                         AND (EXISTS (SELECT 1 FROM chaos_effects n
+                                      WHERE n.chaos_id = o.chaos_id)
+                              OR NOT (o.gone OR (o.trimmed AND EXISTS (SELECT 1 FROM chaos_dlq d
+                                  WHERE d.original_id = o.entry_id AND d.kind = 'trimmed')))))",
+    )?;
+    let trimmed_after_applied = count(
+        &mut db,
+        "SELECT count(*) FROM chaos_dlq d
+         JOIN chaos_expected e ON e.entry_id = d.original_id
+         WHERE d.kind = 'trimmed' AND e.trimmed
+           AND EXISTS (SELECT 1 FROM chaos_effects n WHERE n.chaos_id = e.chaos_id)",
     )?;
     let by_kind: Vec<(String, i64)> = db
         .query(
@@ -965,9 +1164,16 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
         .into_iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
+    // Entries to dead-letter (not gone ones without a letter), plus the
+    // trimmed letters of entries that should have applied.
     let expected_dead = count(
         &mut db,
-        "SELECT count(*) FROM chaos_expected WHERE expect <> 'apply'",
+        "SELECT count(*) FROM chaos_expected e
+         WHERE (e.expect <> 'apply' AND (NOT e.gone
+                OR EXISTS (SELECT 1 FROM chaos_dlq d WHERE d.original_id = e.entry_id)))
+            OR (e.expect = 'apply' AND e.trimmed
+                AND EXISTS (SELECT 1 FROM chaos_dlq d
+                            WHERE d.original_id = e.entry_id AND d.kind = 'trimmed'))",
     )?;
     let kinds: Vec<(String, i64)> = db
         .query(
@@ -997,6 +1203,18 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
         ),
         ("PostgreSQL restarts (immediate)", a.pg_restarts.to_string()),
         (
+            "entries trimmed (XTRIM, all delivered before)",
+            trimmed_entries.to_string(),
+        ),
+        (
+            "  of which pending at a group destroy, no outcome",
+            gone_silent.to_string(),
+        ),
+        (
+            "  trimmed letters beside their effect (known limit)",
+            trimmed_after_applied.to_string(),
+        ),
+        (
             "applied (event_ids with an effect)",
             format!("{applied} (expected {expected_applied})"),
         ),
@@ -1014,6 +1232,21 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
         ("other violations (must be 0)", wrong.to_string()),
         ("elapsed", format!("{:.1} s", a.elapsed)),
     ];
+    // The script's own figures go after the faults above.
+    let extra: Vec<(String, String)> = a
+        .figures
+        .iter()
+        .filter_map(|f| f.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+    let at = rows
+        .iter()
+        .position(|(k, _)| k.starts_with("applied"))
+        .unwrap_or(rows.len());
+    let mut rows: Vec<(&str, String)> = rows;
+    for (i, (k, v)) in extra.iter().enumerate() {
+        rows.insert(at + i, (k.as_str(), v.clone()));
+    }
     let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
     println!("{}", "-".repeat(width + 40));
     for (k, v) in &rows {
@@ -1030,4 +1263,148 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
     }
     println!("chaos check: OK");
     Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// proxy
+
+/// Runs one fault proxy per route until killed. For each route `<name>` it
+/// writes the port it listens on to `<dir>/<name>.port`, and polls
+/// `<dir>/<name>.cmd` (written whole, then renamed into place) for one
+/// command: `pass`, `delay <ms>`, `freeze`, `drop`, `reset`, `refuse on`,
+/// `refuse off`. It logs each command it obeys.
+fn run_proxy(a: &ProxyArgs) -> Res<()> {
+    let mut proxies = Vec::new();
+    for route in &a.routes {
+        let (name, target) = route.split_once('=').ok_or("--route name=host:port")?;
+        let p = proxy::Proxy::start(target.parse()?);
+        let tmp = a.dir.join(format!("{name}.port.tmp"));
+        std::fs::write(&tmp, p.port().to_string())?;
+        std::fs::rename(&tmp, a.dir.join(format!("{name}.port")))?;
+        proxies.push((name.to_owned(), p));
+    }
+    loop {
+        for (name, p) in &proxies {
+            let path = a.dir.join(format!("{name}.cmd"));
+            let Ok(cmd) = std::fs::read_to_string(&path) else {
+                continue;
+            };
+            std::fs::remove_file(&path)?;
+            let words: Vec<&str> = cmd.split_whitespace().collect();
+            match words.as_slice() {
+                ["pass"] => p.pass(),
+                ["delay", ms] => p.delay(Duration::from_millis(ms.parse()?)),
+                ["freeze"] => p.freeze(),
+                ["drop"] => p.drop_all(),
+                ["reset"] => p.reset_all(),
+                ["refuse", on] => p.refuse(*on == "on"),
+                _ => {
+                    eprintln!("chaos proxy {name}: unknown command {cmd:?}");
+                    continue;
+                }
+            }
+            eprintln!(
+                "chaos proxy {name}: {} ({} connections open)",
+                cmd.trim(),
+                p.connections()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// trim
+
+/// XTRIM MINID just past a pending entry, in one step: every entry it
+/// deletes is at or below a pending one, so it was delivered (the group
+/// delivers in id order), acked or pending; none is lost unseen. The cut is
+/// past the last of the first 100 pending entries that has been idle for a
+/// second (one waiting for a retry, or held by a stalled process: the cases
+/// that end as `trimmed` dead letters), else past the n-th.
+/// Returns `{minid, deleted}`, or `{}` when nothing is pending.
+const TRIM: &str = r"
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 100)
+if #p == 0 then return {} end
+local cut = math.min(#p, tonumber(ARGV[2]))
+for i = 1, #p do
+    if p[i][3] >= 1000 then cut = math.max(cut, i) end
+end
+local last = p[cut][1]
+local dash = string.find(last, '-')
+local minid = string.sub(last, 1, dash) .. tostring(tonumber(string.sub(last, dash + 1)) + 1)
+local n = redis.call('XTRIM', KEYS[1], 'MINID', minid)
+return {minid, n}
+";
+
+fn trim(url: &str, a: &TrimArgs) -> Res<()> {
+    let mut conn = redis_conn(url)?;
+    // Waits (a little) for a moment when something is pending.
+    let mut reply: Vec<redis::Value> = Vec::new();
+    for _ in 0..100 {
+        reply = redis::cmd("EVAL")
+            .arg(TRIM)
+            .arg(1)
+            .arg(&a.stream)
+            .arg(&a.group)
+            .arg(a.pending)
+            .query(&mut conn)?;
+        if !reply.is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (minid, deleted) = match reply.as_slice() {
+        [redis::Value::BulkString(id), redis::Value::Int(n)] => {
+            (String::from_utf8_lossy(id).into_owned(), *n)
+        }
+        _ => {
+            println!("0 nothing pending");
+            return Ok(());
+        }
+    };
+    let mut record = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&a.record)?;
+    writeln!(record, "{minid}")?;
+    println!("{deleted} {minid}");
+    Ok(())
+}
+
+/// XGROUP DESTROY, in one step with the list of what was pending then:
+/// an entry deleted from the stream (XTRIM) and still pending at the
+/// destroy is gone with no trace; no consumer can ever learn of it, so it
+/// can have no outcome.
+const DESTROY: &str = r"
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1000000)
+redis.call('XGROUP', 'DESTROY', KEYS[1], ARGV[1])
+local ids = {}
+for i = 1, #p do ids[i] = p[i][1] end
+return ids
+";
+
+fn destroy(url: &str, a: &DestroyArgs) -> Res<()> {
+    let mut conn = redis_conn(url)?;
+    let ids: Vec<String> = redis::cmd("EVAL")
+        .arg(DESTROY)
+        .arg(1)
+        .arg(&a.stream)
+        .arg(&a.group)
+        .query(&mut conn)?;
+    let mut record = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&a.record)?;
+    for id in &ids {
+        writeln!(record, "{id}")?;
+    }
+    println!("{} pending", ids.len());
+    Ok(())
+}
+
+/// `<ms>-<seq>` as a pair, for comparing entry ids.
+fn id_key(id: &str) -> (u64, u64) {
+    let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
+    (ms.parse().unwrap_or(0), seq.parse().unwrap_or(0))
 }
