@@ -12,6 +12,9 @@
 
 use std::time::Duration;
 
+/// How early a retry may run to join others that are due.
+pub(crate) const GATHER: Duration = Duration::from_millis(20);
+
 /// The backoff policy of a worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Backoff {
@@ -53,6 +56,16 @@ impl Backoff {
     pub fn delay(&self, retry: u32, retry_after: Option<Duration>) -> Duration {
         self.delay_with(retry, rand::random::<f64>(), retry_after)
     }
+
+    /// How soon retry `retry`, due after `delay`, may run when others are
+    /// due at once (so they share a batch): up to [`GATHER`] early, but
+    /// never before half the ceiling (the documented lower bound) nor
+    /// before a `Retry-After` the failure asked for.
+    pub fn earliest(&self, retry: u32, delay: Duration, retry_after: Option<Duration>) -> Duration {
+        let floor = (self.ceiling(retry) / 2)
+            .max(retry_after.map_or(Duration::ZERO, |a| a.min(self.max_retry_after)));
+        delay.saturating_sub(GATHER).max(floor).min(delay)
+    }
 }
 
 #[cfg(test)]
@@ -64,6 +77,24 @@ mod tests {
         cap: Duration::from_secs(1),
         max_retry_after: Duration::from_secs(60),
     };
+
+    #[test]
+    fn a_retry_runs_early_only_within_its_window() {
+        let ms = Duration::from_millis;
+        // 1 s ceiling: due after 800 ms, may join others 20 ms before.
+        let b = Backoff {
+            base: ms(1000),
+            cap: ms(1000),
+            max_retry_after: ms(60_000),
+        };
+        assert_eq!(b.earliest(1, ms(800), None), ms(780));
+        // Never before half the ceiling.
+        assert_eq!(b.earliest(1, ms(505), None), ms(500));
+        // Never before a Retry-After.
+        assert_eq!(b.earliest(1, ms(2000), Some(ms(2000))), ms(2000));
+        // The book's 20 ms base: no earlier than 10 ms.
+        assert_eq!(BOOK.earliest(1, ms(12), None), ms(10));
+    }
 
     #[test]
     fn book_values() {

@@ -59,6 +59,22 @@ pub(crate) const TRIMMED: &str =
 /// What the channel to the workers carries: entries of one stream.
 pub(crate) type Job = Vec<Delivery>;
 
+/// Cuts `job` into at most `parts` jobs of nearly equal size (see
+/// `jobs_per_read` in `mod.rs`).
+pub(crate) fn in_parts(mut job: Job, parts: usize) -> Vec<Job> {
+    let size = job.len().div_ceil(parts.max(1)).max(1);
+    let mut jobs = Vec::with_capacity(parts);
+    while job.len() > size {
+        let rest = job.split_off(size);
+        jobs.push(job);
+        job = rest;
+    }
+    if !job.is_empty() {
+        jobs.push(job);
+    }
+    jobs
+}
+
 impl Delivery {
     /// Turns raw entries read (or claimed) at `sent_at` into deliveries, one
     /// per ticket: an entry without a ticket is held by this process already

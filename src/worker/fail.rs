@@ -137,11 +137,9 @@ impl Processor {
         if let Some(kind) = kind {
             return self.dead_letter(delivery, kind, error.to_string());
         }
-        let delay = self
-            .stage
-            .settings
-            .backoff
-            .delay(attempt, error.retry_after());
+        let backoff = &self.stage.settings.backoff;
+        let delay = backoff.delay(attempt, error.retry_after());
+        let earliest = backoff.earliest(attempt, delay, error.retry_after());
         log::debug!(
             "{}/{}: attempt {attempt} failed ({error}); retrying in {delay:?}",
             delivery.stream,
@@ -150,7 +148,10 @@ impl Processor {
         Stats::add(&self.stage.common.stats.of(&delivery.stream).retries, 1);
         // On failure (the retry thread is gone at shutdown) the retry is
         // dropped, which leaves the entry pending.
-        let _ = self.retry.send(Retry::of(delivery, Instant::now() + delay));
+        let now = Instant::now();
+        let _ = self
+            .retry
+            .send(Retry::of(delivery, now + delay, now + earliest));
     }
 
     pub(crate) fn dead_letter(&mut self, mut delivery: Delivery, kind: Kind, reason: String) {

@@ -391,6 +391,7 @@ impl Worker {
             let retrier = Retrier {
                 common: common.clone(),
                 claim: claim.clone(),
+                parts: jobs_per_read(config, &*self.handler),
                 board: self.monitor.inner.retrying.clone(),
             };
             let tx = jobs_tx.clone();

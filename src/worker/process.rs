@@ -222,10 +222,13 @@ impl Processor {
                     delivery.entry_id
                 );
                 done.push(delivery, false);
-            } else if batch_mode && delivery.delivery_count <= 1 && delivery.failures.is_empty() {
-                // Only first deliveries are batched: whatever comes back
-                // (retries, redeliveries after a crash) goes one by one, so a
-                // poison event cannot take its batch-mates down with it.
+            } else if batch_mode && (delivery.delivery_count <= 1 || !delivery.failures.is_empty())
+            {
+                // First deliveries and retries are batched; retries always
+                // in a guarded batch (see `apply_batches`), so one that
+                // fails again costs a savepoint, not its batch-mates.
+                // Redeliveries after a crash go one by one: a poison event
+                // must not take its batch-mates down with it.
                 batch.push(delivery);
             } else {
                 one_by_one.push(delivery);
@@ -283,7 +286,8 @@ impl Processor {
         let mut strikes = 0;
         while chunk.len() > 1 {
             self.ack_if_overdue(stream, done);
-            let guarded = self.failure_rate >= GUARD_ABOVE;
+            let guarded =
+                self.failure_rate >= GUARD_ABOVE || chunk.iter().any(|d| !d.failures.is_empty());
             match self.through_outages(&mut strikes, BATCH_STRIKES, |p| {
                 p.apply_batch(&chunk, guarded)
             }) {

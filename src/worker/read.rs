@@ -26,7 +26,7 @@ use crate::event::RawEntry;
 use crate::redis::streams;
 use crate::redis::{RedisClient, RedisConn};
 use crate::worker::context::{outage_backoff, Claim, Common};
-use crate::worker::delivery::{Delivery, Job};
+use crate::worker::delivery::{in_parts, Delivery, Job};
 use crate::worker::flow::InFlight;
 use crate::worker::reclaim::take;
 use crate::worker::stats::Server;
@@ -49,20 +49,6 @@ pub(crate) struct Reader {
     pub start_id: String,
     /// Set while the last read found nothing new (for `until_idle`).
     pub idle: Arc<AtomicBool>,
-}
-
-/// Sends `job` as at most `parts` jobs of nearly equal size; false when
-/// the workers are gone.
-fn send_in_parts(jobs: &Sender<Job>, mut job: Job, parts: usize) -> bool {
-    let size = job.len().div_ceil(parts.max(1)).max(1);
-    while job.len() > size {
-        let rest = job.split_off(size);
-        if jobs.send(job).is_err() {
-            return false;
-        }
-        job = rest;
-    }
-    job.is_empty() || jobs.send(job).is_ok()
 }
 
 /// Where the reader is in its stream.
@@ -152,7 +138,10 @@ impl Reader {
                         common.health.up(Server::Redis);
                         failures = 0;
                     }
-                    if !send_in_parts(jobs, job, self.parts) {
+                    if in_parts(job, self.parts)
+                        .into_iter()
+                        .any(|job| jobs.send(job).is_err())
+                    {
                         break;
                     }
                     self.idle.store(idle, Ordering::SeqCst);

@@ -27,7 +27,7 @@ use crate::dlq::Attempt;
 use crate::event::{Event, Invalid};
 use crate::redis::streams::{self, Owned};
 use crate::worker::context::{outage_backoff, Claim, Common};
-use crate::worker::delivery::{Delivery, Job, TRIMMED};
+use crate::worker::delivery::{in_parts, Delivery, Job, TRIMMED};
 use crate::worker::flow::Ticket;
 use crate::worker::stats::{Server, Stats};
 
@@ -35,6 +35,9 @@ use crate::worker::stats::{Server, Stats};
 pub(crate) struct Retrier {
     pub common: Common,
     pub claim: Claim,
+    /// Into how many jobs the due retries of one stream are cut (see
+    /// `jobs_per_read` in `mod.rs`).
+    pub parts: usize,
     /// Where it shows what waits (for the monitor).
     pub board: Arc<Board>,
 }
@@ -101,6 +104,9 @@ impl Board {
 #[derive(Debug)]
 pub(crate) struct Retry {
     pub due: Instant,
+    /// How soon it may run to join others that are due (see
+    /// `Backoff::earliest`).
+    pub earliest: Instant,
     pub stream: Arc<str>,
     pub entry_id: String,
     pub event_id: Option<String>,
@@ -115,12 +121,13 @@ pub(crate) struct Retry {
 impl Retry {
     /// Keeps what a retry needs of `delivery`; its fields are read again
     /// from the stream when it is due.
-    pub fn of(mut delivery: Delivery, due: Instant) -> Retry {
+    pub fn of(mut delivery: Delivery, due: Instant, earliest: Instant) -> Retry {
         if let Some(ticket) = &mut delivery.ticket {
             ticket.park();
         }
         Retry {
             due,
+            earliest,
             event_id: delivery.event_id().map(str::to_owned),
             stream: delivery.stream,
             entry_id: delivery.entry_id,
@@ -172,7 +179,13 @@ impl Retrier {
                 published = (waiting.len(), now);
             }
             let mut due = Vec::new();
-            while due.len() < FETCH && waiting.peek().is_some_and(|r| r.due <= now) {
+            // What is due, and with it what may run a little early, so
+            // retries that fell due together share a batch.
+            while due.len() < FETCH
+                && waiting
+                    .peek()
+                    .is_some_and(|r| r.due <= now || (!due.is_empty() && r.earliest <= now))
+            {
                 due.push(waiting.pop().expect("peeked"));
             }
             if !due.is_empty() {
@@ -181,8 +194,25 @@ impl Retrier {
                     Ok(owned) => {
                         self.common.health.up(Server::Redis);
                         failures = 0;
+                        // The due retries of one stream travel together,
+                        // so in batch mode they share a (guarded) batch.
+                        let mut by_stream: Vec<Job> = Vec::new();
                         for (retry, owned) in due.into_iter().zip(owned) {
-                            self.hand_back(jobs, retry, owned, sent_at);
+                            let Some(delivery) = self.hand_back(retry, owned, sent_at) else {
+                                continue;
+                            };
+                            match by_stream
+                                .iter_mut()
+                                .find(|j| j[0].stream == delivery.stream)
+                            {
+                                Some(job) => job.push(delivery),
+                                None => by_stream.push(vec![delivery]),
+                            }
+                        }
+                        for job in by_stream {
+                            for part in in_parts(job, self.parts) {
+                                self.send(jobs, part);
+                            }
                         }
                     }
                     Err(e) => {
@@ -243,7 +273,9 @@ impl Retrier {
         replies.into_iter().map(streams::parse_owned).collect()
     }
 
-    fn hand_back(&self, jobs: &Sender<Job>, mut retry: Retry, owned: Owned, at: Instant) {
+    /// The delivery a due retry becomes, unless it is no longer this
+    /// consumer's.
+    fn hand_back(&self, mut retry: Retry, owned: Owned, at: Instant) -> Option<Delivery> {
         let mut bytes = 0;
         let (body, trimmed) = match owned {
             Owned::Yes(Some(crate::event::RawEntry {
@@ -272,7 +304,7 @@ impl Retrier {
                 retry.entry_id
             );
                 Stats::add(&self.common.stats.lost_ownership, 1);
-                return;
+                return None;
             }
             Owned::Trimmed { .. } | Owned::Yes(Some(_)) => {
                 let known = retry
@@ -286,7 +318,7 @@ impl Retrier {
         if let Some(ticket) = &mut retry.ticket {
             ticket.unpark(bytes);
         }
-        let job = vec![Delivery {
+        Some(Delivery {
             stream: retry.stream,
             entry_id: retry.entry_id,
             body,
@@ -298,8 +330,12 @@ impl Retrier {
             strikes: retry.strikes,
             started_as: None,
             ticket: retry.ticket,
-        }];
-        let mut job = job;
+        })
+    }
+
+    /// Sends a job to the workers, waiting while the channel is full;
+    /// dropped at shutdown (its entries stay pending).
+    fn send(&self, jobs: &Sender<Job>, mut job: Job) {
         loop {
             match jobs.send_timeout(job, TICK) {
                 Ok(()) => return,

@@ -1095,3 +1095,106 @@ fn a_failing_event_costs_its_batch_a_savepoint_not_a_transaction() {
         "{absorbed} of 30 failures absorbed: {xids:?}"
     );
 }
+
+/// Retries that fall due together share a guarded batch in batch mode
+/// (before, each retry ran in a transaction of its own): a failing event
+/// costs its retry a savepoint, not a transaction per event. Seen through
+/// the transaction ids the retries commit in.
+#[test]
+fn retries_due_together_share_a_batch() {
+    if !batch_mode() {
+        return;
+    }
+    /// Fails every event once (`perm`: for good), and records the
+    /// transaction each event commits in.
+    #[derive(Default)]
+    struct FailsOnce {
+        seen: Mutex<std::collections::HashSet<String>>,
+        committed_in: Mutex<HashMap<String, i64>>,
+    }
+    impl Handler for FailsOnce {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            self.handle_batch(&[event], tx)
+        }
+        fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            for (i, event) in events.iter().enumerate() {
+                if event.payload() == Some("perm") {
+                    return Err(HandlerError::permanent("for good").for_event(i));
+                }
+                if self
+                    .seen
+                    .lock()
+                    .unwrap()
+                    .insert(event.event_id().to_owned())
+                {
+                    return Err(HandlerError::retryable("once").for_event(i));
+                }
+            }
+            let xid: i64 = tx.query_one("SELECT txid_current()", &[])?.get(0);
+            for event in events {
+                tx.execute(INSERT, &[&event.event_id(), &event.payload()])?;
+                let id = event.event_id().to_owned();
+                self.committed_in.lock().unwrap().insert(id, xid);
+            }
+            Ok(())
+        }
+    }
+    let db = TestDb::new();
+    let (stream, group) = (unique("together"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let handler = Arc::new(FailsOnce::default());
+    let running = Running::start(
+        fast_builder(&redis_url(), &db.url, &stream, &group)
+            .workers(1)
+            .count(64)
+            .backoff_base(Duration::from_millis(100))
+            .backoff_cap(Duration::from_millis(100)),
+        handler.clone(),
+    );
+    // A batch with failures first, so the next batch runs guarded and its
+    // failures happen together.
+    for i in 0..10 {
+        let payload = if i % 2 == 0 { "perm" } else { "warm" };
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &format!("warm-{i}")), ("payload", payload)],
+        );
+    }
+    assert!(wait_until(Duration::from_secs(20), || {
+        dead_letters(&mut conn, &stream).len() == 5
+            && handler.committed_in.lock().unwrap().len() == 5
+    }));
+    let once: Vec<String> = (0..20).map(|i| format!("once-{i:02}")).collect();
+    let mut pipe = redis::pipe();
+    for id in &once {
+        pipe.cmd("XADD")
+            .arg(&stream)
+            .arg("*")
+            .arg("event_id")
+            .arg(id)
+            .arg("payload")
+            .arg("p")
+            .ignore();
+    }
+    pipe.query::<()>(&mut conn).unwrap();
+    assert!(wait_until(Duration::from_secs(20), || {
+        once.iter()
+            .all(|id| handler.committed_in.lock().unwrap().contains_key(id))
+    }));
+    let summary = running.stop();
+    assert_eq!(summary.dead_lettered, 5, "{summary}");
+    for id in &once {
+        assert_eq!(db.effects(id), 1, "{id}");
+    }
+    let committed_in = handler.committed_in.lock().unwrap();
+    let transactions: std::collections::HashSet<i64> =
+        once.iter().map(|id| committed_in[id]).collect();
+    // One per retry before; their due times spread over the 50 ms of
+    // jitter, gathered 20 ms at a time.
+    assert!(
+        transactions.len() <= 10,
+        "20 retries committed in {} transactions",
+        transactions.len()
+    );
+}
