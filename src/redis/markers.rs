@@ -41,11 +41,15 @@ pub(crate) struct Seen {
 /// `index` for `entry_ids`, in one pipelined round trip. Fails, and marks
 /// `conn` stale, when a reply is out of place (see the module's
 /// documentation).
+///
+/// In the same round trip, `remember` (a hash key and its entry id → event
+/// id pairs) is written; its reply is not read.
 pub(crate) fn check(
     conn: &mut RedisConn,
     keys: &[String],
     index: &str,
     entry_ids: &[&str],
+    remember: (&str, &[(&str, &str)]),
 ) -> RedisResult<Seen> {
     debug_assert_eq!(keys.len(), entry_ids.len());
     let mut pipe = conn.pipe();
@@ -53,6 +57,10 @@ pub(crate) fn check(
         pipe.cmd("GET").arg(key);
     }
     pipe.cmd("HMGET").arg(index).arg(entry_ids);
+    let (ids_key, pairs) = remember;
+    if !pairs.is_empty() {
+        pipe.cmd("HSET").arg(ids_key).arg(pairs).ignore();
+    }
     let replies: Vec<Value> = pipe.query(conn)?;
     read(keys, entry_ids.len(), replies).map_err(|why| {
         log::warn!(

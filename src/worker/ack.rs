@@ -38,6 +38,10 @@ impl Processor {
             }
             let ids: Vec<&str> = finished.iter().map(|d| d.entry_id.as_str()).collect();
             pipe.cmd("XACK").arg(stream).arg(&group).arg(&ids).ignore();
+            pipe.cmd("HDEL")
+                .arg(crate::redis::keys::in_flight_ids(stream, &group))
+                .arg(&ids)
+                .ignore();
             match pipe.query::<()>(conn) {
                 Err(e) if !crate::redis::is_outage(&e) => {
                     log::warn!(

@@ -71,7 +71,7 @@ pub(crate) enum Batch {
 }
 
 impl Processor {
-    fn connection(&mut self) -> Result<(), HandlerError> {
+    pub(crate) fn connection(&mut self) -> Result<(), HandlerError> {
         if self.pg.as_ref().is_some_and(|c| c.is_closed()) {
             self.pg = None;
         }

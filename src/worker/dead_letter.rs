@@ -53,11 +53,13 @@ pub(crate) struct Job {
 ///   XADD fails the entry is still pending (and is retried), never acked
 ///   and missing.
 ///
-/// KEYS: stream, dead-letter stream, index. ARGV: group, entry id, consumer,
-/// delivery count (empty: no ownership check), then the letter's fields.
+/// KEYS: stream, dead-letter stream, index, the in-flight event ids. ARGV:
+/// group, entry id, consumer, delivery count (empty: no ownership check),
+/// then the letter's fields.
 const WRITE_DEAD_LETTER: &str = r"
 if redis.call('HEXISTS', KEYS[3], ARGV[2]) == 1 then
     redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
+    redis.call('HDEL', KEYS[4], ARGV[2])
     return 2
 end
 if ARGV[4] ~= '' then
@@ -70,6 +72,7 @@ end
 local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5))
 redis.call('HSET', KEYS[3], ARGV[2], id)
 redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HDEL', KEYS[4], ARGV[2])
 return 1
 ";
 
@@ -78,10 +81,14 @@ fn write_command(job: &Job) -> redis::Cmd {
     let letter = &job.letter;
     let mut eval = redis::cmd("EVAL");
     eval.arg(WRITE_DEAD_LETTER)
-        .arg(3)
+        .arg(4)
         .arg(&letter.stream)
         .arg(dead_letter_stream(&letter.stream))
         .arg(crate::redis::keys::dead_letter_index(&letter.stream))
+        .arg(crate::redis::keys::in_flight_ids(
+            &letter.stream,
+            &letter.group,
+        ))
         .arg(&letter.group)
         .arg(&letter.original_id)
         .arg(&letter.consumer)

@@ -38,7 +38,7 @@ use crate::redis::keys::Namespace;
 use crate::worker::apply::{Applied, Batch};
 use crate::worker::context::Common;
 use crate::worker::dead_letter;
-use crate::worker::delivery::{Delivery, Job};
+use crate::worker::delivery::{Delivery, Job, TRIMMED};
 use crate::worker::flow::InFlight;
 use crate::worker::retry::Retry;
 use crate::worker::stats::Stats;
@@ -169,6 +169,7 @@ impl Processor {
         let Some(first) = job.first() else { return };
         let stream = first.stream.clone();
         let mut valid = Vec::with_capacity(job.len());
+        let mut trimmed = Vec::new();
         for delivery in job {
             match &delivery.body {
                 Ok(event) => match self.stage.handler.validate(event) {
@@ -181,18 +182,19 @@ impl Processor {
                         self.dead_letter(delivery, kind, e.to_string());
                     }
                 },
+                Err(_) if delivery.trimmed => trimmed.push(delivery),
                 Err((_, why)) => {
-                    let kind = if delivery.trimmed {
-                        Kind::Trimmed
-                    } else {
-                        Kind::Invalid
-                    };
                     let reason = why.to_string();
-                    self.dead_letter(delivery, kind, reason);
+                    self.dead_letter(delivery, Kind::Invalid, reason);
                 }
             }
         }
+        let mut done = Finished::default();
+        if !trimmed.is_empty() {
+            self.settle_trimmed(&stream, trimmed, &mut done);
+        }
         if valid.is_empty() {
+            self.mark_and_ack(&stream, done);
             return;
         }
         // Step 2: the fast path.
@@ -201,7 +203,6 @@ impl Processor {
         };
         // Step 3: one transaction per batch of first deliveries (batch mode),
         // or per event.
-        let mut done = Finished::default();
         let mut one_by_one = Vec::with_capacity(valid.len());
         let mut batch = Vec::new();
         let batch_mode =
@@ -251,6 +252,80 @@ impl Processor {
         }
     }
 
+    /// Entries deleted from the stream before they were acked. Their event
+    /// ids are read back from the in-flight ids (the fast path wrote them
+    /// when the entries were delivered): an entry whose event
+    /// `processed_events` has was applied (its holder died between COMMIT
+    /// and XACK, say) and is acked, not dead-lettered; the rest become
+    /// `trimmed` dead letters that name their event. Left pending when
+    /// Redis or PostgreSQL cannot answer (a shutdown, an outage): they are
+    /// claimed again later.
+    fn settle_trimmed(&mut self, stream: &str, trimmed: Vec<Delivery>, done: &mut Finished) {
+        let ids_key = crate::redis::keys::in_flight_ids(stream, &self.stage.settings.group);
+        let entry_ids: Vec<&str> = trimmed.iter().map(|d| d.entry_id.as_str()).collect();
+        let Some(event_ids) = self.with_redis(|conn| {
+            redis::cmd("HMGET")
+                .arg(&ids_key)
+                .arg(&entry_ids)
+                .query::<Vec<Option<String>>>(conn)
+        }) else {
+            return;
+        };
+        if event_ids.len() != trimmed.len() {
+            log::warn!(
+                "{stream}: in-flight ids: a reply out of place; trimmed entries left pending"
+            );
+            return;
+        }
+        let known: Vec<&str> = event_ids.iter().flatten().map(String::as_str).collect();
+        let applied = match self.processed(&known) {
+            Ok(applied) => applied,
+            Err(e) => {
+                log::warn!("{stream}: cannot tell whether trimmed entries were applied ({e}); left pending");
+                return;
+            }
+        };
+        for (mut delivery, event_id) in trimmed.into_iter().zip(event_ids) {
+            match event_id {
+                Some(id) if applied.contains(&id) => {
+                    log::info!(
+                        "{}/{}: deleted from the stream after its event {id} was applied; acked",
+                        delivery.stream,
+                        delivery.entry_id
+                    );
+                    Stats::add(&self.stage.common.stats.of(stream).duplicates, 1);
+                    done.push(delivery, false);
+                }
+                Some(id) => {
+                    if delivery.event_id().is_none() {
+                        if let Err((known, _)) = &mut delivery.body {
+                            known.push((b"event_id".to_vec(), id.into_bytes()));
+                        }
+                    }
+                    self.dead_letter(delivery, Kind::Trimmed, TRIMMED.to_owned());
+                }
+                None => self.dead_letter(delivery, Kind::Trimmed, TRIMMED.to_owned()),
+            }
+        }
+    }
+
+    /// Which of `event_ids` `processed_events` has, in this scope.
+    fn processed(
+        &mut self,
+        event_ids: &[&str],
+    ) -> Result<std::collections::HashSet<String>, HandlerError> {
+        if event_ids.is_empty() {
+            return Ok(Default::default());
+        }
+        self.connection()?;
+        let conn = self.pg.as_mut().expect("connection() sets it");
+        let rows = conn.query(
+            "SELECT event_id FROM processed_events WHERE scope = $1 AND event_id = ANY($2)",
+            &[&self.stage.settings.scope, &event_ids],
+        )?;
+        Ok(rows.into_iter().map(|row| row.get(0)).collect())
+    }
+
     /// Which events have a marker, and which entries were dead-lettered
     /// before: one pipelined round trip. `None` when a shutdown interrupted
     /// a Redis outage.
@@ -263,9 +338,16 @@ impl Processor {
             .map(|d| crate::redis::keys::marker(&ns, scope, event(d).event_id()))
             .collect();
         let entry_ids: Vec<&str> = valid.iter().map(|d| d.entry_id.as_str()).collect();
+        let ids_key = crate::redis::keys::in_flight_ids(stream, &self.stage.settings.group);
+        let pairs: Vec<(&str, &str)> = valid
+            .iter()
+            .map(|d| (d.entry_id.as_str(), event(d).event_id()))
+            .collect();
         // A hit counts only when its reply proves it answers its key.
-        self.with_redis(|conn| crate::redis::markers::check(conn, &keys, &index, &entry_ids))
-            .map(|seen| (seen.marked, seen.dead))
+        self.with_redis(|conn| {
+            crate::redis::markers::check(conn, &keys, &index, &entry_ids, (&ids_key, &pairs))
+        })
+        .map(|seen| (seen.marked, seen.dead))
     }
 
     /// A batch that fails on one known event loses that event (it takes the

@@ -556,3 +556,72 @@ fn entries_deleted_while_pending_are_dead_lettered_as_trimmed_by_a_reclaimer() {
     assert_eq!(summary["trimmed"], 3, "{summary:?}\n{stderr}");
     assert_trimmed(&db, &mut conn, &stream, &group, &events, &deleted);
 }
+
+/// A holder that dies between COMMIT and XACK while the producer trims the
+/// stream (`MAXLEN`): its committed entries come back deleted, with no
+/// fields. They were applied: acked, not dead-lettered as `trimmed` beside
+/// their effect (before, every deleted entry became a `trimmed` letter, so
+/// an applied event had two outcomes). The ones not applied are `trimmed`
+/// letters that name their event.
+#[test]
+fn an_entry_applied_then_trimmed_before_its_ack_is_not_dead_lettered() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("trimack"), unique("g"));
+    let events = produce(&mut conn, &stream, "ev", 20);
+    let fault = format!("after-commit@{}", events[7].event_id);
+    run_until_fault_then_kill(run_cmd(&db, &stream, &group, "c1", &[]), &fault);
+    let pending = pending_entries(&mut conn, &stream, &group);
+    let committed = processed_by_event(&db, &group);
+    let committed_pending: Vec<&Produced> = events
+        .iter()
+        .filter(|e| committed.contains_key(&e.event_id))
+        .filter(|e| pending.iter().any(|(id, _, _)| *id == e.entry_id))
+        .collect();
+    assert!(
+        !committed_pending.is_empty(),
+        "the kill left no committed entry pending"
+    );
+    // The producer trims everything: every pending entry is deleted.
+    redis::cmd("XTRIM")
+        .arg(&stream)
+        .arg("MAXLEN")
+        .arg(0)
+        .query::<()>(&mut conn)
+        .unwrap();
+
+    let (summary, stderr) = run_to_idle(run_cmd(&db, &stream, &group, "c1", &["--until-idle"]));
+    assert_eq!(pending_entries(&mut conn, &stream, &group), vec![]);
+    let letters = dead_letters(&mut conn, &stream);
+    for e in &committed_pending {
+        assert!(
+            !letters
+                .iter()
+                .any(|l| l.event_id.as_deref() == Some(e.event_id.as_str())),
+            "{} was applied and also dead-lettered: {letters:?}\n{stderr}",
+            e.event_id
+        );
+    }
+    // Every other pending entry is a `trimmed` letter, naming its event if
+    // it had reached a worker (entries read ahead and queued had not).
+    assert_eq!(
+        letters.len(),
+        pending.len() - committed_pending.len(),
+        "{letters:?}"
+    );
+    for l in &letters {
+        assert_eq!(l.kind, DeadLetterKind::Trimmed);
+        let named = events
+            .iter()
+            .find(|e| e.entry_id == l.original_id)
+            .expect("a letter of a produced entry");
+        if let Some(id) = &l.event_id {
+            assert_eq!(id, &named.event_id);
+        }
+    }
+    assert_eq!(
+        summary["duplicates"],
+        committed_pending.len() as u64,
+        "{summary:?}"
+    );
+}
