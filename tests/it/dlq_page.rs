@@ -3,48 +3,15 @@
 //! replay and delete only with the admin token. Chromium is installed by
 //! scripts/test.sh when missing.
 
-use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
+use crate::support::browser::render;
 use crate::support::*;
 
 const EVIL_ID: &str = "<b id=\"evil\">evil</b>";
 const EVIL_PAYLOAD: &str =
     "<script>document.title='PWNED'</script>\"><img src=x onerror=\"document.title='PWNED'\">";
 const TOKEN: &str = "correct-horse-battery";
-
-/// The DOM after Chromium loaded `url` (scripts, if any, have run).
-fn render(url: &str, screenshot: Option<&Path>) -> String {
-    let profile = TempDir::new("chromium");
-    let mut cmd = Command::new("chromium");
-    cmd.args([
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--window-size=1280,900",
-    ])
-    .arg(format!("--user-data-dir={}", profile.0.display()));
-    match screenshot {
-        Some(path) => cmd.arg(format!("--screenshot={}", path.display())),
-        None => cmd.arg("--dump-dom"),
-    };
-    let out = cmd
-        .arg(url)
-        .output()
-        .expect("chromium is installed (scripts/test.sh installs Debian's chromium)");
-    assert!(
-        out.status.success(),
-        "chromium: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 fn post(url: &str, form: &str) -> (u16, String) {
     let agent: ureq::Agent = ureq::Agent::config_builder()
