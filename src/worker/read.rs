@@ -138,7 +138,11 @@ impl Reader {
                         common.health.up(Server::Redis);
                         failures = 0;
                     }
-                    if in_parts(job, self.parts)
+                    // Cut only while workers wait for work: with jobs queued
+                    // (a backlog) every worker is busy anyway, and smaller
+                    // jobs would only cost more round trips.
+                    let parts = if jobs.is_empty() { self.parts } else { 1 };
+                    if in_parts(job, parts)
                         .into_iter()
                         .any(|job| jobs.send(job).is_err())
                     {
