@@ -162,14 +162,11 @@ fn already_processed(
             }
             let mut done: HashSet<(String, String)> = HashSet::new();
             for (scope, ids) in by_scope {
-                let rows = pg
-                    .query(
-                        "SELECT event_id FROM processed_events WHERE scope = $1 AND event_id = ANY($2)",
-                        &[&scope, &ids],
-                    )
+                let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+                let found = crate::postgres::processed(pg, &scope, &ids)
                     .map_err(pg_error("cannot read processed_events"))?;
-                for row in rows {
-                    done.insert((scope.clone(), row.get(0)));
+                for id in found {
+                    done.insert((scope.clone(), id));
                 }
             }
             Ok(letters

@@ -278,7 +278,14 @@ impl Processor {
             return;
         }
         let known: Vec<&str> = event_ids.iter().flatten().map(String::as_str).collect();
-        let applied = match self.processed(&known) {
+        let applied = match self.connection().and_then(|()| {
+            let conn = self.pg.as_mut().expect("connection() sets it");
+            Ok(crate::postgres::processed(
+                &mut ***conn,
+                &self.stage.settings.scope,
+                &known,
+            )?)
+        }) {
             Ok(applied) => applied,
             Err(e) => {
                 log::warn!("{stream}: cannot tell whether trimmed entries were applied ({e}); left pending");
@@ -307,23 +314,6 @@ impl Processor {
                 None => self.dead_letter(delivery, Kind::Trimmed, TRIMMED.to_owned()),
             }
         }
-    }
-
-    /// Which of `event_ids` `processed_events` has, in this scope.
-    fn processed(
-        &mut self,
-        event_ids: &[&str],
-    ) -> Result<std::collections::HashSet<String>, HandlerError> {
-        if event_ids.is_empty() {
-            return Ok(Default::default());
-        }
-        self.connection()?;
-        let conn = self.pg.as_mut().expect("connection() sets it");
-        let rows = conn.query(
-            "SELECT event_id FROM processed_events WHERE scope = $1 AND event_id = ANY($2)",
-            &[&self.stage.settings.scope, &event_ids],
-        )?;
-        Ok(rows.into_iter().map(|row| row.get(0)).collect())
     }
 
     /// Which events have a marker, and which entries were dead-lettered
