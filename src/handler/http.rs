@@ -6,8 +6,8 @@
 //! A 2xx commits the event's `processed_events` row; 408, 429, 5xx and
 //! timeouts are retryable and honour `Retry-After` (seconds or an HTTP
 //! date); other statuses are permanent. A downstream that cannot be reached
-//! at all (connection refused or reset, a name that does not resolve) is an
-//! outage, like a database that is down: the worker pauses and tries again,
+//! at all (connection refused, a name that does not resolve, a connection
+//! reset while new ones are refused too) is an outage, like a database that is down: the worker pauses and tries again,
 //! and no attempt is counted. Retries follow the handler's own budget,
 //! [`HTTP_BUDGET`] unless told otherwise. An HTTP call cannot be rolled
 //! back: if the process dies after the downstream accepted the event but before
@@ -170,36 +170,61 @@ fn ascii_json(value: &str) -> String {
     out
 }
 
-/// Whether `e` says the downstream could not be reached at all (nothing was
-/// sent, or the connection broke before an answer): its name does not
-/// resolve, it refuses or resets connections. Not a timeout: a request that
-/// timed out may have been processed and counts as an attempt.
-fn unreachable(e: &ureq::Error) -> bool {
+/// Whether `e` says the downstream could not be reached at all: nothing
+/// was sent (its name does not resolve, it refuses connections), or the
+/// connection broke before an answer and the downstream does not accept a
+/// new one either. A downstream that accepts connections and then breaks
+/// the request is reachable, and the event fails (its attempts count): a
+/// TLS server refusing our certificate is seen, with TLS 1.3, only as a
+/// broken pipe when the request is sent, and waiting for it would wait for
+/// ever. Not a timeout: a request that timed out may have been processed
+/// and counts as an attempt.
+fn unreachable(e: &ureq::Error, url: &str) -> bool {
     use std::io::ErrorKind::{
         BrokenPipe, ConnectionAborted, ConnectionRefused, ConnectionReset, HostUnreachable,
         NetworkUnreachable, NotConnected, UnexpectedEof,
     };
     match e {
         ureq::Error::HostNotFound | ureq::Error::ConnectionFailed => true,
-        ureq::Error::Io(io) => {
-            matches!(
-                io.kind(),
-                ConnectionRefused
-                    | ConnectionReset
-                    | ConnectionAborted
-                    | BrokenPipe
-                    | NotConnected
-                    | HostUnreachable
-                    | NetworkUnreachable
-                    | UnexpectedEof
-            )
+        ureq::Error::Io(io) => match io.kind() {
+            ConnectionRefused | HostUnreachable | NetworkUnreachable => true,
+            ConnectionReset | ConnectionAborted | BrokenPipe | NotConnected | UnexpectedEof => {
+                !accepts_connections(url)
+            }
             // std's resolver errors have no kind of their own (getaddrinfo:
             // "Name or service not known", "Temporary failure in name
             // resolution").
-            || io.to_string().starts_with("failed to lookup address information")
-        }
+            _ => io
+                .to_string()
+                .starts_with("failed to lookup address information"),
+        },
         _ => false,
     }
+}
+
+/// Whether the host and port of `url` accept a TCP connection (within a
+/// second).
+fn accepts_connections(url: &str) -> bool {
+    use std::net::{TcpStream, ToSocketAddrs};
+    let Ok(uri) = url.parse::<ureq::http::Uri>() else {
+        return false;
+    };
+    let Some(host) = uri.host() else {
+        return false;
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let default_port = if uri.scheme_str() == Some("https") {
+        443
+    } else {
+        80
+    };
+    let port = uri.port_u16().unwrap_or(default_port);
+    let Ok(addrs) = (host, port).to_socket_addrs() else {
+        return false;
+    };
+    addrs
+        .into_iter()
+        .any(|addr| TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok())
 }
 
 /// Marks an outage as the downstream's (not the database's or Redis'):
@@ -246,7 +271,7 @@ impl Handler for HttpHandler {
             Err(e) => {
                 let why = scrub(&e.to_string(), &self.url);
                 let message = format!("POST {}: {why}", self.shown);
-                return Err(if unreachable(&e) {
+                return Err(if unreachable(&e, &self.url) {
                     HandlerError::outage(message).with_source(Downstream)
                 } else {
                     HandlerError::retryable(message)
