@@ -132,6 +132,12 @@ impl Handler for BenchHandler {
         self.sql.handle_batch(events, tx)
     }
 
+    /// Events without scripted failures are the SQL handler's alone, so
+    /// taskhub may fold its default statement into the dedup insert.
+    fn sql_effect(&self, event: &Event) -> Option<&SqlHandler> {
+        event.field("fail").is_none().then_some(&self.sql)
+    }
+
     fn committed(&self, event: &Event) {
         // The producer's clock in microseconds when it wrote one (steady
         // load), else the entry id's milliseconds (preloaded backlog).

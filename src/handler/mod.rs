@@ -80,6 +80,17 @@ pub trait Handler: Send + Sync + 'static {
         None
     }
 
+    /// The built-in [`SqlHandler`](crate::SqlHandler) that would apply
+    /// `event`, when this handler's whole effect for it is that handler's:
+    /// taskhub may then skip [`handle`](Handler::handle) and fold the
+    /// default statement into the dedup insert (one PostgreSQL round trip
+    /// less per event in per-event mode). `SqlHandler` returns itself; a
+    /// wrapper that adds nothing inside the transaction may return the one it
+    /// wraps. Defaults to `None`: `handle` runs.
+    fn sql_effect(&self, _event: &Event) -> Option<&crate::SqlHandler> {
+        None
+    }
+
     /// Called after the event's transaction committed (a lifecycle hook for
     /// metrics and tests; it cannot fail the event). Does nothing by default.
     fn committed(&self, _event: &Event) {}
@@ -211,6 +222,10 @@ macro_rules! forward_handler {
 
             fn supports_batches(&self) -> bool {
                 (**self).supports_batches()
+            }
+
+            fn sql_effect(&self, event: &Event) -> Option<&crate::SqlHandler> {
+                (**self).sql_effect(event)
             }
 
             fn committed(&self, event: &Event) {

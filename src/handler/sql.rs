@@ -19,6 +19,30 @@ pub const DEFAULT_STATEMENT: &str = "INSERT INTO notifications (event_id, payloa
 const DEFAULT_BATCH_STATEMENT: &str =
     "INSERT INTO notifications (event_id, payload) SELECT * FROM unnest($1::text[], $2::text[])";
 
+/// The dedup insert of `processed_events` and the default statement as one
+/// statement, with the values as literals (per-event mode, see
+/// `worker/apply.rs`): the effect reads the dedup insert's RETURNING, so it
+/// inserts nothing for a duplicate. It returns the transaction id when the
+/// event is new, no row when it is a duplicate.
+///
+/// Literals, not parameters: it goes in one simple query with its BEGIN and
+/// COMMIT, one round trip for the whole transaction. They are escaped as
+/// libpq's `PQescapeLiteral` does (`E'...'` when there is a backslash), which
+/// is safe whatever `standard_conforming_strings` says; the caller checked
+/// that they hold no NUL byte (`Handler::validate`, event id parsing).
+pub(crate) fn dedup_and_default(scope: &str, event_id: &str, payload: Option<&str>) -> String {
+    use postgres_protocol::escape::escape_literal;
+    let id = escape_literal(event_id);
+    let payload = payload.map_or_else(|| "NULL".to_owned(), escape_literal);
+    format!(
+        "WITH done AS (INSERT INTO processed_events (scope, event_id) VALUES ({}, {id}) \
+         ON CONFLICT DO NOTHING RETURNING txid_current() AS xid), \
+         effect AS (INSERT INTO notifications (event_id, payload) SELECT {id}, {payload}::text FROM done) \
+         SELECT xid FROM done",
+        escape_literal(scope)
+    )
+}
+
 /// Runs one SQL statement per event. See the module docs for the parameters.
 #[derive(Debug, Clone)]
 pub struct SqlHandler {
@@ -37,6 +61,12 @@ impl SqlHandler {
     pub fn statement(&self) -> &str {
         &self.statement
     }
+
+    /// Whether it runs [`DEFAULT_STATEMENT`], which taskhub can fold into
+    /// the dedup insert ([`dedup_and_default`]).
+    pub(crate) fn is_default(&self) -> bool {
+        self.statement == DEFAULT_STATEMENT
+    }
 }
 
 impl Default for SqlHandler {
@@ -48,6 +78,14 @@ impl Default for SqlHandler {
 
 fn invalid(why: impl std::fmt::Display) -> HandlerError {
     HandlerError::invalid(why)
+}
+
+/// The event's payload as text (`None` when it has none).
+pub(crate) fn payload(event: &Event) -> Result<Option<&str>, HandlerError> {
+    event
+        .field("payload")
+        .map(|raw| std::str::from_utf8(raw).map_err(|_| invalid("payload is not UTF-8")))
+        .transpose()
 }
 
 fn is_json(ty: &Type) -> bool {
@@ -86,6 +124,10 @@ impl Handler for SqlHandler {
         Ok(())
     }
 
+    fn sql_effect(&self, _event: &Event) -> Option<&SqlHandler> {
+        Some(self)
+    }
+
     fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
         let statement = tx.prepare_cached(&self.statement)?;
         let types = statement.params();
@@ -96,12 +138,7 @@ impl Handler for SqlHandler {
             )));
         }
         let event_id = event.event_id();
-        let payload_text = match event.field("payload") {
-            None => None,
-            Some(raw) => {
-                Some(std::str::from_utf8(raw).map_err(|_| invalid("payload is not UTF-8"))?)
-            }
-        };
+        let payload_text = payload(event)?;
         let payload_json: Option<serde_json::Value> = match types.get(1) {
             Some(ty) if is_json(ty) => payload_text
                 .map(serde_json::from_str)
@@ -147,12 +184,7 @@ impl Handler for SqlHandler {
         let mut payloads = Vec::with_capacity(events.len());
         for event in events {
             ids.push(event.event_id());
-            payloads.push(match event.field("payload") {
-                None => None,
-                Some(raw) => {
-                    Some(std::str::from_utf8(raw).map_err(|_| invalid("payload is not UTF-8"))?)
-                }
-            });
+            payloads.push(payload(event)?);
         }
         let statement = tx.prepare_cached(DEFAULT_BATCH_STATEMENT)?;
         tx.execute(&statement, &[&ids, &payloads])?;

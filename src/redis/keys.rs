@@ -164,8 +164,8 @@ pub(crate) fn dead_letter_index(stream: &str) -> String {
 }
 
 /// The event ids of `group`'s entries of `stream` in flight (a hash: entry
-/// id → event id, set by the fast path, removed with the XACK or the dead
-/// letter), so that an entry deleted from the stream before its ack can
+/// id → event id, set by the reader and again by the fast path, removed
+/// with the XACK or the dead letter), so that an entry deleted from the stream before its ack can
 /// still be named and looked up in `processed_events`. In the stream's hash
 /// slot, like the index.
 pub(crate) fn in_flight_ids(stream: &str, group: &str) -> String {

@@ -19,13 +19,18 @@
 //!    outside taskhub's own READ WRITE transactions, so what such a handler
 //!    writes after ending the transaction fails instead of committing on
 //!    its own.)
+//!
+//! When the effect is the built-in SQL statement (`Handler::sql_effect`),
+//! steps 1 and 3 are one statement ([`sql::dedup_and_default`]) and a first
+//! delivery in per-event mode sends its whole transaction, BEGIN to COMMIT,
+//! in one round trip ([`Processor::apply_statement`]).
 
 use std::time::Instant;
 
 use crate::error::{FailureClass, HandlerError};
 use crate::event::Event;
 use crate::fault::{self, Point};
-use crate::handler::{catch_panic, prepare_cached as prepare, Tx};
+use crate::handler::{catch_panic, prepare_cached as prepare, sql, Tx};
 use crate::redis::streams::{self, Owned};
 use crate::worker::delivery::{Delivery, FRESH};
 use crate::worker::process::Stage;
@@ -99,6 +104,16 @@ impl Processor {
     pub(crate) fn apply(&mut self, delivery: &mut Delivery) -> Result<Applied, HandlerError> {
         let stage = self.stage.clone();
         let scope = stage.settings.scope.as_str();
+        if let Some(sql) = stage.handler.sql_effect(event(delivery)) {
+            // A first delivery (no start to count before the effect).
+            if sql.is_default() && delivery.delivery_count == 1 {
+                let event = event(delivery);
+                crate::Handler::validate(sql, event)?;
+                let statement =
+                    sql::dedup_and_default(scope, event.event_id(), sql::payload(event)?);
+                return self.apply_statement(&statement, delivery);
+            }
+        }
         self.connection()?;
         let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
             unreachable!("connection() sets it")
@@ -151,23 +166,93 @@ impl Processor {
             }
             return Err(e);
         }
-        if delivery.held_long() {
-            let owned = ownership(&stage, std::slice::from_ref(delivery)).ok_or_else(stopped)?;
-            if let Some(lost) = not_ours(&owned[0]) {
-                if lost == Applied::NotOurs {
-                    // Before the rollback frees the row for the new owner,
-                    // whose start must not see ours.
-                    take_back_start(&stage, delivery);
+        finish(&stage, tx, xid, delivery)
+    }
+
+    /// Step 3 when the event's effect is the default SQL statement: the
+    /// dedup insert and the effect are one `statement`
+    /// ([`sql::dedup_and_default`]), which returns the transaction id when
+    /// the event is new.
+    ///
+    /// An entry read less than a second ago (see `delivery.rs`: no other
+    /// consumer can have claimed it yet) commits in one round trip,
+    /// `START TRANSACTION READ WRITE; statement; COMMIT` in one simple query;
+    /// one held longer has its ownership checked between the statement and
+    /// COMMIT, as in [`Processor::apply`].
+    fn apply_statement(
+        &mut self,
+        statement: &str,
+        delivery: &Delivery,
+    ) -> Result<Applied, HandlerError> {
+        let stage = self.stage.clone();
+        let event = event(delivery);
+        self.connection()?;
+        let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
+            unreachable!("connection() sets it")
+        };
+        fault::hit(Point::InHandler, event.event_id());
+        let started = Instant::now();
+        if !delivery.held_long() {
+            fault::hit(Point::BeforeCommit, event.event_id());
+            let sent = conn.simple_query(&format!(
+                "START TRANSACTION READ WRITE; {statement}; COMMIT"
+            ));
+            let messages = match sent {
+                Ok(messages) => messages,
+                Err(e) => {
+                    // No strike (`reached_database` stays false): a stale
+                    // connection and one this event's statement killed look
+                    // the same here. An event that kills its session is
+                    // still caught: once it is held over a second (outages
+                    // are waited out with backoff), it takes the path below,
+                    // whose BEGIN tells them apart.
+                    if !conn.is_closed() {
+                        // The transaction is aborted (or never began).
+                        let _ = conn.batch_execute("ROLLBACK");
+                    }
+                    return Err(e.into());
                 }
-                return Ok(lost);
+            };
+            stage
+                .common
+                .stats
+                .handler_seconds
+                .observe(started.elapsed());
+            if !messages
+                .iter()
+                .any(|m| matches!(m, postgres::SimpleQueryMessage::Row(_)))
+            {
+                return Ok(Applied::Duplicate); // it inserted nothing
             }
+            Stats::add(&stage.common.stats.commits, 1);
+            fault::hit(Point::AfterCommit, event.event_id());
+            committed(&stage, event);
+            return Ok(Applied::New);
         }
-        fault::hit(Point::BeforeCommit, event.event_id());
-        commit(tx, xid)?;
-        Stats::add(&stage.common.stats.commits, 1);
-        fault::hit(Point::AfterCommit, event.event_id());
-        committed(&stage, event);
-        Ok(Applied::New)
+        let mut tx = Tx {
+            tx: conn.build_transaction().read_only(false).start()?,
+            cache,
+        };
+        // The session worked when the event started: losing it from here
+        // on may be the event's doing.
+        self.reached_database = true;
+        let messages = tx.simple_query(statement)?;
+        let xid = messages.iter().find_map(|m| match m {
+            postgres::SimpleQueryMessage::Row(row) => row.get(0),
+            _ => None,
+        });
+        let Some(xid) = xid else {
+            return Ok(Applied::Duplicate); // dropping tx rolls back
+        };
+        let xid: i64 = xid.parse().map_err(|e| {
+            HandlerError::permanent(format!("txid_current() returned {xid:?}: {e}"))
+        })?;
+        stage
+            .common
+            .stats
+            .handler_seconds
+            .observe(started.elapsed());
+        finish(&stage, tx, xid, delivery)
     }
 
     /// Step 3 for a batch: one set-based insert into `processed_events`
@@ -299,6 +384,34 @@ impl Processor {
         }
         Ok(Batch::Applied(new, left_out))
     }
+}
+
+/// The end of [`Processor::apply`], after the effect: the ownership
+/// check of a long-held entry, then COMMIT.
+fn finish(
+    stage: &Stage,
+    tx: Tx<'_>,
+    xid: i64,
+    delivery: &Delivery,
+) -> Result<Applied, HandlerError> {
+    let event = event(delivery);
+    if delivery.held_long() {
+        let owned = ownership(stage, std::slice::from_ref(delivery)).ok_or_else(stopped)?;
+        if let Some(lost) = not_ours(&owned[0]) {
+            if lost == Applied::NotOurs {
+                // Before the rollback frees the row for the new owner,
+                // whose start must not see ours.
+                take_back_start(stage, delivery);
+            }
+            return Ok(lost);
+        }
+    }
+    fault::hit(Point::BeforeCommit, event.event_id());
+    commit(tx, xid)?;
+    Stats::add(&stage.common.stats.commits, 1);
+    fault::hit(Point::AfterCommit, event.event_id());
+    committed(stage, event);
+    Ok(Applied::New)
 }
 
 /// The error that makes `through_outages` stop: a shutdown came during a

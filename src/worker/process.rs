@@ -253,8 +253,8 @@ impl Processor {
     }
 
     /// Entries deleted from the stream before they were acked. Their event
-    /// ids are read back from the in-flight ids (the fast path wrote them
-    /// when the entries were delivered): an entry whose event
+    /// ids are read back from the in-flight ids (the reader wrote them when
+    /// it read the entries): an entry whose event
     /// `processed_events` has was applied (its holder died between COMMIT
     /// and XACK, say) and is acked, not dead-lettered; the rest become
     /// `trimmed` dead letters that name their event. Left pending when

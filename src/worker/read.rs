@@ -138,6 +138,7 @@ impl Reader {
                         common.health.up(Server::Redis);
                         failures = 0;
                     }
+                    record_event_ids(c, stream, &claim.group, &job);
                     // Cut only while workers wait for work: with jobs queued
                     // (a backlog) every worker is busy anyway, and smaller
                     // jobs would only cost more round trips.
@@ -217,6 +218,36 @@ impl Reader {
         if let Err(e) = streams::ensure_group(c, stream, group, &start) {
             log::error!("{stream}: cannot create group {group}: {e}");
             self.common.shutdown.sleep(Duration::from_secs(1));
+        }
+    }
+}
+
+/// Records the event id of each entry just read in the in-flight ids
+/// (`keys::in_flight_ids`), before the entries go to a worker thread: an
+/// entry deleted from the stream while pending is then settled by its event
+/// (`settle_trimmed` in `process.rs`: acked if the event was applied) even
+/// when it was still queued when its holder stopped or died. Before, only
+/// the fast path wrote them, and an applied event's second copy read ahead
+/// and then trimmed became a `trimmed` letter of an unknown event, beside
+/// the effect (found by the chaos run). The fast path writes them again,
+/// for entries claimed from other consumers. One round trip per read; if
+/// Redis does not answer, the next read finds out and the fast path still
+/// writes them.
+fn record_event_ids(c: &mut RedisConn, stream: &str, group: &str, job: &Job) {
+    let mut hset = redis::cmd("HSET");
+    hset.arg(crate::redis::keys::in_flight_ids(stream, group));
+    let mut any = false;
+    for d in job {
+        if let Some(event_id) = d.event_id() {
+            hset.arg(&d.entry_id).arg(event_id);
+            any = true;
+        }
+    }
+    if any {
+        if let Err(e) = hset.query::<()>(c) {
+            log::debug!(
+                "{stream}: in-flight ids not written at read ({e}); the fast path writes them"
+            );
         }
     }
 }

@@ -716,6 +716,77 @@ fn a_lone_session_killer_is_a_crash_loop() {
     assert_eq!(dead, vec![(killer.as_str(), "crash_loop")], "{summary}");
 }
 
+/// The same in per-event mode through the built-in statement, whose whole
+/// transaction goes to PostgreSQL in one round trip: there a lost session
+/// cannot tell a stale connection from an event that kills it, and is no
+/// strike; once the event is held over a second, it runs with BEGIN on its
+/// own, which tells them apart. A trigger kills the session of one payload;
+/// that event must become a `crash_loop` dead letter (it ran for ever, never
+/// a strike, while the database counted as reached only after the
+/// statement), and the others are applied.
+#[test]
+fn a_session_killer_in_the_one_round_trip_transaction_is_a_crash_loop() {
+    use taskhub::{SqlHandler, Worker};
+
+    let db = TestDb::new();
+    db.client()
+        .batch_execute(
+            "CREATE FUNCTION kill_session() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NEW.payload = 'kill' THEN
+                     PERFORM pg_terminate_backend(pg_backend_pid());
+                 END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER kill_session BEFORE INSERT ON notifications
+                 FOR EACH ROW EXECUTE FUNCTION kill_session();",
+        )
+        .unwrap();
+    let (stream, group) = (unique("s"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let killer = xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "killer"), ("payload", "kill")],
+    );
+    for i in 0..3 {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &format!("ok-{i}")), ("payload", "p")],
+        );
+    }
+    let worker = Worker::builder()
+        .mode(taskhub::Mode::PerEvent)
+        .redis_url(&redis_url())
+        .database_url(&db.url)
+        .stream(&stream)
+        .group(&group)
+        .consumer("c")
+        .workers(1)
+        .max_attempts(3)
+        .block(Duration::from_millis(100))
+        .shutdown_timeout(Duration::from_secs(15))
+        .build(Box::new(SqlHandler::default()))
+        .unwrap();
+    let stop = worker.shutdown_handle();
+    let run = std::thread::spawn(move || worker.run());
+    let settled = wait_until(Duration::from_secs(40), || {
+        !dead_letters(&mut conn, &stream).is_empty() && pending(&mut conn, &stream, &group) == 0
+    });
+    stop.shutdown();
+    let summary = run.join().unwrap().expect("run");
+    assert!(settled, "the session killer is still running: {summary}");
+    let letters = dead_letters(&mut conn, &stream);
+    let dead: Vec<(&str, &str)> = letters
+        .iter()
+        .map(|l| (l.original_id.as_str(), l.kind.as_str()))
+        .collect();
+    assert_eq!(dead, vec![(killer.as_str(), "crash_loop")], "{summary}");
+    assert_eq!(summary.applied, 3, "{summary}");
+    assert_eq!(db.count("SELECT count(*) FROM notifications"), 3);
+}
+
 /// Regression (found by scripts/chaos.sh, per-event mode): the start of a
 /// redelivered event whose run ended in a failure stayed counted. When its
 /// dead letter or retry was refused because another consumer had claimed

@@ -625,3 +625,71 @@ fn an_entry_applied_then_trimmed_before_its_ack_is_not_dead_lettered() {
         "{summary:?}"
     );
 }
+
+/// Regression (found by the chaos run, per-event mode, under load: a group
+/// destroyed and created again at `0` redelivered applied entries; a
+/// worker read some ahead and was stopped before they reached a worker
+/// thread; then they were trimmed): entries read but still queued had no
+/// event id in the in-flight ids, so once deleted from the stream they
+/// became `trimmed` letters of unknown events, beside the effect of those
+/// events. The reader now records the event ids of what it read before
+/// handing it on.
+///
+/// Events applied once; the worker then freezes in the handler of another
+/// event while it reads second copies of the applied ones into its queue,
+/// and is killed; the copies are deleted; the next run must ack them as
+/// applied, with no letter.
+#[test]
+fn entries_read_ahead_then_trimmed_are_settled_by_their_event() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("readahead"), unique("g"));
+    let events = produce(&mut conn, &stream, "ev", 4);
+    let (summary, _) = run_to_idle(run_cmd(&db, &stream, &group, "c1", &["--until-idle"]));
+    assert_eq!(summary["applied"], 4, "{summary:?}");
+
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "frozen"), ("payload", "{}")],
+    );
+    let mut cmd = run_cmd(&db, &stream, &group, "c1", &[]);
+    cmd.env("TASKHUB_FAULT", "in-handler@frozen");
+    let mut p = Proc::spawn(cmd);
+    assert!(
+        p.wait_for("taskhub-fault: in-handler", RUN_TIMEOUT),
+        "{}",
+        p.stderr()
+    );
+    let copies: Vec<String> = events
+        .iter()
+        .map(|e| {
+            xadd(
+                &mut conn,
+                &stream,
+                &[("event_id", &e.event_id), ("payload", "copy")],
+            )
+        })
+        .collect();
+    // Read into the queue behind the frozen worker thread.
+    assert!(
+        wait_until(Duration::from_secs(20), || pending(
+            &mut conn, &stream, &group
+        ) == 1 + copies.len() as u64),
+        "the copies were not read"
+    );
+    p.kill();
+    let _: () = redis::cmd("XDEL")
+        .arg(&stream)
+        .arg(&copies)
+        .query(&mut conn)
+        .unwrap();
+
+    let (summary, stderr) = run_to_idle(run_cmd(&db, &stream, &group, "c1", &["--until-idle"]));
+    let letters = dead_letters(&mut conn, &stream);
+    assert!(letters.is_empty(), "{letters:?}\n{stderr}");
+    assert_eq!(summary["duplicates"], 4, "{summary:?}\n{stderr}");
+    assert_eq!(summary["applied"], 1, "the frozen event: {summary:?}");
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 5);
+}
