@@ -661,22 +661,30 @@ fn entries_read_ahead_then_trimmed_are_settled_by_their_event() {
         "{}",
         p.stderr()
     );
-    let copies: Vec<String> = events
-        .iter()
-        .map(|e| {
-            xadd(
-                &mut conn,
-                &stream,
-                &[("event_id", &e.event_id), ("payload", "copy")],
-            )
-        })
-        .collect();
+    // At once (MULTI): the reader takes them in at most two reads (a
+    // blocking read returns one entry). The queue holds one job; a third
+    // read would wait for room before reading.
+    let mut multi = redis::pipe();
+    multi.atomic();
+    for e in &events {
+        multi
+            .cmd("XADD")
+            .arg(&stream)
+            .arg("*")
+            .arg("event_id")
+            .arg(&e.event_id)
+            .arg("payload")
+            .arg("copy");
+    }
+    let copies: Vec<String> = multi.query(&mut conn).unwrap();
     // Read into the queue behind the frozen worker thread.
     assert!(
         wait_until(Duration::from_secs(20), || pending(
             &mut conn, &stream, &group
         ) == 1 + copies.len() as u64),
-        "the copies were not read"
+        "the copies were not read: {} pending\n{}",
+        pending(&mut conn, &stream, &group),
+        p.stderr()
     );
     p.kill();
     let _: () = redis::cmd("XDEL")
