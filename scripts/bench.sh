@@ -11,7 +11,9 @@
 # 3. measures the ceilings with pgbench on a scratch database, at WORKERS
 #    connections: the per-event transaction (BEGIN; insert processed_events;
 #    insert notifications; COMMIT) and the 50-per-transaction form (one
-#    multi-row insert per table);
+#    multi-row insert per table), each before and after the runs of its
+#    mode (4.), so a drift of the machine shows; every measurement, these
+#    and taskhub's, starts from empty tables and a fresh checkpoint;
 # 4. drains EVENTS preloaded events (~200-byte JSON payloads) with taskhub in
 #    per-event mode, in batch mode, in batch mode with a custom per-event
 #    --sql statement, and the head-of-line case (10% of events fail twice
@@ -91,32 +93,50 @@ INSERT INTO notifications (event_id, payload)
 COMMIT;
 SQL
 
+# Every measurement, ceiling or taskhub, starts from empty tables and a
+# fresh checkpoint: the 50-per-transaction ceiling alone adds about a
+# million rows, and a run after it would pay for bigger indexes and the
+# checkpoint it triggers.
+fresh_tables() {
+    psql "$BENCH_URL" -X -q -v ON_ERROR_STOP=1 \
+        -c "TRUNCATE processed_events, notifications" -c "CHECKPOINT"
+}
+
 pgbench_tps() { # script
+    fresh_tables
     pgbench -n -c "$WORKERS" -j 2 -T "$DURATION" -f "$1" "$BENCH_URL" 2>/dev/null |
         awk '/^tps = / { printf "%d\n", $3 }'
 }
-echo "measuring the ceilings with pgbench (${DURATION}s each, $WORKERS connections)..." >&2
-ceiling_event=$(pgbench_tps "$work/per_event.sql")
-ceiling_batch=$(($(pgbench_tps "$work/batch50.sql") * 50))
-
 # One benchmark run; prints its RESULT line.
 bench() { # label args...
     local label=$1
     shift
     echo "running: $label..." >&2
+    fresh_tables
     local line
     line=$(target/release/examples/bench --events "$EVENTS" --workers "$WORKERS" "$@" | grep '^RESULT')
     echo "$label $line"
 }
 
+# Each mode's runs sit between two measurements of its ceiling, so a drift
+# of the machine shows (the ratio uses their mean).
+echo "measuring (pgbench ${DURATION}s, $WORKERS connections, before and after each mode's runs)..." >&2
+event_before=$(pgbench_tps "$work/per_event.sql")
 {
     bench per-event --mode per-event
+    bench hol-per-event --mode per-event --fail-ratio 0.1 --fail-times 2 --backoff-base 1s
+} >"$work/results"
+event_after=$(pgbench_tps "$work/per_event.sql")
+batch_before=$(($(pgbench_tps "$work/batch50.sql") * 50))
+{
     bench batch --mode batch
     # shellcheck disable=SC2016 # $1 and $2 are SQL parameters, not shell variables
     bench batch-custom-sql --mode batch --sql 'INSERT INTO notifications (event_id, payload) VALUES ($1, $2::text)'
-    bench hol-per-event --mode per-event --fail-ratio 0.1 --fail-times 2 --backoff-base 1s
     bench hol-batch --mode batch --fail-ratio 0.1 --fail-times 2 --backoff-base 1s
-} >"$work/results"
+} >>"$work/results"
+batch_after=$(($(pgbench_tps "$work/batch50.sql") * 50))
+ceiling_event=$(((event_before + event_after) / 2))
+ceiling_batch=$(((batch_before + batch_after) / 2))
 
 # Steady load at shares of what each mode drained above.
 for mode in per-event batch; do
@@ -131,8 +151,9 @@ done
 field() { # line name
     sed -E "s/.* $2=([^ ]+).*/\1/" <<<"$1"
 }
-printf '\nceilings (pgbench, %d connections, %s): per-event transaction %d tps; 50 per transaction %d events/s\n\n' \
-    "$WORKERS" "$db_path" "$ceiling_event" "$ceiling_batch"
+printf '\nceilings (pgbench, %d connections, %s; before / after the runs of that mode):\n' "$WORKERS" "$db_path"
+printf '  per-event transaction %d / %d tps; 50 per transaction %d / %d events/s\n\n' \
+    "$event_before" "$event_after" "$batch_before" "$batch_after"
 printf '%-22s %10s %10s %9s %9s %9s %9s %8s %s\n' run events/s healthy/s p50_ms p99_ms max_ms cpu_us rss_MB "vs ceiling"
 while read -r label line; do
     rate=$(field "$line" rate)
@@ -145,6 +166,12 @@ while read -r label line; do
         "$(field "$line" max_ms)" \
         "$(field "$line" cpu_us)" "$(awk "BEGIN { print $(field "$line" rss_kb) / 1024 }")" "$share"
 done <"$work/results"
+for mode in per-event batch; do
+    clean=$(grep "^$mode " "$work/results" | sed -E 's/.* healthy_rate=([^ ]+).*/\1/')
+    failing=$(grep "^hol-$mode " "$work/results" | sed -E 's/.* healthy_rate=([^ ]+).*/\1/')
+    printf 'healthy events under failures, %s: %s/s vs %s/s clean = %.2fx\n' "$mode" "$failing" "$clean" \
+        "$(awk "BEGIN { print $failing / $clean }")"
+done
 cat <<EOF
 
 hol-*: 10% of events fail twice with a 1 s backoff; healthy/s is the drain
