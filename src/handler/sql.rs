@@ -43,6 +43,36 @@ pub(crate) fn dedup_and_default(scope: &str, event_id: &str, payload: Option<&st
     )
 }
 
+/// [`dedup_and_default`] for a batch of distinct event ids with their
+/// payloads: one set-based statement that returns the event ids that were
+/// new (their effects inserted in the batch's order).
+pub(crate) fn dedup_and_default_batch(scope: &str, events: &[(&str, Option<&str>)]) -> String {
+    use postgres_protocol::escape::escape_literal;
+    let mut ids = String::new();
+    let mut payloads = String::new();
+    for (i, (id, payload)) in events.iter().enumerate() {
+        if i > 0 {
+            ids.push(',');
+            payloads.push(',');
+        }
+        ids.push_str(&escape_literal(id));
+        match payload {
+            Some(p) => payloads.push_str(&escape_literal(p)),
+            None => payloads.push_str("NULL"),
+        }
+    }
+    format!(
+        "WITH e AS (SELECT * FROM unnest(ARRAY[{ids}]::text[], ARRAY[{payloads}]::text[]) \
+         WITH ORDINALITY AS e(id, payload, n)), \
+         done AS (INSERT INTO processed_events (scope, event_id) SELECT {}, id FROM e \
+         ON CONFLICT DO NOTHING RETURNING event_id), \
+         effect AS (INSERT INTO notifications (event_id, payload) \
+         SELECT e.id, e.payload FROM e JOIN done ON done.event_id = e.id ORDER BY e.n) \
+         SELECT event_id FROM done",
+        escape_literal(scope)
+    )
+}
+
 /// Runs one SQL statement per event. See the module docs for the parameters.
 #[derive(Debug, Clone)]
 pub struct SqlHandler {

@@ -12,7 +12,7 @@ use redis::RedisResult;
 
 use crate::redis::RedisConn;
 
-use crate::event::{parse_entries, parse_read_reply, RawEntry, MOST_FIELDS, PREFIX};
+use crate::event::{parse_entries, parse_read_reply, Limits, RawEntry, MOST_FIELDS, PREFIX};
 
 fn protocol_error(what: String) -> redis::RedisError {
     redis::RedisError::from((redis::ErrorKind::Parse, "unexpected reply", what))
@@ -89,10 +89,15 @@ pub(crate) fn bounded_keeping(
     max_entry_bytes: usize,
     keep: usize,
 ) -> redis::Cmd {
+    bounded_on(script, &[key], max_entry_bytes, keep)
+}
+
+/// [`bounded_keeping`] of a script with several keys.
+fn bounded_on(script: &str, keys: &[&str], max_entry_bytes: usize, keep: usize) -> redis::Cmd {
     let mut cmd = redis::cmd("EVAL");
     cmd.arg(format!("{BOUND}{script}"))
-        .arg(1)
-        .arg(key)
+        .arg(keys.len())
+        .arg(keys)
         .arg(max_entry_bytes)
         .arg(keep)
         .arg(MOST_FIELDS);
@@ -100,29 +105,64 @@ pub(crate) fn bounded_keeping(
 }
 
 /// XREADGROUP (no BLOCK) of new (`>`) or pending entries, cut down by
-/// [`BOUND`]. ARGV[4..]: group, consumer, count, from.
+/// [`BOUND`], each entry's event id recorded in the in-flight ids KEYS[2]
+/// in the same step (see `keys::in_flight_ids`; an event id over ARGV[8]
+/// bytes is invalid and not recorded). ARGV[4..]: group, consumer, count,
+/// from, the longest event id.
 const READ_BOUNDED: &str = r"
 local r = redis.call('XREADGROUP', 'GROUP', ARGV[4], ARGV[5], 'COUNT', ARGV[6],
     'STREAMS', KEYS[1], ARGV[7])
 if not r then return {} end
-return bound(r[1][2])
+local entries, ids, longest = r[1][2], {}, tonumber(ARGV[8])
+for _, e in ipairs(entries) do
+    local f = e[2]
+    if type(f) == 'table' then
+        for i = 1, #f - 1, 2 do
+            if f[i] == 'event_id' then
+                if #f[i + 1] <= longest then
+                    ids[#ids + 1] = e[1]
+                    ids[#ids + 1] = f[i + 1]
+                end
+                break
+            end
+        end
+    end
+    if #ids >= 1000 then
+        redis.call('HSET', KEYS[2], unpack(ids))
+        ids = {}
+    end
+end
+if #ids > 0 then redis.call('HSET', KEYS[2], unpack(ids)) end
+return bound(entries)
 ";
 
 /// XREADGROUP of one stream without blocking, entries over
-/// `max_entry_bytes` cut down in Redis: `from` is `>` for new entries or
-/// an id for this consumer's pending entries after it.
+/// `max_entry_bytes` cut down in Redis, their event ids (up to
+/// `max_event_id_bytes`) recorded in `in_flight` in the same step: `from`
+/// is `>` for new entries or an id for this consumer's pending entries
+/// after it.
 #[allow(clippy::too_many_arguments)] // the command's own arguments
 pub(crate) fn read_group_bounded(
     conn: &mut RedisConn,
     stream: &str,
+    in_flight: &str,
     group: &str,
     consumer: &str,
     count: usize,
     from: &str,
-    max_entry_bytes: usize,
+    limits: Limits,
 ) -> RedisResult<Vec<RawEntry>> {
-    let mut cmd = bounded(READ_BOUNDED, stream, max_entry_bytes);
-    cmd.arg(group).arg(consumer).arg(count).arg(from);
+    let mut cmd = bounded_on(
+        READ_BOUNDED,
+        &[stream, in_flight],
+        limits.max_entry_bytes,
+        PREFIX,
+    );
+    cmd.arg(group)
+        .arg(consumer)
+        .arg(count)
+        .arg(from)
+        .arg(limits.max_event_id_bytes);
     let reply: redis::Value = cmd.query(conn)?;
     parse_entries(reply).map_err(protocol_error)
 }

@@ -21,9 +21,11 @@
 //!    its own.)
 //!
 //! When the effect is the built-in SQL statement (`Handler::sql_effect`),
-//! steps 1 and 3 are one statement ([`sql::dedup_and_default`]) and a first
-//! delivery in per-event mode sends its whole transaction, BEGIN to COMMIT,
-//! in one round trip ([`Processor::apply_statement`]).
+//! steps 1 and 3 are one statement ([`sql::dedup_and_default`],
+//! [`sql::dedup_and_default_batch`]), and a first delivery or a batch that
+//! needs no ownership check (step 4) sends its whole transaction, BEGIN to
+//! COMMIT, in one round trip ([`Processor::apply_statement`],
+//! [`Processor::apply_batch_statement`]).
 
 use std::time::Instant;
 
@@ -255,6 +257,88 @@ impl Processor {
         finish(&stage, tx, xid, delivery)
     }
 
+    /// [`Processor::apply_batch`] in one round trip, when every event's
+    /// effect is the default SQL statement: `START TRANSACTION READ WRITE;
+    /// <sql::dedup_and_default_batch>; COMMIT` as one simple query (no entry
+    /// of the batch is held long enough to need its ownership checked).
+    /// Returns, per delivery, whether it was new (the first delivery of
+    /// each new event id); `None` when an event's effect is not the default
+    /// statement, or its payload cannot be stored (the normal path then
+    /// fails it alone).
+    fn apply_batch_statement(
+        &mut self,
+        batch: &[Delivery],
+    ) -> Result<Option<Vec<bool>>, HandlerError> {
+        let stage = self.stage.clone();
+        let mut seen = std::collections::HashSet::new();
+        let mut events = Vec::with_capacity(batch.len());
+        for d in batch {
+            let event = event(d);
+            let Some(sql) = stage.handler.sql_effect(event) else {
+                return Ok(None);
+            };
+            if !sql.is_default() || crate::Handler::validate(sql, event).is_err() {
+                return Ok(None);
+            }
+            let Ok(payload) = sql::payload(event) else {
+                return Ok(None);
+            };
+            if seen.insert(event.event_id()) {
+                events.push((event.event_id(), payload));
+            }
+        }
+        let statement = sql::dedup_and_default_batch(&stage.settings.scope, &events);
+        self.connection().map_err(HandlerError::for_no_event)?;
+        let Some(conn) = self.pg.as_mut() else {
+            unreachable!("connection() sets it")
+        };
+        for d in batch {
+            fault::hit(Point::InHandler, event(d).event_id());
+            fault::hit(Point::BeforeCommit, event(d).event_id());
+        }
+        let started = Instant::now();
+        let sent = conn.simple_query(&format!(
+            "START TRANSACTION READ WRITE; {statement}; COMMIT"
+        ));
+        let messages = match sent {
+            Ok(messages) => messages,
+            Err(e) => {
+                // As in `apply_statement`: no strike here; held over a
+                // second, the batch takes the normal path.
+                if !conn.is_closed() {
+                    let _ = conn.batch_execute("ROLLBACK");
+                }
+                return Err(HandlerError::from(e).for_no_event());
+            }
+        };
+        stage
+            .common
+            .stats
+            .handler_seconds
+            .observe(started.elapsed());
+        let mut inserted: std::collections::HashSet<&str> = messages
+            .iter()
+            .filter_map(|m| match m {
+                postgres::SimpleQueryMessage::Row(row) => row.get(0),
+                _ => None,
+            })
+            .collect();
+        // The first delivery of each inserted id is new; later copies of the
+        // same id in this batch are duplicates.
+        let new: Vec<bool> = batch
+            .iter()
+            .map(|d| inserted.remove(event(d).event_id()))
+            .collect();
+        if new.iter().any(|n| *n) {
+            Stats::add(&stage.common.stats.commits, 1);
+        }
+        for (d, _) in batch.iter().zip(&new).filter(|(_, n)| **n) {
+            fault::hit(Point::AfterCommit, event(d).event_id());
+            committed(&stage, event(d));
+        }
+        Ok(Some(new))
+    }
+
     /// Step 3 for a batch: one set-based insert into `processed_events`
     /// returns which event ids are new, the handler's batch form applies
     /// them, one COMMIT.
@@ -273,6 +357,11 @@ impl Processor {
     ) -> Result<Batch, HandlerError> {
         let stage = self.stage.clone();
         let scope = stage.settings.scope.as_str();
+        if !guarded && batch.iter().all(|d| !d.held_long()) {
+            if let Some(new) = self.apply_batch_statement(batch)? {
+                return Ok(Batch::Applied(new, Vec::new()));
+            }
+        }
         self.connection()?;
         let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
             unreachable!("connection() sets it")

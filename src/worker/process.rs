@@ -328,9 +328,13 @@ impl Processor {
             .map(|d| crate::redis::keys::marker(&ns, scope, event(d).event_id()))
             .collect();
         let entry_ids: Vec<&str> = valid.iter().map(|d| d.entry_id.as_str()).collect();
+        // The reader recorded the event ids of what it read; entries
+        // claimed from other consumers (delivered more than once) are
+        // recorded again, in case their first reader could not.
         let ids_key = crate::redis::keys::in_flight_ids(stream, &self.stage.settings.group);
         let pairs: Vec<(&str, &str)> = valid
             .iter()
+            .filter(|d| d.delivery_count > 1)
             .map(|d| (d.entry_id.as_str(), event(d).event_id()))
             .collect();
         // A hit counts only when its reply proves it answers its key.

@@ -138,7 +138,6 @@ impl Reader {
                         common.health.up(Server::Redis);
                         failures = 0;
                     }
-                    record_event_ids(c, stream, &claim.group, &job);
                     // Cut only while workers wait for work: with jobs queued
                     // (a backlog) every worker is busy anyway, and smaller
                     // jobs would only cost more round trips.
@@ -177,23 +176,35 @@ impl Reader {
     /// New entries: without blocking (cut down to the size limit in Redis),
     /// or, when there are none, one entry blocking up to BLOCK (which
     /// arrives whole, once, and is cut down as it is parsed).
+    ///
+    /// Either way each entry's event id is recorded in the in-flight ids
+    /// (`keys::in_flight_ids`) before the entries go to a worker thread: an
+    /// entry deleted from the stream while pending is then settled by its
+    /// event (`settle_trimmed` in `process.rs`: acked if the event was
+    /// applied) even when it was still queued when its holder stopped or
+    /// died. Before, only the fast path wrote them, and an applied event's
+    /// second copy read ahead and then trimmed became a `trimmed` letter of
+    /// an unknown event, beside the effect (found by the chaos run). The
+    /// script records them in the same step as the read; after a blocking
+    /// read, one HSET follows.
     fn read_new(&self, c: &mut RedisConn, room: usize) -> redis::RedisResult<Vec<RawEntry>> {
         let claim = &self.claim;
-        let max = claim.limits.max_entry_bytes;
+        let in_flight = crate::redis::keys::in_flight_ids(&self.stream, &claim.group);
         let entries = streams::read_group_bounded(
             c,
             &self.stream,
+            &in_flight,
             &claim.group,
             &claim.consumer,
             room,
             ">",
-            max,
+            claim.limits,
         )?;
         if !entries.is_empty() {
             return Ok(entries);
         }
         let block = self.block.as_millis() as u64;
-        streams::read_group(
+        let entries = streams::read_group(
             c,
             &self.stream,
             &claim.group,
@@ -201,7 +212,9 @@ impl Reader {
             1,
             Some(block),
             ">",
-        )
+        )?;
+        record_event_ids(c, &in_flight, &entries, claim.limits.max_event_id_bytes);
+        Ok(entries)
     }
 
     /// The group is gone: create it again, at `0`, or, for a group that
@@ -222,32 +235,27 @@ impl Reader {
     }
 }
 
-/// Records the event id of each entry just read in the in-flight ids
-/// (`keys::in_flight_ids`), before the entries go to a worker thread: an
-/// entry deleted from the stream while pending is then settled by its event
-/// (`settle_trimmed` in `process.rs`: acked if the event was applied) even
-/// when it was still queued when its holder stopped or died. Before, only
-/// the fast path wrote them, and an applied event's second copy read ahead
-/// and then trimmed became a `trimmed` letter of an unknown event, beside
-/// the effect (found by the chaos run). The fast path writes them again,
-/// for entries claimed from other consumers. One round trip per read; if
-/// Redis does not answer, the next read finds out and the fast path still
-/// writes them.
-fn record_event_ids(c: &mut RedisConn, stream: &str, group: &str, job: &Job) {
+/// Records the event ids of `entries` in the in-flight ids `key`, as the
+/// read script does (see [`Reader::read_new`]). If Redis does not answer,
+/// the next read finds out.
+fn record_event_ids(c: &mut RedisConn, key: &str, entries: &[RawEntry], longest: usize) {
     let mut hset = redis::cmd("HSET");
-    hset.arg(crate::redis::keys::in_flight_ids(stream, group));
+    hset.arg(key);
     let mut any = false;
-    for d in job {
-        if let Some(event_id) = d.event_id() {
-            hset.arg(&d.entry_id).arg(event_id);
+    for entry in entries {
+        let event_id = entry
+            .fields
+            .iter()
+            .flatten()
+            .find(|(k, _)| k == b"event_id");
+        if let Some((_, id)) = event_id.filter(|(_, id)| id.len() <= longest) {
+            hset.arg(&entry.id).arg(id);
             any = true;
         }
     }
     if any {
         if let Err(e) = hset.query::<()>(c) {
-            log::debug!(
-                "{stream}: in-flight ids not written at read ({e}); the fast path writes them"
-            );
+            log::debug!("in-flight ids not written after a blocking read ({e})");
         }
     }
 }

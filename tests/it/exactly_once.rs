@@ -1048,25 +1048,29 @@ fn per_event_mode_spreads_a_read_over_the_workers() {
     assert!(most >= 2, "at most {most} handler call(s) at once");
 }
 
-/// Per-event mode sends the default statement's transaction as one simple
-/// query, with the event id and payload as escaped literals: hostile values
+/// Both modes send the default statement's transaction as one simple query,
+/// with the event ids and payloads as escaped literals: hostile values
 /// (quotes, backslashes, dollar quotes, a would-be injection, an empty and a
 /// missing payload, 100 KB) are stored verbatim, nothing else runs, and a
-/// second copy of each is a duplicate. The handler holds the first event past
-/// a second, so the held-long form (the statement inside a transaction that
-/// checks ownership before COMMIT) runs too.
+/// second copy of each is a duplicate. In per-event mode the handler holds
+/// the first event past a second, so the held-long form (the statement
+/// inside a transaction that checks ownership before COMMIT) runs too.
 #[test]
 fn hostile_values_are_stored_verbatim_by_the_one_round_trip_transaction() {
     struct HoldsFirst {
         sql: SqlHandler,
-        held: AtomicU32,
+        /// Calls of `sql_effect`: one per event when nothing falls back to
+        /// another path.
+        held: Arc<AtomicU32>,
+        /// Whether the first event is held past a second.
+        hold: bool,
     }
     impl Handler for HoldsFirst {
         fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
             self.sql.handle(event, tx)
         }
         fn sql_effect(&self, _event: &Event) -> Option<&SqlHandler> {
-            if self.held.fetch_add(1, Ordering::SeqCst) == 0 {
+            if self.held.fetch_add(1, Ordering::SeqCst) == 0 && self.hold {
                 // Past `FRESH` (1 s): the delivery is now held long.
                 std::thread::sleep(Duration::from_millis(1_200));
             }
@@ -1074,69 +1078,82 @@ fn hostile_values_are_stored_verbatim_by_the_one_round_trip_transaction() {
         }
     }
 
-    let db = TestDb::new();
-    let (stream, group) = (unique("s"), unique("g"));
-    let mut conn = redis(&redis_url());
-    let big = "é'\\".repeat(100_000 / 4);
-    let cases: Vec<(String, Option<String>)> = vec![
-        (
-            "h'); DROP TABLE notifications; --".into(),
-            Some("p'); DELETE FROM processed_events; --".into()),
-        ),
-        ("h\\'\\\\".into(), Some("E'\\x41' \\ \\\\ '' \\'".into())),
-        (
-            "h$$ $1 $tag$".into(),
-            Some("$$ $1 $tag$ ; COMMIT; --".into()),
-        ),
-        ("h-unicode-日本-🦀".into(), Some("héllo ✓\n\ttab".into())),
-        ("h-empty".into(), Some(String::new())),
-        ("h-missing".into(), None),
-        ("h-big".into(), Some(big)),
-    ];
-    for _copy in 0..2 {
-        for (id, payload) in &cases {
-            let mut fields = vec![("event_id", id.as_str())];
-            if let Some(p) = payload {
-                fields.push(("payload", p.as_str()));
+    for mode in [taskhub::Mode::PerEvent, taskhub::Mode::Batch] {
+        let db = TestDb::new();
+        let (stream, group) = (unique("s"), unique("g"));
+        let mut conn = redis(&redis_url());
+        let big = "é'\\".repeat(100_000 / 4);
+        let cases: Vec<(String, Option<String>)> = vec![
+            (
+                "h'); DROP TABLE notifications; --".into(),
+                Some("p'); DELETE FROM processed_events; --".into()),
+            ),
+            ("h\\'\\\\".into(), Some("E'\\x41' \\ \\\\ '' \\'".into())),
+            (
+                "h$$ $1 $tag$".into(),
+                Some("$$ $1 $tag$ ; COMMIT; --".into()),
+            ),
+            ("h-unicode-日本-🦀".into(), Some("héllo ✓\n\ttab".into())),
+            ("h-empty".into(), Some(String::new())),
+            ("h-missing".into(), None),
+            ("h-big".into(), Some(big)),
+        ];
+        for _copy in 0..2 {
+            for (id, payload) in &cases {
+                let mut fields = vec![("event_id", id.as_str())];
+                if let Some(p) = payload {
+                    fields.push(("payload", p.as_str()));
+                }
+                xadd(&mut conn, &stream, &fields);
             }
-            xadd(&mut conn, &stream, &fields);
         }
-    }
 
-    let summary = run_until_idle(
-        builder(&db.url, &stream, &group)
-            .mode(taskhub::Mode::PerEvent)
-            .workers(2)
-            .count(4),
-        HoldsFirst {
-            sql: SqlHandler::default(),
-            held: AtomicU32::new(0),
-        },
-    );
+        // One worker thread: a job acks (and marks) before the next starts,
+        // so each event reaches the database once.
+        let calls = Arc::new(AtomicU32::new(0));
+        let summary = run_until_idle(
+            builder(&db.url, &stream, &group)
+                .mode(mode)
+                .workers(1)
+                .count(4),
+            HoldsFirst {
+                sql: SqlHandler::default(),
+                held: calls.clone(),
+                hold: mode == taskhub::Mode::PerEvent,
+            },
+        );
+        // A statement that failed would have sent its events down another
+        // path (a batch one by one), asking again.
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            cases.len() as u32,
+            "{mode:?}: {summary}"
+        );
 
-    assert_eq!(summary.applied, cases.len() as u64, "{summary}");
-    assert_eq!(summary.duplicates, cases.len() as u64, "{summary}");
-    assert_eq!(summary.dead_lettered, 0, "{summary}");
-    for (id, payload) in &cases {
-        let rows = db
-            .client()
-            .query(
-                "SELECT payload FROM notifications WHERE event_id = $1",
-                &[id],
-            )
-            .unwrap();
-        assert_eq!(rows.len(), 1, "{id:?}: one effect");
-        assert_eq!(rows[0].get::<_, Option<String>>(0), *payload, "{id:?}");
-        assert_eq!(processed_rows(&db, &group, id), 1, "{id:?}");
+        assert_eq!(summary.applied, cases.len() as u64, "{mode:?}: {summary}");
+        assert_eq!(summary.duplicates, cases.len() as u64, "{summary}");
+        assert_eq!(summary.dead_lettered, 0, "{summary}");
+        for (id, payload) in &cases {
+            let rows = db
+                .client()
+                .query(
+                    "SELECT payload FROM notifications WHERE event_id = $1",
+                    &[id],
+                )
+                .unwrap();
+            assert_eq!(rows.len(), 1, "{id:?}: one effect");
+            assert_eq!(rows[0].get::<_, Option<String>>(0), *payload, "{id:?}");
+            assert_eq!(processed_rows(&db, &group, id), 1, "{id:?}");
+        }
+        let count = |sql: &str| db.count(sql);
+        assert_eq!(
+            count("SELECT count(*) FROM notifications"),
+            cases.len() as i64
+        );
+        assert_eq!(
+            count("SELECT count(*) FROM processed_events"),
+            cases.len() as i64
+        );
+        assert_eq!(pending(&mut conn, &stream, &group), 0);
     }
-    let count = |sql: &str| db.count(sql);
-    assert_eq!(
-        count("SELECT count(*) FROM notifications"),
-        cases.len() as i64
-    );
-    assert_eq!(
-        count("SELECT count(*) FROM processed_events"),
-        cases.len() as i64
-    );
-    assert_eq!(pending(&mut conn, &stream, &group), 0);
 }
