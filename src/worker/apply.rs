@@ -196,34 +196,13 @@ impl Processor {
         let started = Instant::now();
         if !delivery.held_long() {
             fault::hit(Point::BeforeCommit, event.event_id());
-            let sent = conn.simple_query(&format!(
-                "START TRANSACTION READ WRITE; {statement}; COMMIT"
-            ));
-            let messages = match sent {
-                Ok(messages) => messages,
-                Err(e) => {
-                    // No strike (`reached_database` stays false): a stale
-                    // connection and one this event's statement killed look
-                    // the same here. An event that kills its session is
-                    // still caught: once it is held over a second (outages
-                    // are waited out with backoff), it takes the path below,
-                    // whose BEGIN tells them apart.
-                    if !conn.is_closed() {
-                        // The transaction is aborted (or never began).
-                        let _ = conn.batch_execute("ROLLBACK");
-                    }
-                    return Err(e.into());
-                }
-            };
+            let rows = in_one_round_trip(conn, statement)?;
             stage
                 .common
                 .stats
                 .handler_seconds
                 .observe(started.elapsed());
-            if !messages
-                .iter()
-                .any(|m| matches!(m, postgres::SimpleQueryMessage::Row(_)))
-            {
+            if rows.is_empty() {
                 return Ok(Applied::Duplicate); // it inserted nothing
             }
             Stats::add(&stage.common.stats.commits, 1);
@@ -297,32 +276,15 @@ impl Processor {
             fault::hit(Point::BeforeCommit, event(d).event_id());
         }
         let started = Instant::now();
-        let sent = conn.simple_query(&format!(
-            "START TRANSACTION READ WRITE; {statement}; COMMIT"
-        ));
-        let messages = match sent {
-            Ok(messages) => messages,
-            Err(e) => {
-                // As in `apply_statement`: no strike here; held over a
-                // second, the batch takes the normal path.
-                if !conn.is_closed() {
-                    let _ = conn.batch_execute("ROLLBACK");
-                }
-                return Err(HandlerError::from(e).for_no_event());
-            }
-        };
+        let rows = in_one_round_trip(conn, &statement)
+            .map_err(|e| HandlerError::from(e).for_no_event())?;
         stage
             .common
             .stats
             .handler_seconds
             .observe(started.elapsed());
-        let mut inserted: std::collections::HashSet<&str> = messages
-            .iter()
-            .filter_map(|m| match m {
-                postgres::SimpleQueryMessage::Row(row) => row.get(0),
-                _ => None,
-            })
-            .collect();
+        let mut inserted: std::collections::HashSet<&str> =
+            rows.iter().map(String::as_str).collect();
         // The first delivery of each inserted id is new; later copies of the
         // same id in this batch are duplicates.
         let new: Vec<bool> = batch
@@ -472,6 +434,40 @@ impl Processor {
             committed(&stage, e);
         }
         Ok(Batch::Applied(new, left_out))
+    }
+}
+
+/// Sends `START TRANSACTION READ WRITE; statement; COMMIT` as one simple
+/// query, the whole transaction in one round trip; returns the first column
+/// of the statement's rows. On an error the transaction is rolled back (it
+/// is aborted, or never began).
+///
+/// A lost session here is no strike (`reached_database` stays false): a
+/// stale connection and one this statement killed look the same. An event
+/// that kills its session is still caught: once it is held over a second
+/// (outages are waited out with backoff), it takes the general path, whose
+/// BEGIN tells them apart.
+fn in_one_round_trip(
+    conn: &mut postgres::Client,
+    statement: &str,
+) -> Result<Vec<String>, postgres::Error> {
+    let sent = conn.simple_query(&format!(
+        "START TRANSACTION READ WRITE; {statement}; COMMIT"
+    ));
+    match sent {
+        Ok(messages) => Ok(messages
+            .iter()
+            .filter_map(|m| match m {
+                postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+                _ => None,
+            })
+            .collect()),
+        Err(e) => {
+            if !conn.is_closed() {
+                let _ = conn.batch_execute("ROLLBACK");
+            }
+            Err(e)
+        }
     }
 }
 

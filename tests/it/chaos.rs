@@ -674,7 +674,7 @@ fn a_batch_commits_whoever_holds_its_duplicates() {
 /// become a `crash_loop` dead letter.
 #[test]
 fn a_lone_session_killer_is_a_crash_loop() {
-    use taskhub::{handler_fn, Event, Tx, Worker};
+    use taskhub::{handler_fn, Event, Tx};
 
     let db = TestDb::new();
     let (stream, group) = (unique("s"), unique("g"));
@@ -684,36 +684,53 @@ fn a_lone_session_killer_is_a_crash_loop() {
         &stream,
         &[("event_id", "killer"), ("payload", "p")],
     );
-    let worker = Worker::builder()
-        .mode(mode())
+    let handler = handler_fn(|_: &Event, tx: &mut Tx<'_>| {
+        tx.batch_execute("SELECT pg_terminate_backend(pg_backend_pid())")?;
+        Ok(())
+    });
+    run_until_a_crash_loop(&db, mode(), &stream, &group, &killer, Box::new(handler));
+}
+
+/// Runs one worker thread of `mode` with `handler` (`max_attempts` 3) until
+/// `stream` has a dead letter and nothing pending (at most 40 s); asserts
+/// that the only letter is `killer`'s, a `crash_loop`.
+fn run_until_a_crash_loop(
+    db: &TestDb,
+    mode: taskhub::Mode,
+    stream: &str,
+    group: &str,
+    killer: &str,
+    handler: Box<dyn taskhub::Handler>,
+) -> taskhub::Summary {
+    let mut conn = redis(&redis_url());
+    let worker = taskhub::Worker::builder()
+        .mode(mode)
         .redis_url(&redis_url())
         .database_url(&db.url)
-        .stream(&stream)
-        .group(&group)
+        .stream(stream)
+        .group(group)
         .consumer("c")
         .workers(1)
         .max_attempts(3)
         .block(Duration::from_millis(100))
         .shutdown_timeout(Duration::from_secs(15))
-        .build(Box::new(handler_fn(|_: &Event, tx: &mut Tx<'_>| {
-            tx.batch_execute("SELECT pg_terminate_backend(pg_backend_pid())")?;
-            Ok(())
-        })))
+        .build(handler)
         .unwrap();
     let stop = worker.shutdown_handle();
     let run = std::thread::spawn(move || worker.run());
     let settled = wait_until(Duration::from_secs(40), || {
-        !dead_letters(&mut conn, &stream).is_empty() && pending(&mut conn, &stream, &group) == 0
+        !dead_letters(&mut conn, stream).is_empty() && pending(&mut conn, stream, group) == 0
     });
     stop.shutdown();
     let summary = run.join().unwrap().expect("run");
     assert!(settled, "the session killer is still running: {summary}");
-    let letters = dead_letters(&mut conn, &stream);
+    let letters = dead_letters(&mut conn, stream);
     let dead: Vec<(&str, &str)> = letters
         .iter()
         .map(|l| (l.original_id.as_str(), l.kind.as_str()))
         .collect();
-    assert_eq!(dead, vec![(killer.as_str(), "crash_loop")], "{summary}");
+    assert_eq!(dead, vec![(killer, "crash_loop")], "{summary}");
+    summary
 }
 
 /// The same in per-event mode through the built-in statement, whose whole
@@ -726,7 +743,7 @@ fn a_lone_session_killer_is_a_crash_loop() {
 /// statement), and the others are applied.
 #[test]
 fn a_session_killer_in_the_one_round_trip_transaction_is_a_crash_loop() {
-    use taskhub::{SqlHandler, Worker};
+    use taskhub::SqlHandler;
 
     let db = TestDb::new();
     db.client()
@@ -756,33 +773,14 @@ fn a_session_killer_in_the_one_round_trip_transaction_is_a_crash_loop() {
             &[("event_id", &format!("ok-{i}")), ("payload", "p")],
         );
     }
-    let worker = Worker::builder()
-        .mode(taskhub::Mode::PerEvent)
-        .redis_url(&redis_url())
-        .database_url(&db.url)
-        .stream(&stream)
-        .group(&group)
-        .consumer("c")
-        .workers(1)
-        .max_attempts(3)
-        .block(Duration::from_millis(100))
-        .shutdown_timeout(Duration::from_secs(15))
-        .build(Box::new(SqlHandler::default()))
-        .unwrap();
-    let stop = worker.shutdown_handle();
-    let run = std::thread::spawn(move || worker.run());
-    let settled = wait_until(Duration::from_secs(40), || {
-        !dead_letters(&mut conn, &stream).is_empty() && pending(&mut conn, &stream, &group) == 0
-    });
-    stop.shutdown();
-    let summary = run.join().unwrap().expect("run");
-    assert!(settled, "the session killer is still running: {summary}");
-    let letters = dead_letters(&mut conn, &stream);
-    let dead: Vec<(&str, &str)> = letters
-        .iter()
-        .map(|l| (l.original_id.as_str(), l.kind.as_str()))
-        .collect();
-    assert_eq!(dead, vec![(killer.as_str(), "crash_loop")], "{summary}");
+    let summary = run_until_a_crash_loop(
+        &db,
+        taskhub::Mode::PerEvent,
+        &stream,
+        &group,
+        &killer,
+        Box::new(SqlHandler::default()),
+    );
     assert_eq!(summary.applied, 3, "{summary}");
     assert_eq!(db.count("SELECT count(*) FROM notifications"), 3);
 }
