@@ -44,7 +44,7 @@ use clap::{Args, Parser, Subcommand};
 #[path = "../support/proxy.rs"]
 mod proxy;
 use rand::{Rng, SeedableRng};
-use taskhub::{Event, Handler, HandlerError, Tx, Worker};
+use taskhub::{Event, Handler, HandlerError, SqlHandler, Tx, Worker};
 
 #[derive(Parser)]
 struct Cli {
@@ -630,6 +630,10 @@ fn produce(url: &str, args: &ProduceArgs) -> Res<()> {
 struct Chaos {
     redis: redis::Client,
     conns: std::sync::Mutex<Vec<redis::Connection>>,
+    /// The effect of a plain event: the built-in statement, which its
+    /// `handle` runs too. Handing it out through `sql_effect` puts the
+    /// one-round-trip transactions under every fault of the run.
+    sql: SqlHandler,
 }
 
 impl Chaos {
@@ -719,6 +723,23 @@ impl Handler for Chaos {
         Ok(())
     }
 
+    /// A plain event's whole effect is the built-in statement (see
+    /// `handle`): taskhub may run it in one round trip.
+    fn sql_effect(&self, event: &Event) -> Option<&SqlHandler> {
+        let value: serde_json::Value = serde_json::from_str(event.payload()?).ok()?;
+        let special = [
+            "transient",
+            "permanent",
+            "panic",
+            "slow",
+            "killer",
+            "panic-once",
+            "abort",
+        ];
+        let kind = value["kind"].as_str().unwrap_or("plain");
+        (!special.contains(&kind)).then_some(&self.sql)
+    }
+
     fn name(&self) -> &str {
         "chaos"
     }
@@ -728,6 +749,7 @@ fn work(redis_url: &str, db_url: &str, a: &WorkArgs) -> Res<()> {
     let handler = Chaos {
         redis: redis::Client::open(redis_url)?,
         conns: std::sync::Mutex::new(Vec::new()),
+        sql: SqlHandler::default(),
     };
     let worker = Worker::builder()
         .redis_url(redis_url)
