@@ -19,58 +19,37 @@ pub const DEFAULT_STATEMENT: &str = "INSERT INTO notifications (event_id, payloa
 const DEFAULT_BATCH_STATEMENT: &str =
     "INSERT INTO notifications (event_id, payload) SELECT * FROM unnest($1::text[], $2::text[])";
 
-/// The dedup insert of `processed_events` and the default statement as one
-/// statement, with the values as literals (per-event mode, see
-/// `worker/apply.rs`): the effect reads the dedup insert's RETURNING, so it
-/// inserts nothing for a duplicate. It returns the transaction id when the
-/// event is new, no row when it is a duplicate.
-///
-/// Literals, not parameters: it goes in one simple query with its BEGIN and
-/// COMMIT, one round trip for the whole transaction. They are escaped as
-/// libpq's `PQescapeLiteral` does (`E'...'` when there is a backslash), which
-/// is safe whatever `standard_conforming_strings` says; the caller checked
-/// that they hold no NUL byte (`Handler::validate`, event id parsing).
-pub(crate) fn dedup_and_default(scope: &str, event_id: &str, payload: Option<&str>) -> String {
-    use postgres_protocol::escape::escape_literal;
-    let id = escape_literal(event_id);
-    let payload = payload.map_or_else(|| "NULL".to_owned(), escape_literal);
-    format!(
-        "WITH done AS (INSERT INTO processed_events (scope, event_id) VALUES ({}, {id}) \
-         ON CONFLICT DO NOTHING RETURNING txid_current() AS xid), \
-         effect AS (INSERT INTO notifications (event_id, payload) SELECT {id}, {payload}::text FROM done) \
-         SELECT xid FROM done",
-        escape_literal(scope)
-    )
-}
+/// The dedup insert of `processed_events` and [`DEFAULT_STATEMENT`] as one
+/// statement (see `worker/apply.rs`): the effect inserts from the dedup
+/// insert's `RETURNING`, so it inserts nothing for a duplicate. `$1` scope,
+/// `$2` event_id, `$3` payload; one row (the transaction id) when the event
+/// is new, none when it is a duplicate. One statement is one transaction
+/// even without BEGIN: in a session that allows it, it commits alone, in one
+/// round trip.
+pub(crate) const DEDUP_AND_DEFAULT: &str = "WITH done AS (\
+     INSERT INTO processed_events (scope, event_id) VALUES ($1, $2) \
+     ON CONFLICT DO NOTHING RETURNING txid_current() AS xid), \
+     effect AS (INSERT INTO notifications (event_id, payload) SELECT $2, $3::text FROM done) \
+     SELECT xid FROM done";
 
-/// [`dedup_and_default`] for a batch of distinct event ids with their
-/// payloads: one set-based statement that returns the event ids that were
-/// new (their effects inserted in the batch's order).
-pub(crate) fn dedup_and_default_batch(scope: &str, events: &[(&str, Option<&str>)]) -> String {
-    use postgres_protocol::escape::escape_literal;
-    let mut ids = String::new();
-    let mut payloads = String::new();
-    for (i, (id, payload)) in events.iter().enumerate() {
-        if i > 0 {
-            ids.push(',');
-            payloads.push(',');
-        }
-        ids.push_str(&escape_literal(id));
-        match payload {
-            Some(p) => payloads.push_str(&escape_literal(p)),
-            None => payloads.push_str("NULL"),
-        }
-    }
-    format!(
-        "WITH e AS (SELECT * FROM unnest(ARRAY[{ids}]::text[], ARRAY[{payloads}]::text[]) \
-         WITH ORDINALITY AS e(id, payload, n)), \
-         done AS (INSERT INTO processed_events (scope, event_id) SELECT {}, id FROM e \
-         ON CONFLICT DO NOTHING RETURNING event_id), \
-         effect AS (INSERT INTO notifications (event_id, payload) \
-         SELECT e.id, e.payload FROM e JOIN done ON done.event_id = e.id ORDER BY e.n) \
-         SELECT event_id FROM done",
-        escape_literal(scope)
-    )
+/// [`DEDUP_AND_DEFAULT`] for a batch of distinct event ids: `$1` scope, `$2`
+/// event ids, `$3` payloads; returns the event ids that were new (their
+/// effects inserted in the batch's order).
+pub(crate) const DEDUP_AND_DEFAULT_BATCH: &str = "WITH e AS (\
+     SELECT * FROM unnest($2::text[], $3::text[]) WITH ORDINALITY AS e(id, payload, n)), \
+     done AS (INSERT INTO processed_events (scope, event_id) SELECT $1, id FROM e \
+     ON CONFLICT DO NOTHING RETURNING event_id), \
+     effect AS (INSERT INTO notifications (event_id, payload) \
+     SELECT e.id, e.payload FROM e JOIN done ON done.event_id = e.id ORDER BY e.n) \
+     SELECT event_id FROM done";
+
+/// Whether [`DEFAULT_STATEMENT`], prepared on a connection, takes text for
+/// both its parameters: the fused statements pass text, which a `jsonb` or
+/// `uuid` column of `notifications` would refuse.
+pub(crate) fn folds(default_statement: &postgres::Statement) -> bool {
+    let text = [Type::TEXT, Type::VARCHAR, Type::BPCHAR, Type::NAME];
+    let params = default_statement.params();
+    params.len() == 2 && params.iter().all(|ty| text.contains(ty))
 }
 
 /// Runs one SQL statement per event. See the module docs for the parameters.
@@ -93,7 +72,7 @@ impl SqlHandler {
     }
 
     /// Whether it runs [`DEFAULT_STATEMENT`], which taskhub can fold into
-    /// the dedup insert ([`dedup_and_default`]).
+    /// the dedup insert ([`DEDUP_AND_DEFAULT`]).
     pub(crate) fn is_default(&self) -> bool {
         self.statement == DEFAULT_STATEMENT
     }

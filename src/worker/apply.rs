@@ -21,11 +21,11 @@
 //!    its own.)
 //!
 //! When the effect is the built-in SQL statement (`Handler::sql_effect`),
-//! steps 1 and 3 are one statement ([`sql::dedup_and_default`],
-//! [`sql::dedup_and_default_batch`]), and a first delivery or a batch that
-//! needs no ownership check (step 4) sends its whole transaction, BEGIN to
-//! COMMIT, in one round trip ([`Processor::apply_statement`],
-//! [`Processor::apply_batch_statement`]).
+//! steps 1 and 3 are one statement ([`sql::DEDUP_AND_DEFAULT`],
+//! [`sql::DEDUP_AND_DEFAULT_BATCH`]), and for a first delivery or a batch
+//! that needs no ownership check (step 4) that statement is the whole
+//! transaction: no BEGIN, no COMMIT, one round trip
+//! ([`Processor::apply_statement`], [`Processor::apply_batch_statement`]).
 
 use std::time::Instant;
 
@@ -89,6 +89,7 @@ impl Processor {
                 .get()
                 .map_err(|e| HandlerError::outage(format!("no PostgreSQL connection: {e}")))?;
             self.cache.clear();
+            (self.session, self.default_folds) = (None, None);
             self.pg = Some(conn);
         }
         Ok(())
@@ -108,15 +109,13 @@ impl Processor {
         let scope = stage.settings.scope.as_str();
         if let Some(sql) = stage.handler.sql_effect(event(delivery)) {
             // A first delivery (no start to count before the effect).
-            if sql.is_default() && delivery.delivery_count == 1 {
-                let event = event(delivery);
-                crate::Handler::validate(sql, event)?;
-                let statement =
-                    sql::dedup_and_default(scope, event.event_id(), sql::payload(event)?);
-                return self.apply_statement(&statement, delivery);
+            if sql.is_default() && delivery.delivery_count == 1 && self.default_folds()? {
+                crate::Handler::validate(sql, event(delivery))?;
+                return self.apply_statement(delivery);
             }
         }
         self.connection()?;
+        self.session(Session::Handler)?;
         let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
             unreachable!("connection() sets it")
         };
@@ -172,44 +171,58 @@ impl Processor {
     }
 
     /// Step 3 when the event's effect is the default SQL statement: the
-    /// dedup insert and the effect are one `statement`
-    /// ([`sql::dedup_and_default`]), which returns the transaction id when
+    /// dedup insert and the effect are one statement
+    /// ([`sql::DEDUP_AND_DEFAULT`]), which returns the transaction id when
     /// the event is new.
     ///
     /// An entry read less than a second ago (see `delivery.rs`: no other
-    /// consumer can have claimed it yet) commits in one round trip,
-    /// `START TRANSACTION READ WRITE; statement; COMMIT` in one simple query;
-    /// one held longer has its ownership checked between the statement and
-    /// COMMIT, as in [`Processor::apply`].
-    fn apply_statement(
-        &mut self,
-        statement: &str,
-        delivery: &Delivery,
-    ) -> Result<Applied, HandlerError> {
+    /// consumer can have claimed it yet) runs it alone, without BEGIN: one
+    /// statement is one transaction, committed before its reply, in one
+    /// round trip ([`Session::Fused`]). Its time is bounded, so it commits
+    /// well before another consumer could claim the entry; past the bound
+    /// (a lock wait), and for an entry held longer, it runs inside BEGIN and
+    /// COMMIT with the ownership check between, as in [`Processor::apply`].
+    fn apply_statement(&mut self, delivery: &Delivery) -> Result<Applied, HandlerError> {
         let stage = self.stage.clone();
+        let scope = stage.settings.scope.as_str();
         let event = event(delivery);
-        self.connection()?;
-        let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
-            unreachable!("connection() sets it")
-        };
-        fault::hit(Point::InHandler, event.event_id());
+        let (event_id, payload) = (event.event_id(), sql::payload(event)?);
+        fault::hit(Point::InHandler, event_id);
         let started = Instant::now();
         if !delivery.held_long() {
-            fault::hit(Point::BeforeCommit, event.event_id());
-            let rows = in_one_round_trip(conn, statement)?;
-            stage
-                .common
-                .stats
-                .handler_seconds
-                .observe(started.elapsed());
-            if rows.is_empty() {
-                return Ok(Applied::Duplicate); // it inserted nothing
+            self.session(Session::Fused)?;
+            let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
+                unreachable!("session() needs a connection")
+            };
+            let fused = prepare(&mut ***conn, cache, sql::DEDUP_AND_DEFAULT)?;
+            fault::hit(Point::BeforeCommit, event_id);
+            // No strike if the session is lost here (`reached_database`
+            // stays false): a stale connection and one this statement killed
+            // look the same. An event that kills its session is still
+            // caught: once it is held over a second (outages are waited out
+            // with backoff), it takes the path below, whose BEGIN tells them
+            // apart.
+            match conn.query_opt(&fused, &[&scope, &event_id, &payload]) {
+                Ok(row) => {
+                    observe_handler(&stage, started);
+                    if row.is_none() {
+                        return Ok(Applied::Duplicate); // it inserted nothing
+                    }
+                    Stats::add(&stage.common.stats.commits, 1);
+                    fault::hit(Point::AfterCommit, event_id);
+                    committed(&stage, event);
+                    return Ok(Applied::New);
+                }
+                // Past the bound: rolled back; again, with the check.
+                Err(e) if e.code() == Some(&postgres::error::SqlState::QUERY_CANCELED) => {}
+                Err(e) => return Err(e.into()),
             }
-            Stats::add(&stage.common.stats.commits, 1);
-            fault::hit(Point::AfterCommit, event.event_id());
-            committed(&stage, event);
-            return Ok(Applied::New);
         }
+        self.session(Session::Handler)?;
+        let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
+            unreachable!("session() needs a connection")
+        };
+        let fused = prepare(&mut ***conn, cache, sql::DEDUP_AND_DEFAULT)?;
         let mut tx = Tx {
             tx: conn.build_transaction().read_only(false).start()?,
             cache,
@@ -217,40 +230,28 @@ impl Processor {
         // The session worked when the event started: losing it from here
         // on may be the event's doing.
         self.reached_database = true;
-        let messages = tx.simple_query(statement)?;
-        let xid = messages.iter().find_map(|m| match m {
-            postgres::SimpleQueryMessage::Row(row) => row.get(0),
-            _ => None,
-        });
-        let Some(xid) = xid else {
+        let Some(row) = tx.query_opt(&fused, &[&scope, &event_id, &payload])? else {
             return Ok(Applied::Duplicate); // dropping tx rolls back
         };
-        let xid: i64 = xid.parse().map_err(|e| {
-            HandlerError::permanent(format!("txid_current() returned {xid:?}: {e}"))
-        })?;
-        stage
-            .common
-            .stats
-            .handler_seconds
-            .observe(started.elapsed());
-        finish(&stage, tx, xid, delivery)
+        observe_handler(&stage, started);
+        finish(&stage, tx, row.get(0), delivery)
     }
 
     /// [`Processor::apply_batch`] in one round trip, when every event's
-    /// effect is the default SQL statement: `START TRANSACTION READ WRITE;
-    /// <sql::dedup_and_default_batch>; COMMIT` as one simple query (no entry
-    /// of the batch is held long enough to need its ownership checked).
-    /// Returns, per delivery, whether it was new (the first delivery of
-    /// each new event id); `None` when an event's effect is not the default
-    /// statement, or its payload cannot be stored (the normal path then
-    /// fails it alone).
+    /// effect is the default SQL statement: [`sql::DEDUP_AND_DEFAULT_BATCH`]
+    /// alone, in the session of [`Processor::apply_statement`] (no entry of
+    /// the batch is held long enough to need its ownership checked).
+    /// Returns, per delivery, whether it was new (the first delivery of each
+    /// new event id); `None` when an event's effect is not the default
+    /// statement or its payload cannot be stored, or when the statement ran
+    /// past its bound: the general path then takes the batch.
     fn apply_batch_statement(
         &mut self,
         batch: &[Delivery],
     ) -> Result<Option<Vec<bool>>, HandlerError> {
         let stage = self.stage.clone();
         let mut seen = std::collections::HashSet::new();
-        let mut events = Vec::with_capacity(batch.len());
+        let (mut ids, mut payloads) = (Vec::new(), Vec::new());
         for d in batch {
             let event = event(d);
             let Some(sql) = stage.handler.sql_effect(event) else {
@@ -263,28 +264,37 @@ impl Processor {
                 return Ok(None);
             };
             if seen.insert(event.event_id()) {
-                events.push((event.event_id(), payload));
+                ids.push(event.event_id());
+                payloads.push(payload);
             }
         }
-        let statement = sql::dedup_and_default_batch(&stage.settings.scope, &events);
-        self.connection().map_err(HandlerError::for_no_event)?;
-        let Some(conn) = self.pg.as_mut() else {
-            unreachable!("connection() sets it")
+        let for_batch = HandlerError::for_no_event;
+        if !self.default_folds().map_err(for_batch)? {
+            return Ok(None);
+        }
+        self.session(Session::Fused).map_err(for_batch)?;
+        let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
+            unreachable!("session() needs a connection")
         };
+        let fused = prepare(&mut ***conn, cache, sql::DEDUP_AND_DEFAULT_BATCH)
+            .map_err(|e| for_batch(e.into()))?;
         for d in batch {
             fault::hit(Point::InHandler, event(d).event_id());
             fault::hit(Point::BeforeCommit, event(d).event_id());
         }
         let started = Instant::now();
-        let rows = in_one_round_trip(conn, &statement)
-            .map_err(|e| HandlerError::from(e).for_no_event())?;
-        stage
-            .common
-            .stats
-            .handler_seconds
-            .observe(started.elapsed());
+        // As in `apply_statement`: no strike here; held over a second, the
+        // batch takes the general path.
+        let rows = match conn.query(&fused, &[&stage.settings.scope, &ids, &payloads]) {
+            Ok(rows) => rows,
+            Err(e) if e.code() == Some(&postgres::error::SqlState::QUERY_CANCELED) => {
+                return Ok(None); // past the bound: rolled back
+            }
+            Err(e) => return Err(HandlerError::from(e).for_no_event()),
+        };
+        observe_handler(&stage, started);
         let mut inserted: std::collections::HashSet<&str> =
-            rows.iter().map(String::as_str).collect();
+            rows.iter().map(|row| row.get::<_, &str>(0)).collect();
         // The first delivery of each inserted id is new; later copies of the
         // same id in this batch are duplicates.
         let new: Vec<bool> = batch
@@ -299,6 +309,48 @@ impl Processor {
             committed(&stage, event(d));
         }
         Ok(Some(new))
+    }
+
+    /// Whether the default statement can be fused on this database (see
+    /// [`sql::folds`]); checked once per connection, from the statement
+    /// cache.
+    fn default_folds(&mut self) -> Result<bool, HandlerError> {
+        self.connection()?;
+        if let Some(folds) = self.default_folds {
+            return Ok(folds);
+        }
+        let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
+            unreachable!("connection() sets it")
+        };
+        let statement = prepare(&mut ***conn, cache, sql::DEFAULT_STATEMENT)?;
+        let folds = sql::folds(&statement);
+        if !folds {
+            log::info!("postgres: notifications does not take text for event_id and payload; the built-in statement runs apart from the dedup insert");
+        }
+        self.default_folds = Some(folds);
+        Ok(folds)
+    }
+
+    /// Sets the session of the connection up for `want`, when it is not
+    /// already (one round trip; a connection from the pool is set up anew,
+    /// whatever its last holder left).
+    fn session(&mut self, want: Session) -> Result<(), HandlerError> {
+        self.connection()?;
+        if self.session == Some(want) {
+            return Ok(());
+        }
+        let settings = &self.stage.settings;
+        let (read_only, timeout) = match want {
+            Session::Handler => ("on", settings.handler_timeout),
+            Session::Fused => ("off", settings.fused_timeout),
+        };
+        let conn = self.pg.as_mut().expect("connection() sets it");
+        conn.batch_execute(&format!(
+            "SET default_transaction_read_only = {read_only}; SET statement_timeout = {}",
+            timeout.as_millis()
+        ))?;
+        self.session = Some(want);
+        Ok(())
     }
 
     /// Step 3 for a batch: one set-based insert into `processed_events`
@@ -325,6 +377,7 @@ impl Processor {
             }
         }
         self.connection()?;
+        self.session(Session::Handler)?;
         let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
             unreachable!("connection() sets it")
         };
@@ -437,38 +490,24 @@ impl Processor {
     }
 }
 
-/// Sends `START TRANSACTION READ WRITE; statement; COMMIT` as one simple
-/// query, the whole transaction in one round trip; returns the first column
-/// of the statement's rows. On an error the transaction is rolled back (it
-/// is aborted, or never began).
-///
-/// A lost session here is no strike (`reached_database` stays false): a
-/// stale connection and one this statement killed look the same. An event
-/// that kills its session is still caught: once it is held over a second
-/// (outages are waited out with backoff), it takes the general path, whose
-/// BEGIN tells them apart.
-fn in_one_round_trip(
-    conn: &mut postgres::Client,
-    statement: &str,
-) -> Result<Vec<String>, postgres::Error> {
-    let sent = conn.simple_query(&format!(
-        "START TRANSACTION READ WRITE; {statement}; COMMIT"
-    ));
-    match sent {
-        Ok(messages) => Ok(messages
-            .iter()
-            .filter_map(|m| match m {
-                postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
-                _ => None,
-            })
-            .collect()),
-        Err(e) => {
-            if !conn.is_closed() {
-                let _ = conn.batch_execute("ROLLBACK");
-            }
-            Err(e)
-        }
-    }
+/// Records how long the handler's part took.
+fn observe_handler(stage: &Stage, started: Instant) {
+    let seconds = &stage.common.stats.handler_seconds;
+    seconds.observe(started.elapsed());
+}
+
+/// How the session of a worker's connection is set up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Session {
+    /// As the pool makes it: transactions read-only unless taskhub starts
+    /// them READ WRITE (a handler that ends its transaction itself cannot
+    /// go on writing), statements bounded by the handler timeout.
+    Handler,
+    /// For the fused built-in statement alone: a statement outside BEGIN
+    /// may write (it is its own transaction), and is bounded by
+    /// `Settings::fused_timeout`, so that it commits well before another
+    /// consumer may claim its entry.
+    Fused,
 }
 
 /// The end of [`Processor::apply`], after the effect: the ownership

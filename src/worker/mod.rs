@@ -531,6 +531,8 @@ fn settings(config: &Config, budget: Option<crate::handler::RetryBudget>) -> Set
         max_attempts,
         marker_ttl: config.marker_ttl,
         handler_timeout: config.handler_timeout,
+        fused_timeout: (config.reclaim_min_idle.saturating_sub(delivery::FRESH) / 2)
+            .min(config.handler_timeout),
         backoff: Backoff {
             base,
             cap,

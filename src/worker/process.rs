@@ -89,6 +89,12 @@ pub(crate) struct Processor {
     /// Whether the attempt under way got past the dedup insert, i.e. the
     /// database worked when the event started (see `through_outages`).
     pub(crate) reached_database: bool,
+    /// How the connection's session is set up (`None`: as the pool or its
+    /// last holder left it).
+    pub(crate) session: Option<crate::worker::apply::Session>,
+    /// Whether the built-in statement can be fused on this connection's
+    /// database (`None`: not checked yet).
+    pub(crate) default_folds: Option<bool>,
 }
 
 /// What the worker threads share: each holds an `Arc` of it.
@@ -117,6 +123,10 @@ pub(crate) struct Settings {
     pub max_attempts: u32,
     pub marker_ttl: Duration,
     pub handler_timeout: Duration,
+    /// The bound of the fused built-in statement (see `apply.rs`): half the
+    /// time between `FRESH` and `reclaim_min_idle`, so that it commits well
+    /// before another consumer may claim its entry.
+    pub fused_timeout: Duration,
     pub backoff: Backoff,
 }
 
@@ -153,6 +163,8 @@ impl Processor {
             dead,
             failure_rate: 0.0,
             reached_database: false,
+            session: None,
+            default_folds: None,
         }
     }
 

@@ -701,3 +701,99 @@ fn entries_read_ahead_then_trimmed_are_settled_by_their_event() {
     assert_eq!(pending(&mut conn, &stream, &group), 0);
     assert_eq!(db.count("SELECT count(*) FROM processed_events"), 5);
 }
+
+/// Regression (a review of the fused built-in statement): the statement
+/// that needs no ownership check was sent without a bound, so a row lock
+/// held it past `--reclaim-min-idle` while its entry was deleted; another
+/// consumer claimed the entry, found no `processed_events` row and wrote a
+/// `trimmed` letter, then the statement committed: an effect and a letter.
+/// It is now bounded (half the time between a second and
+/// `--reclaim-min-idle`); past the bound it runs again inside a transaction
+/// that checks ownership before COMMIT.
+///
+/// Two consumers, per-event mode, 2 s min idle; an open transaction that
+/// inserted the event's dedup row holds its statement up; the entry is
+/// deleted; that transaction rolls back.
+#[test]
+fn a_statement_held_up_past_min_idle_never_commits_beside_a_letter() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("heldup"), unique("g"));
+    let args = [
+        "--mode",
+        "per-event",
+        "--reclaim-min-idle",
+        "2s",
+        "--reclaim-interval",
+        "300ms",
+    ];
+    let mut c1 = Proc::spawn(run_cmd(&db, &stream, &group, "c1", &args));
+    let mut c2 = Proc::spawn(run_cmd(&db, &stream, &group, "c2", &args));
+    // The event's dedup row, inserted and not committed: the statement
+    // waits for this transaction.
+    let mut locker = db.client();
+    locker
+        .batch_execute(&format!(
+            "BEGIN; INSERT INTO processed_events (scope, event_id) VALUES ('{group}', 'held-up')"
+        ))
+        .unwrap();
+    let entry = xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "held-up"), ("payload", "p")],
+    );
+    assert!(
+        wait_until(Duration::from_secs(20), || pending(
+            &mut conn, &stream, &group
+        ) == 1),
+        "not read\n{}\n{}",
+        c1.stderr(),
+        c2.stderr()
+    );
+    let _: () = redis::cmd("XDEL")
+        .arg(&stream)
+        .arg(&entry)
+        .query(&mut conn)
+        .unwrap();
+    // Another consumer claims the deleted entry and settles it.
+    assert!(
+        wait_until(Duration::from_secs(20), || !dead_letters(
+            &mut conn, &stream
+        )
+        .is_empty()),
+        "no letter\n{}\n{}",
+        c1.stderr(),
+        c2.stderr()
+    );
+    locker.batch_execute("ROLLBACK").unwrap();
+    assert!(
+        wait_until(Duration::from_secs(20), || pending(
+            &mut conn, &stream, &group
+        ) == 0),
+        "still pending"
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    c1.signal("TERM");
+    c2.signal("TERM");
+    assert!(
+        c1.wait(Duration::from_secs(20)).success(),
+        "{}",
+        c1.stderr()
+    );
+    assert!(
+        c2.wait(Duration::from_secs(20)).success(),
+        "{}",
+        c2.stderr()
+    );
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].kind, DeadLetterKind::Trimmed);
+    assert_eq!(
+        db.effects("held-up"),
+        0,
+        "applied and dead-lettered\n{}\n{}",
+        c1.stderr(),
+        c2.stderr()
+    );
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 0);
+}

@@ -1048,8 +1048,8 @@ fn per_event_mode_spreads_a_read_over_the_workers() {
     assert!(most >= 2, "at most {most} handler call(s) at once");
 }
 
-/// Both modes send the default statement's transaction as one simple query,
-/// with the event ids and payloads as escaped literals: hostile values
+/// Both modes run the default statement fused with the dedup insert, as a
+/// transaction of its own: hostile values
 /// (quotes, backslashes, dollar quotes, a would-be injection, an empty and a
 /// missing payload, 100 KB) are stored verbatim, nothing else runs, and a
 /// second copy of each is a duplicate. In per-event mode the handler holds
@@ -1155,5 +1155,46 @@ fn hostile_values_are_stored_verbatim_by_the_one_round_trip_transaction() {
             cases.len() as i64
         );
         assert_eq!(pending(&mut conn, &stream, &group), 0);
+    }
+}
+
+/// Regression (a review of the fused built-in statement): it passes the
+/// payload as text, which a `jsonb` `notifications.payload` column refuses
+/// (the migration keeps a table that exists); every event was dead-lettered
+/// as permanent. Where the default statement does not take text, it now runs
+/// apart from the dedup insert, as before, in both modes.
+#[test]
+fn a_jsonb_payload_column_keeps_the_built_in_statement_working() {
+    for mode in [taskhub::Mode::PerEvent, taskhub::Mode::Batch] {
+        let db = TestDb::new();
+        db.client()
+            .batch_execute(
+                "ALTER TABLE notifications ALTER COLUMN payload TYPE jsonb USING payload::jsonb",
+            )
+            .unwrap();
+        let (stream, group) = (unique("s"), unique("g"));
+        let mut conn = redis(&redis_url());
+        for i in 0..4 {
+            xadd(
+                &mut conn,
+                &stream,
+                &[
+                    ("event_id", &format!("j{i}")),
+                    ("payload", &format!("{{\"n\":{i}}}")),
+                ],
+            );
+        }
+        let summary = run_until_idle(
+            builder(&db.url, &stream, &group).mode(mode),
+            SqlHandler::default(),
+        );
+        let letters = dead_letters(&mut conn, &stream);
+        assert!(letters.is_empty(), "{mode:?}: {letters:?}");
+        assert_eq!(summary.applied, 4, "{mode:?}: {summary}");
+        assert_eq!(
+            db.count("SELECT count(*) FROM notifications WHERE payload ? 'n'"),
+            4,
+            "{mode:?}"
+        );
     }
 }
