@@ -109,8 +109,8 @@ impl Processor {
         let scope = stage.settings.scope.as_str();
         if let Some(sql) = stage.handler.sql_effect(event(delivery)) {
             // A first delivery (no start to count before the effect).
+            // (The handler's `validate` has run, before the event got here.)
             if sql.is_default() && delivery.delivery_count == 1 && self.default_folds()? {
-                crate::Handler::validate(sql, event(delivery))?;
                 return self.apply_statement(delivery);
             }
         }
@@ -243,8 +243,8 @@ impl Processor {
     /// the batch is held long enough to need its ownership checked).
     /// Returns, per delivery, whether it was new (the first delivery of each
     /// new event id); `None` when an event's effect is not the default
-    /// statement or its payload cannot be stored, or when the statement ran
-    /// past its bound: the general path then takes the batch.
+    /// statement or its payload is not text, or when the statement ran past
+    /// its bound: the general path then takes the batch.
     fn apply_batch_statement(
         &mut self,
         batch: &[Delivery],
@@ -257,7 +257,7 @@ impl Processor {
             let Some(sql) = stage.handler.sql_effect(event) else {
                 return Ok(None);
             };
-            if !sql.is_default() || crate::Handler::validate(sql, event).is_err() {
+            if !sql.is_default() {
                 return Ok(None);
             }
             let Ok(payload) = sql::payload(event) else {

@@ -711,3 +711,54 @@ fn a_group_started_at_dollar_is_created_again_where_it_stopped() {
     );
     assert!(db.effect_counts().values().all(|n| *n == 1));
 }
+
+/// The fused built-in statement runs in a session whose statements outside
+/// BEGIN may write; a handler's event on the same connection must get the
+/// read-only default back, or a handler that ends its transaction and goes
+/// on writing commits that write on its own. One worker thread: a plain
+/// event (fused), then one whose handler commits and writes again, then a
+/// plain one.
+#[test]
+fn a_handler_after_a_fused_event_cannot_write_outside_its_transaction() {
+    struct FusedThenRogue(taskhub::SqlHandler);
+    impl Handler for FusedThenRogue {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            self.0.handle(event, tx)?;
+            if event.payload() == Some("rogue") {
+                tx.batch_execute(
+                    "COMMIT; INSERT INTO notifications (event_id, payload) VALUES ('after', 'after')",
+                )?;
+            }
+            Ok(())
+        }
+        fn sql_effect(&self, event: &Event) -> Option<&taskhub::SqlHandler> {
+            (event.payload() != Some("rogue")).then_some(&self.0)
+        }
+    }
+
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("fusedrogue"), unique("g"));
+    for (id, payload) in [("plain-1", "p"), ("rogue", "rogue"), ("plain-2", "p")] {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", id), ("payload", payload)],
+        );
+    }
+    let builder = fast_builder(&redis_url(), &db.url, &stream, &group)
+        .mode(taskhub::Mode::PerEvent)
+        .workers(1)
+        .until_idle(true);
+    let summary =
+        Running::start(builder, FusedThenRogue(taskhub::SqlHandler::default())).join(RUN_TIMEOUT);
+    assert_eq!(summary.applied, 2, "{summary}");
+    assert_eq!(
+        db.effects("after"),
+        0,
+        "a write outside the transaction committed"
+    );
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].event_id.as_deref(), Some("rogue"));
+}
