@@ -198,6 +198,17 @@ impl HandlerError {
         e
     }
 
+    /// Whether it is PostgreSQL refusing a statement because the
+    /// transaction had already failed (25P02): the fault of whatever ran
+    /// before, not of the statement.
+    pub(crate) fn in_failed_transaction(&self) -> bool {
+        let source = self.source.as_deref();
+        source
+            .and_then(|s| s.downcast_ref::<postgres::Error>())
+            .and_then(postgres::Error::code)
+            == Some(&postgres::error::SqlState::IN_FAILED_SQL_TRANSACTION)
+    }
+
     pub(crate) fn is_panic(&self) -> bool {
         self.panicked
     }

@@ -226,6 +226,9 @@ pub(crate) struct RawEntry {
     pub id: String,
     pub fields: Option<Fields>,
     pub cut: Option<Cut>,
+    /// What the read script found for it, when it looked (see
+    /// `streams::read_group_bounded`).
+    pub seen: Option<crate::redis::streams::Seen>,
 }
 
 impl RawEntry {
@@ -270,7 +273,12 @@ pub(crate) fn parse_entries(value: redis::Value) -> Result<Vec<RawEntry>, String
             }),
             _ => None,
         };
-        entries.push(RawEntry { id, fields, cut });
+        entries.push(RawEntry {
+            id,
+            fields,
+            cut,
+            seen: None,
+        });
     }
     Ok(entries)
 }

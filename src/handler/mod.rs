@@ -30,15 +30,27 @@ pub trait Handler: Send + Sync + 'static {
 
     /// Applies several new events in one transaction (batch mode). The
     /// default calls [`handle`](Handler::handle) for each; override it with a
-    /// set-based statement to save round trips. An error rolls back the whole
-    /// batch. If it names the failing event
-    /// ([`HandlerError::for_event`], as the default does), that event takes
-    /// the failure path and the batch is tried again without it; otherwise
-    /// the events are applied one by one, each in its own transaction. Either
-    /// way one bad event neither fails nor repeats the others' effects.
+    /// set-based statement to save round trips. If an error names the
+    /// failing event ([`HandlerError::for_event`], as the default does), that
+    /// event takes the failure path and the others are handed to this method
+    /// again: in the same transaction when the failed call sent no statement
+    /// or a savepoint was taken before it, else in a new one; otherwise the
+    /// events are applied one by one, each in its own transaction. Either
+    /// way one bad event neither fails nor repeats the others' effects. (The
+    /// default names no event when a statement fails because an earlier
+    /// event's call left the transaction aborted and returned Ok.)
     fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
         for (i, event) in events.iter().enumerate() {
-            catch_panic(|| self.handle(event, tx)).map_err(|e| e.for_event(i))?;
+            catch_panic(|| self.handle(event, tx)).map_err(|e| {
+                if i > 0 && e.in_failed_transaction() {
+                    // An earlier event's call failed a statement and
+                    // returned Ok: this event is not to blame, and which
+                    // one is shows only one by one.
+                    e.for_no_event()
+                } else {
+                    e.for_event(i)
+                }
+            })?;
         }
         Ok(())
     }
@@ -138,6 +150,10 @@ impl RetryBudget {
 pub struct Tx<'a> {
     pub(crate) tx: postgres::Transaction<'a>,
     pub(crate) cache: &'a mut StatementCache,
+    /// Whether anything was asked of the transaction through this handle
+    /// since it was last cleared: a handler's failed call that sent nothing
+    /// left the transaction as it found it (no return to a savepoint).
+    pub(crate) touched: bool,
 }
 
 /// Prepared statements of one connection, by SQL text.
@@ -147,6 +163,8 @@ impl Tx<'_> {
     /// Prepares `sql` once per connection and returns the cached statement
     /// afterwards.
     pub fn prepare_cached(&mut self, sql: &str) -> Result<postgres::Statement, postgres::Error> {
+        // A failed PREPARE aborts the transaction.
+        self.touched = true;
         prepare_cached(&mut self.tx, self.cache, sql)
     }
 }
@@ -192,6 +210,8 @@ impl<'a> Deref for Tx<'a> {
 
 impl<'a> DerefMut for Tx<'a> {
     fn deref_mut(&mut self) -> &mut postgres::Transaction<'a> {
+        // Every query method of a transaction takes it mutably.
+        self.touched = true;
         &mut self.tx
     }
 }

@@ -139,6 +139,12 @@ pub(crate) fn marker(ns: &str, scope: &str, event_id: &str) -> String {
     format!("th:{ns}:{}:{scope}:{event_id}", scope.len())
 }
 
+/// What every marker of `scope` in namespace `ns` starts with: the read
+/// script appends the event id (see `streams::read_group_bounded`).
+pub(crate) fn marker_prefix(ns: &str, scope: &str) -> String {
+    marker(ns, scope, "")
+}
+
 /// The value a marker holds: `m:` and the 64-bit FNV-1a hash of its own
 /// key, in hex (18 bytes). A reply is a marker hit only when it is exactly
 /// the tag of the key asked for, so a reply that belongs to another command
@@ -182,6 +188,10 @@ mod tests {
         assert_ne!(started("a:b", "c", "1-0"), started("a", "b:c", "1-0"));
         assert_ne!(started("a", "b:1-0", "2-0"), started("a", "b", "1-0:2-0"));
         assert_eq!(marker("00ff", "g", "e"), "th:00ff:1:g:e");
+        assert_eq!(
+            format!("{}e:1", marker_prefix("00ff", "g:x")),
+            marker("00ff", "g:x", "e:1")
+        );
     }
 
     #[test]

@@ -21,7 +21,15 @@
 //!   error, so it is done again on a fresh connection, as after a dropped
 //!   one.
 //!
-//! Still one pipelined round trip (one per node on a cluster).
+//! Still one pipelined round trip (one per node on a cluster). On one
+//! server, the entries a reader reads are looked up by its read script in
+//! the same step (`streams::read_group_bounded`), where no reply can be out
+//! of place, and this check is left for the rest (claimed entries, retries,
+//! entries that waited).
+//!
+//! The markers of what committed are written, with the acks, by one script
+//! on one server ([`set_and_ack`]) and by a pipeline of [`set`] on a
+//! cluster.
 
 use redis::{RedisError, RedisResult, Value};
 
@@ -86,6 +94,50 @@ pub(crate) fn set(pipe: &mut Pipe, key: &str, ttl_secs: u64) {
         .arg("EX")
         .arg(ttl_secs.max(1))
         .ignore();
+}
+
+/// Sets the markers KEYS[3..] (their tags ARGV[3..], expiring after ARGV[2]
+/// seconds; a marker Redis refuses, out of memory say, is left out: it is
+/// only a cache), then XACKs the entry ids after the tags in group ARGV[1]
+/// of stream KEYS[1] and removes them from the in-flight ids KEYS[2].
+const MARK_AND_ACK: &str = r"
+local marks = #KEYS - 2
+for i = 1, marks do
+    redis.pcall('SET', KEYS[2 + i], ARGV[2 + i], 'EX', ARGV[2])
+end
+local acked = 0
+for first = 3 + marks, #ARGV, 1000 do
+    local last = math.min(first + 999, #ARGV)
+    acked = acked + redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, first, last))
+    redis.call('HDEL', KEYS[2], unpack(ARGV, first, last))
+end
+return acked
+";
+
+/// On one server, [`set`] for each of `keys` with [`XACK`](crate::redis::streams::ack)
+/// of `ids` and their removal from the in-flight ids, as one script: one
+/// reply where a pipeline has one per marker. Its keys are in several hash
+/// slots, so a cluster takes the pipeline.
+pub(crate) fn set_and_ack(
+    conn: &mut RedisConn,
+    keys: &[String],
+    ttl_secs: u64,
+    (stream, in_flight, group): (&str, &str, &str),
+    ids: &[&str],
+) -> RedisResult<()> {
+    debug_assert!(!conn.is_cluster());
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(MARK_AND_ACK)
+        .arg(keys.len() + 2)
+        .arg(stream)
+        .arg(in_flight)
+        .arg(keys)
+        .arg(group)
+        .arg(ttl_secs.max(1));
+    for key in keys {
+        cmd.arg(marker_tag(key));
+    }
+    cmd.arg(ids).query::<i64>(conn).map(drop)
 }
 
 /// The replies of [`check`]'s pipeline: one per marker, then the index's.

@@ -20,6 +20,7 @@ mod client;
 mod conn;
 pub(crate) mod keys;
 pub(crate) mod markers;
+mod packed;
 pub(crate) mod pool;
 pub(crate) mod streams;
 

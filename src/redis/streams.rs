@@ -8,6 +8,8 @@
 //! arrive. Only the blocking read a reader makes when its stream is idle
 //! (one entry at most) can bring one entry whole; it is cut down at once.
 
+use std::sync::Arc;
+
 use redis::RedisResult;
 
 use crate::redis::RedisConn;
@@ -108,20 +110,35 @@ fn bounded_on(script: &str, keys: &[&str], max_entry_bytes: usize, keep: usize) 
 /// [`BOUND`], each entry's event id recorded in the in-flight ids KEYS[2]
 /// in the same step (see `keys::in_flight_ids`; an event id over ARGV[8]
 /// bytes is invalid and not recorded). ARGV[4..]: group, consumer, count,
-/// from, the longest event id.
+/// from, the longest event id, and the prefix of the duplicate markers
+/// (`keys::marker` without the event id) or an empty string.
+///
+/// With a prefix, the script also answers the fast path's questions for
+/// each entry (see `markers.rs`): a letter per entry, `d` when it is in the
+/// dead-letter index KEYS[3], else `m` when its event's marker holds a
+/// marker's value (`m:` and 16 hex digits; inside a script a reply cannot
+/// belong to another command), else `-`. Markers are in other hash slots
+/// than the stream, so on a cluster the prefix is empty and the fast path
+/// asks apart.
+///
+/// The reply is `{entries, letters}`, the entries packed with MessagePack
+/// (see `packed.rs`: one string to parse instead of seven values per
+/// entry), the letters empty without a prefix.
 const READ_BOUNDED: &str = r"
 local r = redis.call('XREADGROUP', 'GROUP', ARGV[4], ARGV[5], 'COUNT', ARGV[6],
     'STREAMS', KEYS[1], ARGV[7])
-if not r then return {} end
-local entries, ids, longest = r[1][2], {}, tonumber(ARGV[8])
-for _, e in ipairs(entries) do
-    local f = e[2]
+local prefix = ARGV[9]
+if not r then return {cmsgpack.pack({}), ''} end
+local entries, ids, longest, seen = r[1][2], {}, tonumber(ARGV[8]), {}
+for n, e in ipairs(entries) do
+    local f, event = e[2], nil
     if type(f) == 'table' then
         for i = 1, #f - 1, 2 do
             if f[i] == 'event_id' then
                 if #f[i + 1] <= longest then
+                    event = f[i + 1]
                     ids[#ids + 1] = e[1]
-                    ids[#ids + 1] = f[i + 1]
+                    ids[#ids + 1] = event
                 end
                 break
             end
@@ -131,21 +148,58 @@ for _, e in ipairs(entries) do
         redis.call('HSET', KEYS[2], unpack(ids))
         ids = {}
     end
+    if prefix ~= '' then
+        local letter = '-'
+        if redis.call('HEXISTS', KEYS[3], e[1]) == 1 then
+            letter = 'd'
+        elseif event then
+            local v = redis.call('GET', prefix .. event)
+            if type(v) == 'string' and #v == 18 and string.sub(v, 1, 2) == 'm:' then
+                letter = 'm'
+            end
+        end
+        seen[n] = letter
+    end
 end
 if #ids > 0 then redis.call('HSET', KEYS[2], unpack(ids)) end
-return bound(entries)
+return {cmsgpack.pack(bound(entries)), table.concat(seen)}
 ";
+
+/// The keys [`read_group_bounded`] uses besides the stream.
+pub(crate) struct ReadKeys<'a> {
+    /// The in-flight ids (`keys::in_flight_ids`).
+    pub in_flight: &'a str,
+    /// The dead-letter index (`keys::dead_letter_index`).
+    pub dead_index: &'a str,
+    /// On one server once the marker namespace is known: the namespace
+    /// and the markers' prefix in it (`keys::marker_prefix`); `None` on a
+    /// cluster.
+    pub markers: Option<(&'a Arc<str>, &'a str)>,
+}
+
+/// What the read script found for an entry (see [`READ_BOUNDED`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Seen {
+    /// Its event has a duplicate marker in namespace `ns`.
+    pub marked: bool,
+    /// It is in the dead-letter index.
+    pub dead: bool,
+    /// The marker namespace it looked in: a marker of another database
+    /// history says nothing (see `keys.rs`).
+    pub ns: Arc<str>,
+}
 
 /// XREADGROUP of one stream without blocking, entries over
 /// `max_entry_bytes` cut down in Redis, their event ids (up to
-/// `max_event_id_bytes`) recorded in `in_flight` in the same step: `from`
-/// is `>` for new entries or an id for this consumer's pending entries
-/// after it.
+/// `max_event_id_bytes`) recorded in the in-flight ids in the same step:
+/// `from` is `>` for new entries or an id for this consumer's pending
+/// entries after it. With a markers' prefix, also what the fast path would
+/// ask for each entry, in the same step.
 #[allow(clippy::too_many_arguments)] // the command's own arguments
 pub(crate) fn read_group_bounded(
     conn: &mut RedisConn,
     stream: &str,
-    in_flight: &str,
+    keys: &ReadKeys<'_>,
     group: &str,
     consumer: &str,
     count: usize,
@@ -154,7 +208,7 @@ pub(crate) fn read_group_bounded(
 ) -> RedisResult<Vec<RawEntry>> {
     let mut cmd = bounded_on(
         READ_BOUNDED,
-        &[stream, in_flight],
+        &[stream, keys.in_flight, keys.dead_index],
         limits.max_entry_bytes,
         PREFIX,
     );
@@ -162,9 +216,38 @@ pub(crate) fn read_group_bounded(
         .arg(consumer)
         .arg(count)
         .arg(from)
-        .arg(limits.max_event_id_bytes);
-    let reply: redis::Value = cmd.query(conn)?;
-    parse_entries(reply).map_err(protocol_error)
+        .arg(limits.max_event_id_bytes)
+        .arg(keys.markers.map_or("", |(_, prefix)| prefix));
+    let (packed, seen) = match cmd.query(conn)? {
+        redis::Value::Array(parts) if parts.len() == 2 => {
+            let mut parts = parts.into_iter().map(crate::event::bytes);
+            match (parts.next().flatten(), parts.next().flatten()) {
+                (Some(packed), Some(letters)) => (packed, letters),
+                _ => return Err(protocol_error("read: not two strings".into())),
+            }
+        }
+        other => return Err(protocol_error(format!("read: {other:?}"))),
+    };
+    let entries = crate::redis::packed::unpack(&packed).map_err(protocol_error)?;
+    let mut entries = parse_entries(entries).map_err(protocol_error)?;
+    let Some((ns, _)) = keys.markers else {
+        return Ok(entries);
+    };
+    if seen.len() != entries.len() {
+        return Err(protocol_error(format!(
+            "read: {} letters for {} entries",
+            seen.len(),
+            entries.len()
+        )));
+    }
+    for (entry, letter) in entries.iter_mut().zip(seen) {
+        entry.seen = Some(Seen {
+            marked: letter == b'm',
+            dead: letter == b'd',
+            ns: ns.clone(),
+        });
+    }
+    Ok(entries)
 }
 
 /// XREADGROUP of one stream: `from` is `>` for new entries (blocking up to
@@ -211,44 +294,93 @@ pub(crate) enum Owned {
     Lost,
 }
 
-/// Checks that `id` is pending for `consumer` with delivery count `count`,
+/// For each (entry id, delivery count) pair from ARGV[7]: checks that the
+/// entry is pending for consumer ARGV[5] of group ARGV[4] with that count,
 /// and if so resets its idle time (XCLAIM JUSTID, which keeps the count)
-/// and returns the entry (cut down by [`BOUND`]) when asked for. KEYS:
-/// stream. ARGV[4..]: group, entry id, consumer, delivery count, `fields` or
-/// `check`.
+/// and answers the entry (cut down by [`BOUND`]) when ARGV[6] is `fields`.
+/// KEYS: stream. One reply per pair: `{0}` (not ours), `{2, idle ms}`
+/// (deleted from the stream), `{1}` or `{1, entries}`.
 const CLAIM_IF_OWNED: &str = r"
-local p = redis.pcall('XPENDING', KEYS[1], ARGV[4], ARGV[5], ARGV[5], 1)
-if type(p) ~= 'table' or #p == 0 or p[1][2] ~= ARGV[6]
-    or p[1][4] ~= tonumber(ARGV[7]) then
-    return {0}
+local out = {}
+for i = 7, #ARGV - 1, 2 do
+    local id = ARGV[i]
+    local p = redis.pcall('XPENDING', KEYS[1], ARGV[4], id, id, 1)
+    if type(p) ~= 'table' or #p == 0 or p[1][2] ~= ARGV[5]
+        or p[1][4] ~= tonumber(ARGV[i + 1]) then
+        out[#out + 1] = {0}
+    else
+        local e = redis.call('XRANGE', KEYS[1], id, id)
+        if #e == 0 then
+            out[#out + 1] = {2, p[1][3]}
+        else
+            redis.call('XCLAIM', KEYS[1], ARGV[4], ARGV[5], 0, id, 'JUSTID')
+            if ARGV[6] == 'fields' then
+                out[#out + 1] = {1, bound(e)}
+            else
+                out[#out + 1] = {1}
+            end
+        end
+    end
 end
-local e = redis.call('XRANGE', KEYS[1], ARGV[5], ARGV[5])
-if #e == 0 then return {2, p[1][3]} end
-redis.call('XCLAIM', KEYS[1], ARGV[4], ARGV[6], 0, ARGV[5], 'JUSTID')
-if ARGV[8] == 'fields' then return {1, bound(e)} end
-return {1}
+return out
 ";
 
-/// The [`CLAIM_IF_OWNED`] call for one entry.
-pub(crate) fn claim_if_owned(
-    stream: &str,
-    group: &str,
-    consumer: &str,
-    id: &str,
-    count: u64,
-    fields: Option<usize>,
-) -> redis::Cmd {
-    let mut cmd = bounded(CLAIM_IF_OWNED, stream, fields.unwrap_or(usize::MAX));
-    cmd.arg(group)
-        .arg(id)
-        .arg(consumer)
-        .arg(count)
-        .arg(if fields.is_some() { "fields" } else { "check" });
-    cmd
+/// One entry [`owned`] asks about.
+pub(crate) struct Held<'a> {
+    pub stream: &'a str,
+    pub entry_id: &'a str,
+    /// The delivery count it is held with (0 if unknown: never ours).
+    pub count: u64,
 }
 
-/// Reads the reply of one [`claim_if_owned`] call.
-pub(crate) fn parse_owned(reply: redis::Value) -> RedisResult<Owned> {
+/// Whether each of `held` is still `consumer`'s, refreshed if so (see
+/// [`Owned`]), with its entry cut down to `fields` bytes when given: one
+/// script call per stream, all in one pipelined round trip.
+pub(crate) fn owned(
+    conn: &mut RedisConn,
+    group: &str,
+    consumer: &str,
+    held: &[Held<'_>],
+    fields: Option<usize>,
+) -> RedisResult<Vec<Owned>> {
+    let mut streams: Vec<&str> = Vec::new();
+    for h in held {
+        if !streams.contains(&h.stream) {
+            streams.push(h.stream);
+        }
+    }
+    let mut pipe = conn.pipe();
+    for stream in &streams {
+        let mut cmd = bounded(CLAIM_IF_OWNED, stream, fields.unwrap_or(usize::MAX));
+        cmd.arg(group)
+            .arg(consumer)
+            .arg(if fields.is_some() { "fields" } else { "check" });
+        for h in held.iter().filter(|h| h.stream == *stream) {
+            cmd.arg(h.entry_id).arg(h.count);
+        }
+        pipe.add_command(cmd);
+    }
+    let replies: Vec<redis::Value> = pipe.query(conn)?;
+    let mut answers = Vec::with_capacity(streams.len());
+    for (stream, reply) in streams.iter().zip(replies) {
+        let want = held.iter().filter(|h| h.stream == *stream).count();
+        match reply {
+            redis::Value::Array(items) if items.len() == want => {
+                answers.push(items.into_iter());
+            }
+            other => return Err(protocol_error(format!("ownership check: {other:?}"))),
+        }
+    }
+    held.iter()
+        .map(|h| {
+            let at = streams.iter().position(|s| *s == h.stream).expect("listed");
+            parse_owned(answers[at].next().expect("counted"))
+        })
+        .collect()
+}
+
+/// Reads the reply for one entry of a [`CLAIM_IF_OWNED`] call.
+fn parse_owned(reply: redis::Value) -> RedisResult<Owned> {
     let redis::Value::Array(mut parts) = reply else {
         return Err(protocol_error(format!("ownership check: {reply:?}")));
     };
@@ -341,9 +473,17 @@ pub(crate) struct Claimed {
     /// delivery count.
     pub entries: Vec<(RawEntry, u64)>,
     /// Entries deleted from the stream while pending (and still idle):
-    /// (id, the delivery count to fence their dead letter with, when this
-    /// consumer owns them; `None` for another consumer's).
-    pub deleted: Vec<(String, Option<u64>)>,
+    /// (id, the consumer they are pending for and its delivery count, which
+    /// fence their dead letter: written only while that consumer still
+    /// holds the entry with that count).
+    pub deleted: Vec<(String, Holder)>,
+}
+
+/// The consumer an entry is pending for, with its delivery count.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Holder {
+    pub consumer: String,
+    pub count: u64,
 }
 
 /// Claims the given pending entries for ARGV[5] if they are still idle for
@@ -417,11 +557,13 @@ pub(crate) fn claim(
             .collect(),
         deleted: deleted_ids
             .into_iter()
-            .map(|id| {
-                let fence = row_of(&id)
-                    .filter(|r| r.consumer == consumer)
-                    .map(|r| r.count);
-                (id, fence)
+            .filter_map(|id| {
+                let row = row_of(&id)?;
+                let holder = Holder {
+                    consumer: row.consumer.clone(),
+                    count: row.count,
+                };
+                Some((id, holder))
             })
             .collect(),
     })
@@ -529,9 +671,13 @@ mod tests {
             .collect();
         // 1 read + 4 XCLAIMs + this claim.
         assert_eq!(got, [(dead.as_str(), 6), (dead_too.as_str(), 6)]);
-        // The deleted one is reported (not the claimer's: no fence), and
-        // left pending for its dead letter to ack.
-        assert_eq!(claimed.deleted, [(gone.clone(), None)]);
+        // The deleted one is reported with its holder (whose letter it is
+        // while it holds it), and left pending for its dead letter to ack.
+        let holder = Holder {
+            consumer: "dead".into(),
+            count: 5,
+        };
+        assert_eq!(claimed.deleted, [(gone.clone(), holder)]);
         let still = pending_rows(&mut c, &stream, "g", 0, "-", 10, Some("dead")).unwrap();
         assert_eq!(still.len(), 1);
         // Nothing of this consumer's own is touched by listing it.
@@ -541,5 +687,100 @@ mod tests {
             .filter(|r| own.contains(&r.id))
             .all(|r| r.count == 1));
         cmd(&mut c, &["DEL", &stream]);
+    }
+
+    #[test]
+    fn the_read_script_looks_up_each_entrys_marker_and_dead_letter() {
+        // One letter per entry, in the entries' order: a hit read for the
+        // wrong entry would ack an event that was never applied.
+        use crate::redis::keys::{dead_letter_index, in_flight_ids, marker, marker_prefix};
+        let mut c = conn();
+        let stream = format!("read-seen-{}", uuid::Uuid::new_v4());
+        let scope = format!("scope-{}", uuid::Uuid::new_v4());
+        let ns: Arc<str> = "00ff00ff00ff00ff".into();
+        cmd(&mut c, &["XGROUP", "CREATE", &stream, "g", "0", "MKSTREAM"]);
+        let mut ids = Vec::new();
+        for fields in [
+            vec!["event_id", "a"],
+            vec!["event_id", "b"],
+            vec!["event_id", "c"],
+            vec!["payload", "no id"],
+            vec!["event_id", "d"],
+            vec!["event_id", "e"],
+        ] {
+            let mut add = redis::cmd("XADD");
+            add.arg(&stream).arg("*").arg(fields);
+            ids.push(add.query::<String>(&mut c).unwrap());
+        }
+        let set = |c: &mut RedisConn, key: &str, value: &str| {
+            cmd(c, &["SET", key, value, "EX", "60"]);
+        };
+        // b: a marker; c: an old `1`; e: a marker of another namespace;
+        // d: in the dead-letter index (and marked: dead comes first).
+        let b = marker(&ns, &scope, "b");
+        set(&mut c, &b, &crate::redis::keys::marker_tag(&b));
+        set(&mut c, &marker(&ns, &scope, "c"), "1");
+        let d = marker(&ns, &scope, "d");
+        set(&mut c, &d, &crate::redis::keys::marker_tag(&d));
+        let e = marker("1111222233334444", &scope, "e");
+        set(&mut c, &e, &crate::redis::keys::marker_tag(&e));
+        let index = dead_letter_index(&stream);
+        cmd(&mut c, &["HSET", &index, &ids[4], "1-0"]);
+        let in_flight = in_flight_ids(&stream, "g");
+        let prefix = marker_prefix(&ns, &scope);
+        let limits = Limits {
+            max_event_id_bytes: 64,
+            max_entry_bytes: 1 << 20,
+        };
+        let keys = ReadKeys {
+            in_flight: &in_flight,
+            dead_index: &index,
+            markers: Some((&ns, &prefix)),
+        };
+        let read = |c: &mut RedisConn, keys: &ReadKeys<'_>, from: &str| {
+            read_group_bounded(c, &stream, keys, "g", "me", 100, from, limits).unwrap()
+        };
+        let entries = read(&mut c, &keys, ">");
+        let got: Vec<(&str, bool, bool)> = entries
+            .iter()
+            .map(|e| {
+                let seen = e.seen.as_ref().expect("looked up");
+                assert_eq!(seen.ns, ns);
+                (e.id.as_str(), seen.marked, seen.dead)
+            })
+            .collect();
+        let want: Vec<(&str, bool, bool)> = ids
+            .iter()
+            .map(String::as_str)
+            .zip([
+                (false, false),
+                (true, false),
+                (false, false),
+                (false, false),
+                (false, true),
+                (false, false),
+            ])
+            .map(|(id, (m, d))| (id, m, d))
+            .collect();
+        assert_eq!(got, want);
+        // Nothing new: an empty read, letters and all.
+        assert!(read(&mut c, &keys, ">").is_empty());
+        // Without a prefix (a cluster, or no namespace yet): no lookup.
+        let keys = ReadKeys {
+            markers: None,
+            ..keys
+        };
+        let again = read(&mut c, &keys, "0");
+        assert_eq!(again.len(), ids.len());
+        assert!(again.iter().all(|e| e.seen.is_none()));
+        let mut del = redis::cmd("DEL");
+        del.arg(&stream)
+            .arg(&index)
+            .arg(&in_flight)
+            .arg(&b)
+            .arg(&d)
+            .arg(&e);
+        del.arg(marker(&ns, &scope, "c"));
+        del.query::<()>(&mut c).unwrap();
     }
 }

@@ -1,12 +1,15 @@
-//! Step 4 of a message's path: after the commits, one pipelined round trip
-//! sets the duplicate markers of what committed (with a TTL) and XACKs
-//! everything finished; then the entries leave the in-flight set.
+//! Step 4 of a message's path: after the commits, one round trip sets the
+//! duplicate markers of what committed (with a TTL) and XACKs everything
+//! finished; then the entries leave the in-flight set. On one server that
+//! round trip is one script (one reply, where a pipeline has one per
+//! marker); on a cluster, whose markers spread over the nodes, a pipeline.
 //!
 //! Markers go to the namespace of the database that committed (see
 //! `keys.rs`). They are only a cache: if Redis refuses them (out of memory,
 //! say) the entries are acked without them, and PostgreSQL still decides.
 
 use crate::fault::{self, Point};
+use crate::redis::RedisConn;
 use crate::worker::process::{event, Finished, Processor};
 
 impl Processor {
@@ -22,27 +25,30 @@ impl Processor {
         let ns = self.stage.namespace.get();
         let split = fault::is_armed(Point::AfterMarker);
         let scope = &self.stage.settings.scope;
+        let keys: Vec<String> = done
+            .to_mark
+            .iter()
+            .map(|&i| crate::redis::keys::marker(&ns, scope, event(&finished[i]).event_id()))
+            .collect();
+        let ids: Vec<&str> = finished.iter().map(|d| d.entry_id.as_str()).collect();
+        let in_flight = crate::redis::keys::in_flight_ids(stream, &group);
         let acked = self.with_redis(|conn| {
-            let mut pipe = conn.pipe();
-            for &i in &done.to_mark {
-                let key = crate::redis::keys::marker(&ns, scope, event(&finished[i]).event_id());
-                crate::redis::markers::set(&mut pipe, &key, ttl);
-            }
-            if split {
-                // Crash test: Redis applied the markers, then we died.
-                pipe.query::<()>(conn)?;
-                pipe = conn.pipe();
-                for &i in &done.to_mark {
-                    fault::hit(Point::AfterMarker, event(&finished[i]).event_id());
-                }
-            }
-            let ids: Vec<&str> = finished.iter().map(|d| d.entry_id.as_str()).collect();
-            pipe.cmd("XACK").arg(stream).arg(&group).arg(&ids).ignore();
-            pipe.cmd("HDEL")
-                .arg(crate::redis::keys::in_flight_ids(stream, &group))
-                .arg(&ids)
-                .ignore();
-            match pipe.query::<()>(conn) {
+            let result = if split || conn.is_cluster() {
+                let split = split.then(|| {
+                    let marked = done.to_mark.iter();
+                    marked.map(|&i| event(&finished[i]).event_id()).collect()
+                });
+                mark_then_ack(conn, &keys, ttl, (stream, &in_flight, &group), &ids, split)
+            } else {
+                crate::redis::markers::set_and_ack(
+                    conn,
+                    &keys,
+                    ttl,
+                    (stream, &in_flight, &group),
+                    &ids,
+                )
+            };
+            match result {
                 Err(e) if !crate::redis::is_outage(&e) => {
                     log::warn!(
                         "{stream}: duplicate markers not written ({e}); acking without them"
@@ -61,4 +67,33 @@ impl Processor {
         let tickets = done.deliveries.iter_mut().filter_map(|d| d.ticket.take());
         self.stage.flow.release_all(tickets.collect::<Vec<_>>());
     }
+}
+
+/// The markers `keys`, then XACK of `ids` and their removal from the
+/// in-flight ids, as one pipeline (on a cluster it is cut by node). With
+/// `split` (a crash test), the markers go in a round trip of their own,
+/// then the process dies at `after-marker` of one of these events.
+fn mark_then_ack(
+    conn: &mut RedisConn,
+    keys: &[String],
+    ttl: u64,
+    (stream, in_flight, group): (&str, &str, &str),
+    ids: &[&str],
+    split: Option<Vec<&str>>,
+) -> redis::RedisResult<()> {
+    let mut pipe = conn.pipe();
+    for key in keys {
+        crate::redis::markers::set(&mut pipe, key, ttl);
+    }
+    if let Some(event_ids) = split {
+        // Crash test: Redis applied the markers, then we died.
+        pipe.query::<()>(conn)?;
+        pipe = conn.pipe();
+        for event_id in event_ids {
+            fault::hit(Point::AfterMarker, event_id);
+        }
+    }
+    pipe.cmd("XACK").arg(stream).arg(group).arg(ids).ignore();
+    pipe.cmd("HDEL").arg(in_flight).arg(ids).ignore();
+    pipe.query::<()>(conn)
 }

@@ -32,7 +32,7 @@ use std::time::Instant;
 use crate::error::{FailureClass, HandlerError};
 use crate::event::Event;
 use crate::fault::{self, Point};
-use crate::handler::{catch_panic, prepare_cached as prepare, sql, Tx};
+use crate::handler::{catch_panic, prepare_cached as prepare, sql, Handler, Tx};
 use crate::redis::streams::{self, Owned};
 use crate::worker::delivery::{Delivery, FRESH};
 use crate::worker::process::Stage;
@@ -75,7 +75,15 @@ pub(crate) enum Batch {
     /// Rolled back because these deliveries (by position) are not this
     /// consumer's any more, or were trimmed; the rest is to be tried again.
     NotOurs(Vec<(usize, Applied)>),
+    /// Rolled back because a handler call failed after sending a statement
+    /// with no savepoint to go back to: these deliveries (by position)
+    /// failed, the rest is to be tried again.
+    Redo(Vec<(usize, HandlerError)>),
 }
+
+/// How many guarded batches after a failure that needed a savepoint take
+/// theirs before the handler runs.
+const SAVEPOINT_BATCHES: u32 = 64;
 
 impl Processor {
     pub(crate) fn connection(&mut self) -> Result<(), HandlerError> {
@@ -123,6 +131,7 @@ impl Processor {
         let mut tx = Tx {
             tx: conn.build_transaction().read_only(false).start()?,
             cache,
+            touched: false,
         };
         let event_id = event(delivery).event_id().to_owned();
         let Some(row) = tx.query_opt(&insert, &[&scope, &event_id])? else {
@@ -226,6 +235,7 @@ impl Processor {
         let mut tx = Tx {
             tx: conn.build_transaction().read_only(false).start()?,
             cache,
+            touched: false,
         };
         // The session worked when the event started: losing it from here
         // on may be the event's doing.
@@ -237,14 +247,14 @@ impl Processor {
         finish(&stage, tx, row.get(0), delivery)
     }
 
-    /// [`Processor::apply_batch`] in one round trip, when every event's
-    /// effect is the default SQL statement: [`sql::DEDUP_AND_DEFAULT_BATCH`]
+    /// [`Processor::apply_batch`] in one round trip, for a batch of
+    /// [`plain`] events (the caller checked): [`sql::DEDUP_AND_DEFAULT_BATCH`]
     /// alone, in the session of [`Processor::apply_statement`] (no entry of
     /// the batch is held long enough to need its ownership checked).
     /// Returns, per delivery, whether it was new (the first delivery of each
-    /// new event id); `None` when an event's effect is not the default
-    /// statement or its payload is not text, or when the statement ran past
-    /// its bound: the general path then takes the batch.
+    /// new event id); `None` when the database's `notifications` does not
+    /// take text, or when the statement ran past its bound: the general
+    /// path then takes the batch.
     fn apply_batch_statement(
         &mut self,
         batch: &[Delivery],
@@ -254,12 +264,6 @@ impl Processor {
         let (mut ids, mut payloads) = (Vec::new(), Vec::new());
         for d in batch {
             let event = event(d);
-            let Some(sql) = stage.handler.sql_effect(event) else {
-                return Ok(None);
-            };
-            if !sql.is_default() {
-                return Ok(None);
-            }
             let Ok(payload) = sql::payload(event) else {
                 return Ok(None);
             };
@@ -357,27 +361,40 @@ impl Processor {
     /// returns which event ids are new, the handler's batch form applies
     /// them, one COMMIT.
     ///
-    /// `guarded` (while failures are frequent): the handler's call runs
-    /// inside a savepoint, so an error that names its event costs only that
-    /// event: back to the savepoint (which also clears an aborted
+    /// An error that names its event costs only that event when the call
+    /// sent no statement (`Tx::touched`: the transaction is as it was) or,
+    /// in a `guarded` batch (while failures are frequent), when a savepoint
+    /// was taken before the call: back to it (which also clears an aborted
     /// statement), the event left out, the call made again for the rest;
-    /// the dedup rows of the events left out are deleted before COMMIT and
-    /// they take the normal failure path. Unguarded, any error rolls the
-    /// whole batch back (no savepoint round trip while all goes well).
+    /// the dedup rows of the events left out are deleted before COMMIT (or
+    /// the transaction rolled back when none is left) and they take the
+    /// normal failure path. Otherwise the batch is rolled back and run again
+    /// without the event ([`Batch::Redo`]); a guarded batch takes its
+    /// savepoint up front for a while after that. No savepoint round trip
+    /// while handlers fail before they write.
     pub(crate) fn apply_batch(
         &mut self,
         batch: &[Delivery],
         guarded: bool,
+        plain: bool,
     ) -> Result<Batch, HandlerError> {
         let stage = self.stage.clone();
         let scope = stage.settings.scope.as_str();
-        if !guarded && batch.iter().all(|d| !d.held_long()) {
+        // The one-statement form runs guarded or not: it runs no handler
+        // code, and a failure of the statement names no event either way.
+        if plain && batch.iter().all(|d| !d.held_long()) {
             if let Some(new) = self.apply_batch_statement(batch)? {
                 return Ok(Batch::Applied(new, Vec::new()));
             }
         }
         self.connection()?;
         self.session(Session::Handler)?;
+        // A savepoint costs a round trip, and only a call that failed
+        // after sending a statement needs one: a call that failed before
+        // (`Tx::touched`) left the transaction as it was. So a guarded
+        // batch takes one up front only after such a failure lately.
+        let savepoint = guarded && self.savepoint_batches > 0;
+        self.savepoint_batches = self.savepoint_batches.saturating_sub(u32::from(savepoint));
         let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
             unreachable!("connection() sets it")
         };
@@ -385,6 +402,7 @@ impl Processor {
         let mut tx = Tx {
             tx: conn.build_transaction().read_only(false).start()?,
             cache,
+            touched: false,
         };
         let ids: Vec<&str> = batch.iter().map(|d| event(d).event_id()).collect();
         let rows = tx.query(&insert, &[&scope, &ids])?;
@@ -409,11 +427,12 @@ impl Processor {
             fault::hit(Point::InHandler, e.event_id());
         }
         let mut left_out: Vec<(usize, HandlerError)> = Vec::new();
-        if guarded {
+        if savepoint {
             tx.batch_execute("SAVEPOINT batch")?;
         }
         while !events.is_empty() {
             let started = Instant::now();
+            tx.touched = false;
             let handled = catch_panic(|| stage.handler.handle_batch(&events, &mut tx));
             stage
                 .common
@@ -425,9 +444,12 @@ impl Processor {
                 Stats::add(&stage.common.stats.panics, 1);
             }
             let named = e.event_index().filter(|i| *i < events.len());
+            let outage = e.class() == FailureClass::Outage;
             match named {
-                Some(i) if guarded && e.class() != FailureClass::Outage => {
-                    if tx.batch_execute("ROLLBACK TO SAVEPOINT batch").is_err() {
+                Some(i) if !outage && (!tx.touched || savepoint) => {
+                    // Untouched, or back to the savepoint (which also
+                    // clears an aborted statement): the others go on.
+                    if tx.touched && tx.batch_execute("ROLLBACK TO SAVEPOINT batch").is_err() {
                         // The handler ended the transaction itself.
                         return Err(ended(&mut tx, xid)
                             .unwrap_or_else(ended_error)
@@ -435,6 +457,18 @@ impl Processor {
                     }
                     events.remove(i);
                     left_out.push((positions.remove(i), e.for_no_event()));
+                }
+                Some(i) if !outage => {
+                    // A statement was sent and no savepoint is there: the
+                    // whole transaction goes, the others run again.
+                    if let Some(ended) = ended(&mut tx, xid) {
+                        return Err(ended.for_no_event());
+                    }
+                    if guarded {
+                        self.savepoint_batches = SAVEPOINT_BATCHES;
+                    }
+                    left_out.push((positions[i], e.for_no_event()));
+                    return Ok(Batch::Redo(left_out));
                 }
                 _ => {
                     if let Some(ended) = ended(&mut tx, xid) {
@@ -447,6 +481,13 @@ impl Processor {
                     });
                 }
             }
+        }
+        if events.is_empty() {
+            // Every new event failed: nothing to commit. A rollback writes
+            // nothing to flush, where deleting their dedup rows and
+            // committing cost a WAL flush.
+            tx.tx.rollback()?;
+            return Ok(Batch::Applied(new, left_out));
         }
         if !left_out.is_empty() {
             let ids: Vec<&str> = left_out
@@ -491,6 +532,15 @@ impl Processor {
 }
 
 /// Records how long the handler's part took.
+/// Whether `event`'s whole effect is the built-in statement with a text
+/// payload: the events the one-statement forms can take.
+pub(crate) fn plain(handler: &dyn Handler, event: &Event) -> bool {
+    handler
+        .sql_effect(event)
+        .is_some_and(sql::SqlHandler::is_default)
+        && sql::payload(event).is_ok()
+}
+
 fn observe_handler(stage: &Stage, started: Instant) {
     let seconds = &stage.common.stats.handler_seconds;
     seconds.observe(started.elapsed());
@@ -627,19 +677,16 @@ fn ownership<'a>(
 ) -> Option<Vec<Owned>> {
     let config = &stage.settings;
     stage.common.with_redis(|conn| {
-        let mut pipe = conn.pipe();
-        for d in held.clone() {
-            pipe.add_command(streams::claim_if_owned(
-                &d.stream,
-                &config.group,
-                &config.consumer,
-                &d.entry_id,
-                d.fence().unwrap_or(0),
-                None,
-            ));
-        }
-        let replies: Vec<redis::Value> = pipe.query(conn)?;
-        replies.into_iter().map(streams::parse_owned).collect()
+        let held: Vec<streams::Held<'_>> = held
+            .clone()
+            .into_iter()
+            .map(|d| streams::Held {
+                stream: &d.stream,
+                entry_id: &d.entry_id,
+                count: d.fence().unwrap_or(0),
+            })
+            .collect();
+        streams::owned(conn, &config.group, &config.consumer, &held, None)
     })
 }
 

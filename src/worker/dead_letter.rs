@@ -10,6 +10,7 @@
 use crossbeam_channel::Receiver;
 
 use crate::dlq::{dead_letter_stream, DeadLetter, Kind};
+use crate::redis::streams::Holder;
 use crate::worker::context::{outage_backoff, Common};
 use crate::worker::flow::InFlight;
 use crate::worker::flow::Ticket;
@@ -31,6 +32,10 @@ pub(crate) struct Job {
     /// consumer with this count. `None` for an entry that already left the
     /// pending list (XAUTOCLAIM reports trimmed entries that way).
     pub token: Option<u64>,
+    /// Another consumer that holds the entry (see `Delivery::holder`): the
+    /// letter is written only while the entry is pending for it with its
+    /// count, in place of the check above.
+    pub holder: Option<Holder>,
     /// The entry's place in the in-flight set, released once written.
     pub ticket: Option<Ticket>,
 }
@@ -90,16 +95,18 @@ fn write_command(job: &Job) -> redis::Cmd {
             &letter.group,
         ))
         .arg(&letter.group)
-        .arg(&letter.original_id)
-        .arg(&letter.consumer)
-        .arg(
+        .arg(&letter.original_id);
+    match &job.holder {
+        Some(holder) => eval.arg(&holder.consumer).arg(holder.count),
+        None => eval.arg(&letter.consumer).arg(
             job.ticket
                 .as_ref()
                 .and_then(Ticket::token)
                 .or(job.token)
                 .map(|n| n.to_string())
                 .unwrap_or_default(),
-        );
+        ),
+    };
     for (k, v) in letter.to_fields() {
         eval.arg(k).arg(v);
     }
@@ -214,4 +221,132 @@ fn write(common: &Common, batch: &[Job]) -> redis::RedisResult<Vec<Written>> {
             _ => Written::NotOwned,
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    //! Against the Redis at `TASKHUB_TEST_REDIS_URL` (default
+    //! `redis://127.0.0.1:6379`), like the integration tests.
+
+    use super::*;
+    use crate::redis::streams::{claim, pending_rows};
+    use crate::redis::RedisConn;
+
+    fn conn() -> RedisConn {
+        let url = std::env::var("TASKHUB_TEST_REDIS_URL")
+            .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        crate::redis::connect(&url, &crate::Tls::default()).expect("the test Redis answers")
+    }
+
+    fn run(c: &mut RedisConn, args: &[&str]) -> redis::Value {
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        cmd.query(c).unwrap()
+    }
+
+    fn letter(stream: &str, id: &str, consumer: &str) -> DeadLetter {
+        DeadLetter {
+            id: None,
+            original_id: id.to_owned(),
+            stream: stream.to_owned(),
+            group: "g".into(),
+            consumer: consumer.into(),
+            event_id: None,
+            kind: Kind::Trimmed,
+            reason: crate::worker::delivery::TRIMMED.into(),
+            attempts: 0,
+            history: Vec::new(),
+            first_failed_at: 0,
+            dead_at: 0,
+            fields: Vec::new(),
+        }
+    }
+
+    /// Regression (found by the chaos run): a consumer that finds another
+    /// consumer's entry deleted from the stream while pending writes its
+    /// `trimmed` letter only while that consumer still holds it. The holder,
+    /// slow but alive, may settle it first (its event applied: acked), and
+    /// then a letter of an unknown event would stand beside the effect.
+    #[test]
+    fn a_trimmed_letter_of_another_consumers_entry_yields_to_that_consumer() {
+        let mut c = conn();
+        let stream = format!("dl-holder-{}", uuid::Uuid::new_v4());
+        run(&mut c, &["XGROUP", "CREATE", &stream, "g", "0", "MKSTREAM"]);
+        let settled = redis::cmd("XADD")
+            .arg(&stream)
+            .arg("*")
+            .arg("event_id")
+            .arg("a")
+            .query::<String>(&mut c)
+            .unwrap();
+        let abandoned = redis::cmd("XADD")
+            .arg(&stream)
+            .arg("*")
+            .arg("event_id")
+            .arg("b")
+            .query::<String>(&mut c)
+            .unwrap();
+        run(
+            &mut c,
+            &[
+                "XREADGROUP",
+                "GROUP",
+                "g",
+                "holder",
+                "STREAMS",
+                &stream,
+                ">",
+            ],
+        );
+        run(&mut c, &["XDEL", &stream, &settled, &abandoned]);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let rows = pending_rows(&mut c, &stream, "g", 10, "-", 10, None).unwrap();
+        let claimed = claim(&mut c, &stream, "g", "reclaimer", 10, &rows, 1 << 20).unwrap();
+        assert!(claimed.entries.is_empty());
+        assert_eq!(claimed.deleted.len(), 2, "{claimed:?}");
+        // The holder settles the first entry (its event was applied).
+        run(&mut c, &["XACK", &stream, "g", &settled]);
+        let jobs: Vec<Job> = claimed
+            .deleted
+            .into_iter()
+            .map(|(id, holder)| {
+                assert_eq!(holder.consumer, "holder");
+                Job {
+                    letter: letter(&stream, &id, "reclaimer"),
+                    token: None,
+                    holder: Some(holder),
+                    ticket: None,
+                }
+            })
+            .collect();
+        let written: Vec<i64> = jobs
+            .iter()
+            .map(|job| write_command(job).query(&mut c).unwrap())
+            .collect();
+        assert_eq!(written, [0, 1], "settled first: no letter; abandoned: one");
+        let letters: Vec<redis::Value> = redis::cmd("XRANGE")
+            .arg(dead_letter_stream(&stream))
+            .arg("-")
+            .arg("+")
+            .query(&mut c)
+            .unwrap();
+        assert_eq!(letters.len(), 1);
+        let pending: Vec<redis::Value> = redis::cmd("XPENDING")
+            .arg(&stream)
+            .arg("g")
+            .arg("-")
+            .arg("+")
+            .arg(10)
+            .query(&mut c)
+            .unwrap();
+        assert!(pending.is_empty(), "{pending:?}");
+        let keys = [
+            stream.clone(),
+            dead_letter_stream(&stream),
+            crate::redis::keys::dead_letter_index(&stream),
+        ];
+        redis::cmd("DEL").arg(&keys).query::<()>(&mut c).unwrap();
+    }
 }

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::dlq::Attempt;
 use crate::event::{Event, Fields, Invalid, Limits, RawEntry};
+use crate::redis::streams::{Holder, Seen};
 use crate::worker::flow::Ticket;
 use crate::worker::stats::Stats;
 
@@ -50,6 +51,14 @@ pub(crate) struct Delivery {
     /// Its place in the in-flight set, released when the delivery is
     /// dropped.
     pub ticket: Option<Ticket>,
+    /// What the read script found for it (its marker, its place in the
+    /// dead-letter index), when it looked: the fast path then asks nothing
+    /// more.
+    pub seen: Option<Seen>,
+    /// Another consumer that holds this entry (a deleted entry found
+    /// pending for it, see `reclaim.rs`): its dead letter is fenced by that
+    /// consumer and count instead of this one's.
+    pub holder: Option<Holder>,
 }
 
 /// The reason of a `trimmed` dead letter.
@@ -121,6 +130,8 @@ impl Delivery {
                 strikes: 0,
                 started_as: None,
                 ticket: Some(ticket),
+                seen: entry.seen,
+                holder: None,
             });
         }
         job
@@ -149,6 +160,8 @@ impl Delivery {
             strikes: 0,
             started_as: None,
             ticket,
+            seen: None,
+            holder: None,
         }
     }
 

@@ -184,6 +184,7 @@ impl Processor {
         let job = dead_letter::Job {
             letter,
             token: delivery.fence(),
+            holder: delivery.holder.take(),
             ticket: delivery.ticket.take(),
         };
         if self.dead.send(job).is_err() {

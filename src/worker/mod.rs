@@ -374,6 +374,7 @@ impl Worker {
             settings: settings(config, self.handler.retry_budget()),
             suspects: Mutex::new(()),
         });
+        let namespace = stage.namespace.clone();
         let mut workers = Vec::new();
         for i in 0..config.workers {
             let (s, rx, r, d) = (
@@ -426,6 +427,8 @@ impl Worker {
                 block: config.block,
                 start_id: config.start_id.clone(),
                 idle,
+                namespace: namespace.clone(),
+                scope: config.scope().to_owned(),
             };
             let tx = jobs_tx.clone();
             readers.push(spawn(format!("taskhub-reader-{i}"), move || {

@@ -35,7 +35,7 @@ use crate::handler::StatementCache;
 use crate::postgres::pool::PgConn;
 use crate::postgres::pool::PgPool;
 use crate::redis::keys::Namespace;
-use crate::worker::apply::{Applied, Batch};
+use crate::worker::apply::{Applied, Batch, Session};
 use crate::worker::context::Common;
 use crate::worker::dead_letter;
 use crate::worker::delivery::{Delivery, Job, TRIMMED};
@@ -91,10 +91,14 @@ pub(crate) struct Processor {
     pub(crate) reached_database: bool,
     /// How the connection's session is set up (`None`: as the pool or its
     /// last holder left it).
-    pub(crate) session: Option<crate::worker::apply::Session>,
+    pub(crate) session: Option<Session>,
     /// Whether the built-in statement can be fused on this connection's
     /// database (`None`: not checked yet).
     pub(crate) default_folds: Option<bool>,
+    /// How many more guarded batches take a savepoint before their
+    /// handler runs: set when a handler failed after sending a statement
+    /// and no savepoint was there to go back to (see `apply_batch`).
+    pub(crate) savepoint_batches: u32,
 }
 
 /// What the worker threads share: each holds an `Arc` of it.
@@ -165,6 +169,7 @@ impl Processor {
             reached_database: false,
             session: None,
             default_folds: None,
+            savepoint_batches: 0,
         }
     }
 
@@ -217,6 +222,12 @@ impl Processor {
         // or per event.
         let mut one_by_one = Vec::with_capacity(valid.len());
         let mut batch = Vec::new();
+        // Events whose whole effect is the built-in statement go apart from
+        // the others: their batch is one statement in one round trip (see
+        // `apply.rs`), whatever the others do. A batch mixing them with
+        // events of a failing handler would run the general path, savepoints
+        // and all, for every one of them.
+        let mut plain = Vec::new();
         let batch_mode =
             self.stage.settings.mode == Mode::Batch && self.stage.handler.supports_batches();
         for ((delivery, marked), dead) in valid.into_iter().zip(marked).zip(dead_before) {
@@ -242,12 +253,29 @@ impl Processor {
                 // fails again costs a savepoint, not its batch-mates.
                 // Redeliveries after a crash go one by one: a poison event
                 // must not take its batch-mates down with it.
-                batch.push(delivery);
+                if crate::worker::apply::plain(&*self.stage.handler, event(&delivery)) {
+                    plain.push(delivery);
+                } else {
+                    batch.push(delivery);
+                }
             } else {
                 one_by_one.push(delivery);
             }
         }
-        self.apply_batches(&stream, batch, &mut one_by_one, &mut done);
+        // The kind the session is set up for goes first, so a job of both
+        // kinds switches the session once, not twice. Only the handler's
+        // batches count towards the failure rate that guards them.
+        let handler_first = self.session == Some(Session::Handler);
+        if !handler_first {
+            let plain = std::mem::take(&mut plain);
+            self.apply_batches(&stream, plain, true, &mut one_by_one, &mut done);
+        }
+        let size = batch.len();
+        let failures = self.apply_batches(&stream, batch, false, &mut one_by_one, &mut done);
+        self.record_batch(size, failures);
+        if handler_first {
+            self.apply_batches(&stream, plain, true, &mut one_by_one, &mut done);
+        }
         for delivery in one_by_one {
             self.ack_if_overdue(&stream, &mut done);
             self.apply_one(delivery, &mut done);
@@ -329,55 +357,86 @@ impl Processor {
     }
 
     /// Which events have a marker, and which entries were dead-lettered
-    /// before: one pipelined round trip. `None` when a shutdown interrupted
-    /// a Redis outage.
+    /// before. What the read script found in the same step as the read is
+    /// taken as it is (on one server: see `streams::read_group_bounded`),
+    /// unless the marker namespace changed since or the entry waited over
+    /// a second; the rest is asked in one pipelined round trip. `None` when a shutdown interrupted a Redis
+    /// outage.
     fn fast_path(&self, stream: &str, valid: &[Delivery]) -> Option<(Vec<bool>, Vec<bool>)> {
         let ns = self.stage.namespace.get();
-        let index = crate::redis::keys::dead_letter_index(stream);
-        let scope = &self.stage.settings.scope;
-        let keys: Vec<String> = valid
-            .iter()
-            .map(|d| crate::redis::keys::marker(&ns, scope, event(d).event_id()))
-            .collect();
-        let entry_ids: Vec<&str> = valid.iter().map(|d| d.entry_id.as_str()).collect();
+        let mut marked = Vec::with_capacity(valid.len());
+        let mut dead = Vec::with_capacity(valid.len());
+        let mut ask = Vec::new();
+        for (i, d) in valid.iter().enumerate() {
+            match &d.seen {
+                Some(seen) if *seen.ns == *ns && !d.held_long() => {
+                    marked.push(seen.marked);
+                    dead.push(seen.dead);
+                }
+                _ => {
+                    marked.push(false);
+                    dead.push(false);
+                    ask.push(i);
+                }
+            }
+        }
+        if ask.is_empty() {
+            return Some((marked, dead));
+        }
         // The reader recorded the event ids of what it read; entries
         // claimed from other consumers (delivered more than once) are
         // recorded again, in case their first reader could not.
         let ids_key = crate::redis::keys::in_flight_ids(stream, &self.stage.settings.group);
-        let pairs: Vec<(&str, &str)> = valid
+        let pairs: Vec<(&str, &str)> = ask
             .iter()
+            .map(|&i| &valid[i])
             .filter(|d| d.delivery_count > 1)
             .map(|d| (d.entry_id.as_str(), event(d).event_id()))
             .collect();
+        let index = crate::redis::keys::dead_letter_index(stream);
+        let scope = &self.stage.settings.scope;
+        let keys: Vec<String> = ask
+            .iter()
+            .map(|&i| crate::redis::keys::marker(&ns, scope, event(&valid[i]).event_id()))
+            .collect();
+        let entry_ids: Vec<&str> = ask.iter().map(|&i| valid[i].entry_id.as_str()).collect();
         // A hit counts only when its reply proves it answers its key.
-        self.with_redis(|conn| {
+        let seen = self.with_redis(|conn| {
             crate::redis::markers::check(conn, &keys, &index, &entry_ids, (&ids_key, &pairs))
-        })
-        .map(|seen| (seen.marked, seen.dead))
+        })?;
+        for (n, &i) in ask.iter().enumerate() {
+            marked[i] = seen.marked[n];
+            dead[i] = seen.dead[n];
+        }
+        Some((marked, dead))
     }
 
     /// A batch that fails on one known event loses that event (it takes the
     /// normal failure path) and the rest goes on without it; a failure that
     /// names no event sends the whole batch one by one. While failures are
     /// frequent, batches run guarded (see `apply_batch`): a failing event
-    /// costs a return to a savepoint, not the batch's transaction.
+    /// costs a return to a savepoint, not the batch's transaction. `plain`:
+    /// every event is `apply::plain` (one statement per batch). Returns how
+    /// many of its events failed.
     fn apply_batches(
         &mut self,
         stream: &str,
         batch: Vec<Delivery>,
+        plain: bool,
         one_by_one: &mut Vec<Delivery>,
         done: &mut Finished,
-    ) {
+    ) -> usize {
         let mut chunk = batch;
-        let size = chunk.len();
         let mut failures = 0;
         let mut strikes = 0;
-        while chunk.len() > 1 {
+        // A batch of one goes one by one, but for the one-statement form,
+        // which is as cheap for one event (and asked `sql_effect` already).
+        while chunk.len() > 1 || (plain && !chunk.is_empty()) {
             self.ack_if_overdue(stream, done);
             let guarded =
                 self.failure_rate >= GUARD_ABOVE || chunk.iter().any(|d| !d.failures.is_empty());
             match self.through_outages(&mut strikes, BATCH_STRIKES, |p| {
-                p.apply_batch(&chunk, guarded)
+                p.apply_batch(&chunk, guarded, plain)
             }) {
                 Flow::Stopped => chunk.clear(), // left pending
                 Flow::Struck => {
@@ -410,6 +469,17 @@ impl Processor {
                         done.push(delivery, true);
                     }
                 }
+                Flow::Done(Ok(Batch::Redo(failed))) => {
+                    // Rolled back: the failed events take the failure
+                    // path, the rest goes again.
+                    failures += failed.len();
+                    let mut failed = failed;
+                    failed.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+                    for (i, error) in failed {
+                        let delivery = chunk.remove(i);
+                        self.failed(delivery, error);
+                    }
+                }
                 Flow::Done(Ok(Batch::NotOurs(positions))) => {
                     // Rolled back: drop the entries that are no longer
                     // ours, dead-letter the trimmed ones, redo the rest.
@@ -437,12 +507,15 @@ impl Processor {
             }
         }
         one_by_one.append(&mut chunk);
-        self.record_batch(size, failures);
+        failures
     }
 
     /// Updates the failure rate (a moving average) after a batch of `size`
     /// events saw `failures` failed events.
     fn record_batch(&mut self, size: usize, failures: usize) {
+        if size == 0 {
+            return;
+        }
         let observed = failures as f64 / size.max(1) as f64;
         self.failure_rate = 0.8 * self.failure_rate + 0.2 * observed;
     }

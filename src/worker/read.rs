@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Sender;
 
 use crate::event::RawEntry;
+use crate::redis::keys::Namespace;
 use crate::redis::streams;
 use crate::redis::{RedisClient, RedisConn};
 use crate::worker::context::{outage_backoff, Claim, Common};
@@ -49,6 +50,10 @@ pub(crate) struct Reader {
     pub start_id: String,
     /// Set while the last read found nothing new (for `until_idle`).
     pub idle: Arc<AtomicBool>,
+    /// The duplicate markers' namespace and scope: on one server, the read
+    /// looks the markers of what it reads up in the same step.
+    pub namespace: Namespace,
+    pub scope: String,
 }
 
 /// Where the reader is in its stream.
@@ -190,10 +195,20 @@ impl Reader {
     fn read_new(&self, c: &mut RedisConn, room: usize) -> redis::RedisResult<Vec<RawEntry>> {
         let claim = &self.claim;
         let in_flight = crate::redis::keys::in_flight_ids(&self.stream, &claim.group);
+        let dead_index = crate::redis::keys::dead_letter_index(&self.stream);
+        // Known once a database connection named the namespace.
+        let ns = self.namespace.get();
+        let prefix = (!ns.is_empty() && !c.is_cluster())
+            .then(|| crate::redis::keys::marker_prefix(&ns, &self.scope));
+        let keys = streams::ReadKeys {
+            in_flight: &in_flight,
+            dead_index: &dead_index,
+            markers: prefix.as_deref().map(|prefix| (&ns, prefix)),
+        };
         let entries = streams::read_group_bounded(
             c,
             &self.stream,
-            &in_flight,
+            &keys,
             &claim.group,
             &claim.consumer,
             room,

@@ -156,12 +156,10 @@ pub(crate) fn take(
         .iter()
         .zip(&counts)
         .map(|(e, n)| (e.id.as_str(), Some(*n), e.bytes()))
-        .chain(
-            claimed
-                .deleted
-                .iter()
-                .map(|(id, fence)| (id.as_str(), *fence, 0)),
-        );
+        .chain(claimed.deleted.iter().map(|(id, holder)| {
+            let ours = holder.consumer == claim.consumer;
+            (id.as_str(), ours.then_some(holder.count), 0)
+        }));
     let mut tickets = room.admit(stream, admitted);
     let deleted_tickets = tickets.split_off(entries.len());
     let n = tickets.iter().filter(|t| t.is_some()).count();
@@ -178,18 +176,18 @@ pub(crate) fn take(
     );
     // Entries deleted meanwhile: `trimmed` dead letters with nothing but
     // their ids (what was known). One this process still holds is left to
-    // its holder, which knows more.
+    // its holder, which knows more. Another consumer's is fenced by that
+    // consumer: if it settles the entry first (acks it, having found its
+    // event applied), the letter is not written.
     job.extend(claimed.deleted.into_iter().zip(deleted_tickets).filter_map(
-        |((id, fence), ticket)| {
+        |((id, holder), ticket)| {
             let ticket = ticket?;
-            Some(Delivery::trimmed(
-                stream,
-                id,
-                Vec::new(),
-                fence,
-                Some(ticket),
-                sent_at,
-            ))
+            let ours = holder.consumer == claim.consumer;
+            let fence = ours.then_some(holder.count);
+            let mut delivery =
+                Delivery::trimmed(stream, id, Vec::new(), fence, Some(ticket), sent_at);
+            delivery.holder = (!ours).then_some(holder);
+            Some(delivery)
         },
     ));
     Ok(Taken {

@@ -249,28 +249,25 @@ impl Retrier {
     }
 
     /// Checks that each due retry is still this consumer's, refreshes its idle
-    /// time and reads its fields back, in one pipelined round trip.
+    /// time and reads its fields back, in one round trip.
     fn fetch(&self, due: &[Retry]) -> redis::RedisResult<Vec<Owned>> {
         let mut conn = self.common.redis_conn()?;
-        let mut pipe = conn.pipe();
-        let claim = &self.claim;
-        for retry in due {
-            pipe.add_command(streams::claim_if_owned(
-                &retry.stream,
-                &claim.group,
-                &claim.consumer,
-                &retry.entry_id,
-                retry
+        let held: Vec<streams::Held<'_>> = due
+            .iter()
+            .map(|retry| streams::Held {
+                stream: &retry.stream,
+                entry_id: &retry.entry_id,
+                count: retry
                     .ticket
                     .as_ref()
                     .and_then(Ticket::token)
                     .or(retry.token)
                     .unwrap_or(0),
-                Some(claim.limits.max_entry_bytes),
-            ));
-        }
-        let replies: Vec<redis::Value> = pipe.query(&mut conn)?;
-        replies.into_iter().map(streams::parse_owned).collect()
+            })
+            .collect();
+        let claim = &self.claim;
+        let fields = Some(claim.limits.max_entry_bytes);
+        streams::owned(&mut conn, &claim.group, &claim.consumer, &held, fields)
     }
 
     /// The delivery a due retry becomes, unless it is no longer this
@@ -330,6 +327,8 @@ impl Retrier {
             strikes: retry.strikes,
             started_as: None,
             ticket: retry.ticket,
+            seen: None,
+            holder: None,
         })
     }
 

@@ -1198,3 +1198,131 @@ fn retries_due_together_share_a_batch() {
         transactions.len()
     );
 }
+
+/// A handler call that fails before it sends a statement leaves the
+/// transaction as it found it: its event is left out and the call made
+/// again for the rest in the same transaction, with no rollback and no
+/// savepoint, even in the first (unguarded) batch. Seen through a sequence
+/// that a trigger advances for every row the dedup insert tries (rolled
+/// back or not): one insert of the 20 rows, where rolling back and running
+/// the batch again without each failing event tried 105.
+#[test]
+fn a_handler_that_fails_before_writing_costs_its_batch_nothing() {
+    if !batch_mode() {
+        return;
+    }
+    let db = TestDb::new();
+    db.client()
+        .batch_execute(
+            "CREATE SEQUENCE dedup_rows;
+             CREATE FUNCTION count_dedup() RETURNS trigger LANGUAGE plpgsql
+                 AS $$ BEGIN PERFORM nextval('dedup_rows'); RETURN NEW; END $$;
+             CREATE TRIGGER count_dedup BEFORE INSERT ON processed_events
+                 FOR EACH ROW EXECUTE FUNCTION count_dedup();",
+        )
+        .unwrap();
+    let (stream, group) = (unique("untouched"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let mut good = Vec::new();
+    for i in 0..20 {
+        let id = format!("u-{i:02}");
+        let payload = if i % 4 == 1 { "bad" } else { "good" };
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &id), ("payload", payload)],
+        );
+        if payload == "good" {
+            good.push(id);
+        }
+    }
+    /// Looks at the whole batch before it writes anything.
+    struct LooksFirst;
+    impl Handler for LooksFirst {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            self.handle_batch(&[event], tx)
+        }
+        fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            if let Some(i) = events.iter().position(|e| e.payload() == Some("bad")) {
+                return Err(HandlerError::permanent("refused before writing").for_event(i));
+            }
+            for event in events {
+                insert(event, tx)?;
+            }
+            Ok(())
+        }
+    }
+    let summary = Running::of(
+        builder(&redis_url(), &db.url, &stream, &group)
+            .workers(1)
+            .count(64)
+            .build(LooksFirst)
+            .unwrap(),
+    )
+    .join(Duration::from_secs(60));
+    db.assert_effects_once(&good);
+    assert_eq!(summary.dead_lettered, 5, "{summary}");
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 15);
+    assert_eq!(db.count("SELECT last_value FROM dedup_rows"), 20);
+}
+
+/// A handler call that fails after it wrote must not leave its write
+/// behind, savepoint or not: with none taken (the first failures of a
+/// batch), the batch is rolled back and runs again without the event; after
+/// such a failure, guarded batches take their savepoint up front and go
+/// back to it.
+#[test]
+fn a_handler_that_fails_after_writing_leaves_no_write_behind() {
+    if !batch_mode() {
+        return;
+    }
+    let db = TestDb::new();
+    let (stream, group) = (unique("touched"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let (mut good, mut bad) = (Vec::new(), Vec::new());
+    for i in 0..80 {
+        let id = format!("t-{i:02}");
+        let payload = if i % 10 == 3 { "bad" } else { "good" };
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &id), ("payload", payload)],
+        );
+        if payload == "good" {
+            &mut good
+        } else {
+            &mut bad
+        }
+        .push(id);
+    }
+    /// Writes each event's row, then refuses the bad ones.
+    struct WritesFirst;
+    impl Handler for WritesFirst {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            self.handle_batch(&[event], tx)
+        }
+        fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            for (i, event) in events.iter().enumerate() {
+                insert(event, tx).map_err(|e| e.for_event(i))?;
+                if event.payload() == Some("bad") {
+                    return Err(HandlerError::permanent("refused after writing").for_event(i));
+                }
+            }
+            Ok(())
+        }
+    }
+    let summary = Running::of(
+        builder(&redis_url(), &db.url, &stream, &group)
+            .workers(1)
+            .count(16)
+            .build(WritesFirst)
+            .unwrap(),
+    )
+    .join(Duration::from_secs(60));
+    db.assert_effects_once(&good);
+    for id in &bad {
+        assert_eq!(db.effects(id), 0, "{id}: its write was committed");
+    }
+    assert_eq!(summary.dead_lettered, 8, "{summary}");
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 72);
+}
