@@ -163,6 +163,9 @@ impl Tx<'_> {
     /// Prepares `sql` once per connection and returns the cached statement
     /// afterwards.
     pub fn prepare_cached(&mut self, sql: &str) -> Result<postgres::Statement, postgres::Error> {
+        if let Some(statement) = self.cache.get(sql) {
+            return Ok(statement.clone()); // nothing sent
+        }
         // A failed PREPARE aborts the transaction.
         self.touched = true;
         prepare_cached(&mut self.tx, self.cache, sql)

@@ -117,7 +117,8 @@ fn bounded_on(script: &str, keys: &[&str], max_entry_bytes: usize, keep: usize) 
 /// each entry (see `markers.rs`): a letter per entry, `d` when it is in the
 /// dead-letter index KEYS[3], else `m` when its event's marker holds a
 /// marker's value (`m:` and 16 hex digits; inside a script a reply cannot
-/// belong to another command), else `-`. Markers are in other hash slots
+/// belong to another command; a key of another type is no marker), else
+/// `-`. Markers are in other hash slots
 /// than the stream, so on a cluster the prefix is empty and the fast path
 /// asks apart.
 ///
@@ -153,7 +154,7 @@ for n, e in ipairs(entries) do
         if redis.call('HEXISTS', KEYS[3], e[1]) == 1 then
             letter = 'd'
         elseif event then
-            local v = redis.call('GET', prefix .. event)
+            local v = redis.pcall('GET', prefix .. event)
             if type(v) == 'string' and #v == 18 and string.sub(v, 1, 2) == 'm:' then
                 letter = 'm'
             end

@@ -450,6 +450,14 @@ impl Processor {
                     failures += left_out.len();
                     let mut left_out: Vec<(usize, HandlerError)> = left_out;
                     left_out.sort_by_key(|(i, _)| *i);
+                    // Another copy of a failed event in this batch is no
+                    // duplicate of anything applied: acked without the
+                    // marker, which would make the failed copy's retry a
+                    // "duplicate" (the failed copy carries the event on).
+                    let failed_events: Vec<String> = left_out
+                        .iter()
+                        .map(|(i, _)| event(&chunk[*i]).event_id().to_owned())
+                        .collect();
                     let mut left_out = left_out.into_iter().peekable();
                     for (i, (delivery, new)) in
                         std::mem::take(&mut chunk).into_iter().zip(new).enumerate()
@@ -466,7 +474,11 @@ impl Processor {
                             &counters.duplicates
                         };
                         Stats::add(counter, 1);
-                        done.push(delivery, true);
+                        let copy_of_failed = !new
+                            && failed_events
+                                .iter()
+                                .any(|id| id == event(&delivery).event_id());
+                        done.push(delivery, !copy_of_failed);
                     }
                 }
                 Flow::Done(Ok(Batch::Redo(failed))) => {

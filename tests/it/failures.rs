@@ -1326,3 +1326,58 @@ fn a_handler_that_fails_after_writing_leaves_no_write_behind() {
     assert_eq!(summary.dead_lettered, 8, "{summary}");
     assert_eq!(db.count("SELECT count(*) FROM processed_events"), 72);
 }
+
+/// Regression (found in review): two entries of one event in one batch (a
+/// producer that sent it twice), the first one failing before it wrote.
+/// The second copy is no duplicate of anything applied: it must not write
+/// the event's marker, or the first one's retry would find the marker and
+/// be acked as a duplicate, the event never applied.
+#[test]
+fn a_copy_of_a_failed_event_in_its_batch_does_not_mark_it_applied() {
+    if !batch_mode() {
+        return;
+    }
+    /// Refuses each event once, before writing anything.
+    #[derive(Default)]
+    struct RefusesOnce {
+        seen: Mutex<std::collections::HashSet<String>>,
+    }
+    impl Handler for RefusesOnce {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            self.handle_batch(&[event], tx)
+        }
+        fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            for (i, event) in events.iter().enumerate() {
+                if self
+                    .seen
+                    .lock()
+                    .unwrap()
+                    .insert(event.event_id().to_owned())
+                {
+                    return Err(HandlerError::retryable("not yet").for_event(i));
+                }
+            }
+            for event in events {
+                insert(event, tx)?;
+            }
+            Ok(())
+        }
+    }
+    let db = TestDb::new();
+    let (stream, group) = (unique("copies"), unique("g"));
+    let mut conn = redis(&redis_url());
+    for id in ["twice", "twice", "once"] {
+        xadd(&mut conn, &stream, &[("event_id", id), ("payload", "p")]);
+    }
+    let summary = Running::of(
+        builder(&redis_url(), &db.url, &stream, &group)
+            .workers(1)
+            .count(64)
+            .build(RefusesOnce::default())
+            .unwrap(),
+    )
+    .join(Duration::from_secs(60));
+    db.assert_effects_once(&["twice".to_owned(), "once".to_owned()]);
+    assert_eq!(summary.dead_lettered, 0, "{summary}");
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
