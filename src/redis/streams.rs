@@ -588,19 +588,19 @@ pub(crate) fn ack(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     //! Against the Redis at `TASKHUB_TEST_REDIS_URL` (default
     //! `redis://127.0.0.1:6379`), like the integration tests.
 
     use super::*;
 
-    fn conn() -> RedisConn {
+    pub(crate) fn conn() -> RedisConn {
         let url = std::env::var("TASKHUB_TEST_REDIS_URL")
             .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
         crate::redis::connect(&url, &crate::Tls::default()).expect("the test Redis answers")
     }
 
-    fn cmd(conn: &mut RedisConn, args: &[&str]) -> redis::Value {
+    pub(crate) fn cmd(conn: &mut RedisConn, args: &[&str]) -> redis::Value {
         let mut c = redis::cmd(args[0]);
         for a in &args[1..] {
             c.arg(*a);

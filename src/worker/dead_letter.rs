@@ -229,22 +229,8 @@ mod tests {
     //! `redis://127.0.0.1:6379`), like the integration tests.
 
     use super::*;
+    use crate::redis::streams::tests::{cmd as run, conn};
     use crate::redis::streams::{claim, pending_rows};
-    use crate::redis::RedisConn;
-
-    fn conn() -> RedisConn {
-        let url = std::env::var("TASKHUB_TEST_REDIS_URL")
-            .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-        crate::redis::connect(&url, &crate::Tls::default()).expect("the test Redis answers")
-    }
-
-    fn run(c: &mut RedisConn, args: &[&str]) -> redis::Value {
-        let mut cmd = redis::cmd(args[0]);
-        for a in &args[1..] {
-            cmd.arg(*a);
-        }
-        cmd.query(c).unwrap()
-    }
 
     fn letter(stream: &str, id: &str, consumer: &str) -> DeadLetter {
         DeadLetter {
@@ -274,20 +260,11 @@ mod tests {
         let mut c = conn();
         let stream = format!("dl-holder-{}", uuid::Uuid::new_v4());
         run(&mut c, &["XGROUP", "CREATE", &stream, "g", "0", "MKSTREAM"]);
-        let settled = redis::cmd("XADD")
-            .arg(&stream)
-            .arg("*")
-            .arg("event_id")
-            .arg("a")
-            .query::<String>(&mut c)
-            .unwrap();
-        let abandoned = redis::cmd("XADD")
-            .arg(&stream)
-            .arg("*")
-            .arg("event_id")
-            .arg("b")
-            .query::<String>(&mut c)
-            .unwrap();
+        let mut add = |event_id: &str| {
+            let id = run(&mut c, &["XADD", &stream, "*", "event_id", event_id]);
+            String::from_utf8(crate::event::bytes(id).unwrap()).unwrap()
+        };
+        let (settled, abandoned) = (add("a"), add("b"));
         run(
             &mut c,
             &[
