@@ -118,9 +118,8 @@ fn bounded_on(script: &str, keys: &[&str], max_entry_bytes: usize, keep: usize) 
 /// dead-letter index KEYS[3], else `m` when its event's marker holds a
 /// marker's value (`m:` and 16 hex digits; inside a script a reply cannot
 /// belong to another command; a key of another type is no marker), else
-/// `-`. Markers are in other hash slots
-/// than the stream, so on a cluster the prefix is empty and the fast path
-/// asks apart.
+/// `-`. Markers are in other hash slots than the stream, so on a cluster
+/// the prefix is empty and the fast path asks apart.
 ///
 /// The reply is `{entries, letters}`, the entries packed with MessagePack
 /// (see `packed.rs`: one string to parse instead of seven values per
@@ -691,6 +690,91 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn ownership_checks_of_two_streams_answer_each_entry_in_its_place() {
+        // One script call per stream, the answers put back in the order
+        // asked: an answer out of place would commit (or drop) the wrong
+        // entry.
+        let mut c = conn();
+        let (a, b) = (
+            format!("owned-a-{}", uuid::Uuid::new_v4()),
+            format!("owned-b-{}", uuid::Uuid::new_v4()),
+        );
+        // Ids of their own in each stream, so an answer of the other
+        // stream's entry shows.
+        let mut ids = Vec::new();
+        for (n, stream) in [(1, &a), (2, &b)] {
+            cmd(&mut c, &["XGROUP", "CREATE", stream, "g", "0", "MKSTREAM"]);
+            let mut add = |seq: u32| {
+                let id = format!("{n}-{seq}");
+                cmd(&mut c, &["XADD", stream, &id, "event_id", stream]);
+                id
+            };
+            ids.push((add(1), add(2), add(3)));
+            cmd(
+                &mut c,
+                &["XREADGROUP", "GROUP", "g", "me", "STREAMS", stream, ">"],
+            );
+        }
+        // a: ours, another's, deleted; b: ours, held with another count,
+        // ours.
+        let ((a1, a2, a3), (b1, b2, b3)) = (ids[0].clone(), ids[1].clone());
+        cmd(&mut c, &["XCLAIM", &a, "g", "other", "0", &a2, "JUSTID"]);
+        cmd(&mut c, &["XDEL", &a, &a3]);
+        let held = [
+            Held {
+                stream: &b,
+                entry_id: &b1,
+                count: 1,
+            },
+            Held {
+                stream: &a,
+                entry_id: &a1,
+                count: 1,
+            },
+            Held {
+                stream: &b,
+                entry_id: &b2,
+                count: 7,
+            },
+            Held {
+                stream: &a,
+                entry_id: &a2,
+                count: 1,
+            },
+            Held {
+                stream: &b,
+                entry_id: &b3,
+                count: 1,
+            },
+            Held {
+                stream: &a,
+                entry_id: &a3,
+                count: 1,
+            },
+        ];
+        let got: Vec<String> = owned(&mut c, "g", "me", &held, Some(1 << 20))
+            .unwrap()
+            .into_iter()
+            .map(|o| match o {
+                Owned::Yes(Some(e)) => format!("yes {}", e.id),
+                Owned::Yes(None) => "yes".into(),
+                Owned::Trimmed { .. } => "trimmed".into(),
+                Owned::Lost => "lost".into(),
+            })
+            .collect();
+        let want = [
+            format!("yes {b1}"),
+            format!("yes {a1}"),
+            "lost".into(),
+            "lost".into(),
+            format!("yes {b3}"),
+            "trimmed".into(),
+        ];
+        assert_eq!(got, want);
+        cmd(&mut c, &["DEL", &a, &b]);
+    }
+
+    #[test]
     fn the_read_script_looks_up_each_entrys_marker_and_dead_letter() {
         // One letter per entry, in the entries' order: a hit read for the
         // wrong entry would ack an event that was never applied.
@@ -721,6 +805,9 @@ pub(crate) mod tests {
         let b = marker(&ns, &scope, "b");
         set(&mut c, &b, &crate::redis::keys::marker_tag(&b));
         set(&mut c, &marker(&ns, &scope, "c"), "1");
+        // a: a key of another type where its marker would be (a shared
+        // Redis): no marker, and no error that would fail the whole read.
+        cmd(&mut c, &["HSET", &marker(&ns, &scope, "a"), "x", "1"]);
         let d = marker(&ns, &scope, "d");
         set(&mut c, &d, &crate::redis::keys::marker_tag(&d));
         let e = marker("1111222233334444", &scope, "e");

@@ -531,7 +531,6 @@ impl Processor {
     }
 }
 
-/// Records how long the handler's part took.
 /// Whether `event`'s whole effect is the built-in statement with a text
 /// payload: the events the one-statement forms can take.
 pub(crate) fn plain(handler: &dyn Handler, event: &Event) -> bool {
@@ -541,6 +540,7 @@ pub(crate) fn plain(handler: &dyn Handler, event: &Event) -> bool {
         && sql::payload(event).is_ok()
 }
 
+/// Records how long the handler's part took.
 fn observe_handler(stage: &Stage, started: Instant) {
     let seconds = &stage.common.stats.handler_seconds;
     seconds.observe(started.elapsed());
@@ -673,21 +673,20 @@ fn record_start(
 /// outage.
 fn ownership<'a>(
     stage: &Stage,
-    held: impl IntoIterator<Item = &'a Delivery> + Clone,
+    held: impl IntoIterator<Item = &'a Delivery>,
 ) -> Option<Vec<Owned>> {
     let config = &stage.settings;
-    stage.common.with_redis(|conn| {
-        let held: Vec<streams::Held<'_>> = held
-            .clone()
-            .into_iter()
-            .map(|d| streams::Held {
-                stream: &d.stream,
-                entry_id: &d.entry_id,
-                count: d.fence().unwrap_or(0),
-            })
-            .collect();
-        streams::owned(conn, &config.group, &config.consumer, &held, None)
-    })
+    let held: Vec<streams::Held<'_>> = held
+        .into_iter()
+        .map(|d| streams::Held {
+            stream: &d.stream,
+            entry_id: &d.entry_id,
+            count: d.fence().unwrap_or(0),
+        })
+        .collect();
+    stage
+        .common
+        .with_redis(|conn| streams::owned(conn, &config.group, &config.consumer, &held, None))
 }
 
 /// Why a checked entry must not be committed by this consumer, if so. An

@@ -360,8 +360,8 @@ impl Processor {
     /// before. What the read script found in the same step as the read is
     /// taken as it is (on one server: see `streams::read_group_bounded`),
     /// unless the marker namespace changed since or the entry waited over
-    /// a second; the rest is asked in one pipelined round trip. `None` when a shutdown interrupted a Redis
-    /// outage.
+    /// a second; the rest is asked in one pipelined round trip. `None` when
+    /// a shutdown interrupted a Redis outage.
     fn fast_path(&self, stream: &str, valid: &[Delivery]) -> Option<(Vec<bool>, Vec<bool>)> {
         let ns = self.stage.namespace.get();
         let mut marked = Vec::with_capacity(valid.len());
@@ -528,7 +528,7 @@ impl Processor {
         if size == 0 {
             return;
         }
-        let observed = failures as f64 / size.max(1) as f64;
+        let observed = failures as f64 / size as f64;
         self.failure_rate = 0.8 * self.failure_rate + 0.2 * observed;
     }
 

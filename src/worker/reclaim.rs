@@ -152,14 +152,18 @@ pub(crate) fn take(
         claim.limits.max_entry_bytes,
     )?;
     let (entries, counts): (Vec<_>, Vec<u64>) = claimed.entries.into_iter().unzip();
+    // A deleted entry of this consumer's own is fenced by its count.
+    let own_fence = |h: &streams::Holder| (h.consumer == claim.consumer).then_some(h.count);
     let admitted = entries
         .iter()
         .zip(&counts)
         .map(|(e, n)| (e.id.as_str(), Some(*n), e.bytes()))
-        .chain(claimed.deleted.iter().map(|(id, holder)| {
-            let ours = holder.consumer == claim.consumer;
-            (id.as_str(), ours.then_some(holder.count), 0)
-        }));
+        .chain(
+            claimed
+                .deleted
+                .iter()
+                .map(|(id, holder)| (id.as_str(), own_fence(holder), 0)),
+        );
     let mut tickets = room.admit(stream, admitted);
     let deleted_tickets = tickets.split_off(entries.len());
     let n = tickets.iter().filter(|t| t.is_some()).count();
@@ -182,11 +186,10 @@ pub(crate) fn take(
     job.extend(claimed.deleted.into_iter().zip(deleted_tickets).filter_map(
         |((id, holder), ticket)| {
             let ticket = ticket?;
-            let ours = holder.consumer == claim.consumer;
-            let fence = ours.then_some(holder.count);
+            let fence = own_fence(&holder);
             let mut delivery =
                 Delivery::trimmed(stream, id, Vec::new(), fence, Some(ticket), sent_at);
-            delivery.holder = (!ours).then_some(holder);
+            delivery.holder = fence.is_none().then_some(holder);
             Some(delivery)
         },
     ));
