@@ -109,9 +109,12 @@ fn bounded_on(script: &str, keys: &[&str], max_entry_bytes: usize, keep: usize) 
 /// XREADGROUP (no BLOCK) of new (`>`) or pending entries, cut down by
 /// [`BOUND`], each entry's event id recorded in the in-flight ids KEYS[2]
 /// in the same step (see `keys::in_flight_ids`; an event id over ARGV[8]
-/// bytes is invalid and not recorded). ARGV[4..]: group, consumer, count,
-/// from, the longest event id, and the prefix of the duplicate markers
-/// (`keys::marker` without the event id) or an empty string.
+/// bytes is invalid and not recorded). ARGV[4..]: group, consumer, count
+/// (`0`: read nothing), from, the longest event id, and the prefix of the
+/// duplicate markers (`keys::marker` without the event id) or an empty
+/// string; then (entry id, event id or empty) pairs of entries a blocking
+/// read took just before (a script cannot block), which are recorded and
+/// looked up first, as if this read had taken them.
 ///
 /// With a prefix, the script also answers the fast path's questions for
 /// each entry (see `markers.rs`): a letter per entry, `d` when it is in the
@@ -123,34 +126,23 @@ fn bounded_on(script: &str, keys: &[&str], max_entry_bytes: usize, keep: usize) 
 ///
 /// The reply is `{entries, letters}`, the entries packed with MessagePack
 /// (see `packed.rs`: one string to parse instead of seven values per
-/// entry), the letters empty without a prefix.
+/// entry), the letters (those of the blocking read's entries first) empty
+/// without a prefix.
 const READ_BOUNDED: &str = r"
-local r = redis.call('XREADGROUP', 'GROUP', ARGV[4], ARGV[5], 'COUNT', ARGV[6],
-    'STREAMS', KEYS[1], ARGV[7])
-local prefix = ARGV[9]
-if not r then return {cmsgpack.pack({}), ''} end
-local entries, ids, longest, seen = r[1][2], {}, tonumber(ARGV[8]), {}
-for n, e in ipairs(entries) do
-    local f, event = e[2], nil
-    if type(f) == 'table' then
-        for i = 1, #f - 1, 2 do
-            if f[i] == 'event_id' then
-                if #f[i + 1] <= longest then
-                    event = f[i + 1]
-                    ids[#ids + 1] = e[1]
-                    ids[#ids + 1] = event
-                end
-                break
-            end
+local prefix, longest = ARGV[9], tonumber(ARGV[8])
+local ids, seen = {}, {}
+local function note(id, event)
+    if event then
+        ids[#ids + 1] = id
+        ids[#ids + 1] = event
+        if #ids >= 1000 then
+            redis.call('HSET', KEYS[2], unpack(ids))
+            ids = {}
         end
-    end
-    if #ids >= 1000 then
-        redis.call('HSET', KEYS[2], unpack(ids))
-        ids = {}
     end
     if prefix ~= '' then
         local letter = '-'
-        if redis.call('HEXISTS', KEYS[3], e[1]) == 1 then
+        if redis.call('HEXISTS', KEYS[3], id) == 1 then
             letter = 'd'
         elseif event then
             local v = redis.pcall('GET', prefix .. event)
@@ -158,8 +150,31 @@ for n, e in ipairs(entries) do
                 letter = 'm'
             end
         end
-        seen[n] = letter
+        seen[#seen + 1] = letter
     end
+end
+for i = 10, #ARGV - 1, 2 do
+    local event = ARGV[i + 1]
+    if event == '' then event = nil end
+    note(ARGV[i], event)
+end
+local entries = {}
+if ARGV[6] ~= '0' then
+    local r = redis.call('XREADGROUP', 'GROUP', ARGV[4], ARGV[5], 'COUNT', ARGV[6],
+        'STREAMS', KEYS[1], ARGV[7])
+    if r then entries = r[1][2] end
+end
+for _, e in ipairs(entries) do
+    local f, event = e[2], nil
+    if type(f) == 'table' then
+        for i = 1, #f - 1, 2 do
+            if f[i] == 'event_id' then
+                if #f[i + 1] <= longest then event = f[i + 1] end
+                break
+            end
+        end
+    end
+    note(e[1], event)
 end
 if #ids > 0 then redis.call('HSET', KEYS[2], unpack(ids)) end
 return {cmsgpack.pack(bound(entries)), table.concat(seen)}
@@ -195,16 +210,20 @@ pub(crate) struct Seen {
 /// `from` is `>` for new entries or an id for this consumer's pending
 /// entries after it. With a markers' prefix, also what the fast path would
 /// ask for each entry, in the same step.
+///
+/// `blocked`: entries a blocking [`read_group`] took just before; they are
+/// recorded and looked up in the same step and returned first, followed by
+/// up to `count` more.
 #[allow(clippy::too_many_arguments)] // the command's own arguments
 pub(crate) fn read_group_bounded(
     conn: &mut RedisConn,
     stream: &str,
     keys: &ReadKeys<'_>,
-    group: &str,
-    consumer: &str,
+    (group, consumer): (&str, &str),
     count: usize,
     from: &str,
     limits: Limits,
+    blocked: Vec<RawEntry>,
 ) -> RedisResult<Vec<RawEntry>> {
     let mut cmd = bounded_on(
         READ_BOUNDED,
@@ -218,6 +237,10 @@ pub(crate) fn read_group_bounded(
         .arg(from)
         .arg(limits.max_event_id_bytes)
         .arg(keys.markers.map_or("", |(_, prefix)| prefix));
+    for entry in &blocked {
+        let event_id = event_id_of(entry, limits.max_event_id_bytes).unwrap_or_default();
+        cmd.arg(&entry.id).arg(event_id);
+    }
     let (packed, seen) = match cmd.query(conn)? {
         redis::Value::Array(parts) if parts.len() == 2 => {
             let mut parts = parts.into_iter().map(crate::event::bytes);
@@ -229,7 +252,10 @@ pub(crate) fn read_group_bounded(
         other => return Err(protocol_error(format!("read: {other:?}"))),
     };
     let entries = crate::redis::packed::unpack(&packed).map_err(protocol_error)?;
-    let mut entries = parse_entries(entries).map_err(protocol_error)?;
+    let mut entries = blocked
+        .into_iter()
+        .chain(parse_entries(entries).map_err(protocol_error)?)
+        .collect::<Vec<_>>();
     let Some((ns, _)) = keys.markers else {
         return Ok(entries);
     };
@@ -248,6 +274,18 @@ pub(crate) fn read_group_bounded(
         });
     }
     Ok(entries)
+}
+
+/// The event id of `entry` as the read script records it: its `event_id`
+/// field, when it is at most `longest` bytes.
+pub(crate) fn event_id_of(entry: &RawEntry, longest: usize) -> Option<&[u8]> {
+    entry
+        .fields
+        .iter()
+        .flatten()
+        .find(|(k, _)| k == b"event_id")
+        .map(|(_, id)| id.as_slice())
+        .filter(|id| id.len() <= longest)
 }
 
 /// XREADGROUP of one stream: `from` is `>` for new entries (blocking up to
@@ -826,7 +864,8 @@ pub(crate) mod tests {
             markers: Some((&ns, &prefix)),
         };
         let read = |c: &mut RedisConn, keys: &ReadKeys<'_>, from: &str| {
-            read_group_bounded(c, &stream, keys, "g", "me", 100, from, limits).unwrap()
+            read_group_bounded(c, &stream, keys, ("g", "me"), 100, from, limits, Vec::new())
+                .unwrap()
         };
         let entries = read(&mut c, &keys, ">");
         let got: Vec<(&str, bool, bool)> = entries
@@ -869,6 +908,92 @@ pub(crate) mod tests {
             .arg(&d)
             .arg(&e);
         del.arg(marker(&ns, &scope, "c"));
+        del.query::<()>(&mut c).unwrap();
+    }
+
+    /// What a blocking read took is recorded in the in-flight ids and
+    /// looked up by the read that follows it, and comes first; a read with
+    /// no room left (`count` 0) reads nothing more.
+    #[test]
+    fn a_read_after_a_blocking_read_records_and_looks_up_its_entry() {
+        use crate::redis::keys::{dead_letter_index, in_flight_ids, marker, marker_prefix};
+        let mut c = conn();
+        let stream = format!("read-blocked-{}", uuid::Uuid::new_v4());
+        let scope = format!("scope-{}", uuid::Uuid::new_v4());
+        let ns: Arc<str> = "00ff00ff00ff00ff".into();
+        cmd(&mut c, &["XGROUP", "CREATE", &stream, "g", "0", "MKSTREAM"]);
+        let mut ids = Vec::new();
+        for event in ["b", "x", "y"] {
+            let mut add = redis::cmd("XADD");
+            add.arg(&stream).arg("*").arg("event_id").arg(event);
+            ids.push(add.query::<String>(&mut c).unwrap());
+        }
+        let b = marker(&ns, &scope, "b");
+        cmd(
+            &mut c,
+            &["SET", &b, &crate::redis::keys::marker_tag(&b), "EX", "60"],
+        );
+        let index = dead_letter_index(&stream);
+        let in_flight = in_flight_ids(&stream, "g");
+        let prefix = marker_prefix(&ns, &scope);
+        let limits = Limits {
+            max_event_id_bytes: 64,
+            max_entry_bytes: 1 << 20,
+        };
+        let keys = ReadKeys {
+            in_flight: &in_flight,
+            dead_index: &index,
+            markers: Some((&ns, &prefix)),
+        };
+        let in_flight_of = |c: &mut RedisConn| -> Vec<(String, String)> {
+            let mut all: Vec<(String, String)> = redis::cmd("HGETALL")
+                .arg(&in_flight)
+                .query::<std::collections::HashMap<String, String>>(c)
+                .unwrap()
+                .into_iter()
+                .collect();
+            all.sort();
+            all
+        };
+        let blocked = read_group(&mut c, &stream, "g", "me", 1, Some(100), ">").unwrap();
+        assert_eq!(blocked.len(), 1);
+        // No room for more: only the blocked entry, recorded and looked up.
+        let only = read_group_bounded(&mut c, &stream, &keys, ("g", "me"), 0, ">", limits, blocked)
+            .unwrap();
+        assert_eq!(only.len(), 1);
+        assert_eq!(only[0].id, ids[0]);
+        assert!(only[0].seen.as_ref().is_some_and(|s| s.marked && !s.dead));
+        assert_eq!(in_flight_of(&mut c), vec![(ids[0].clone(), "b".to_owned())]);
+        assert_eq!(pending_count(&mut c, &stream, "g").unwrap(), 1);
+        // Room for more: the blocked entry first, then the rest.
+        let blocked = read_group(&mut c, &stream, "g", "me", 1, Some(100), ">").unwrap();
+        let all = read_group_bounded(
+            &mut c,
+            &stream,
+            &keys,
+            ("g", "me"),
+            10,
+            ">",
+            limits,
+            blocked,
+        )
+        .unwrap();
+        let got: Vec<(&str, bool)> = all
+            .iter()
+            .map(|e| (e.id.as_str(), e.seen.as_ref().expect("looked up").marked))
+            .collect();
+        assert_eq!(
+            got,
+            vec![(ids[1].as_str(), false), (ids[2].as_str(), false)]
+        );
+        let want: Vec<(String, String)> = ids
+            .iter()
+            .cloned()
+            .zip(["b", "x", "y"].map(str::to_owned))
+            .collect();
+        assert_eq!(in_flight_of(&mut c), want);
+        let mut del = redis::cmd("DEL");
+        del.arg(&stream).arg(&in_flight).arg(&b);
         del.query::<()>(&mut c).unwrap();
     }
 }

@@ -1,6 +1,7 @@
 //! Step 4 of a message's path: after the commits, one round trip sets the
 //! duplicate markers of what committed (with a TTL) and XACKs everything
-//! finished; then the entries leave the in-flight set. On one server that
+//! finished (what a worker's jobs finished within 50 ms goes together: see
+//! `process::ACK_HOLD`); then the entries leave the in-flight set. On one server that
 //! round trip is one script (one reply, where a pipeline has one per
 //! marker); on a cluster, whose markers spread over the nodes, a pipeline.
 //!

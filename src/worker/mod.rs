@@ -533,6 +533,7 @@ fn settings(config: &Config, budget: Option<crate::handler::RetryBudget>) -> Set
         consumer: config.consumer.clone(),
         max_attempts,
         marker_ttl: config.marker_ttl,
+        ack_batch: (config.count / 4).max(1),
         handler_timeout: config.handler_timeout,
         fused_timeout: (config.reclaim_min_idle.saturating_sub(delivery::FRESH) / 2)
             .min(config.handler_timeout),

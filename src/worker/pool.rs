@@ -12,7 +12,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 
 use crate::worker::dead_letter;
 use crate::worker::delivery::Job;
@@ -21,7 +21,9 @@ use crate::worker::process::Stage;
 use crate::worker::retry::Retry;
 
 /// One worker thread: runs until every sender of `jobs` is gone and the
-/// channel is drained.
+/// channel is drained. Finished entries are acked with the next jobs'
+/// (see `process::ACK_HOLD`): when they are due, the wait for a job ends
+/// and they are acked; and before the thread ends.
 pub(crate) fn worker_thread(
     stage: Arc<Stage>,
     jobs: &Receiver<Job>,
@@ -29,13 +31,29 @@ pub(crate) fn worker_thread(
     dead: Sender<dead_letter::Job>,
 ) {
     let mut processor = Processor::new(stage.clone(), retry, dead);
-    while let Ok(job) = jobs.recv() {
+    loop {
+        let job = match processor.ack_due() {
+            None => jobs.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            Some(due) => jobs.recv_deadline(due),
+        };
+        let job = match job {
+            Ok(job) => job,
+            Err(RecvTimeoutError::Timeout) => {
+                processor.flush_acks();
+                continue;
+            }
+            Err(RecvTimeoutError::Disconnected) => break,
+        };
         let entries = job.len();
         if catch_unwind(AssertUnwindSafe(|| processor.process(job))).is_err() {
             log::error!(
                 "{}: processing a batch of {entries} entries panicked; those not finished stay pending and will be delivered again",
                 std::thread::current().name().unwrap_or("worker"),
             );
+            // What earlier jobs finished is still owed its ack.
+            if catch_unwind(AssertUnwindSafe(|| processor.flush_acks())).is_err() {
+                log::error!("acking finished entries panicked; they stay pending and will be delivered again (as duplicates)");
+            }
             processor = Processor::new(
                 stage.clone(),
                 processor.retry_sender(),
@@ -43,4 +61,5 @@ pub(crate) fn worker_thread(
             );
         }
     }
+    processor.flush_acks();
 }

@@ -84,6 +84,8 @@ impl Reader {
         // again.
         let mut last_seen: Option<String> = None;
         let mut failures = 0u32;
+        // Whether the last read found the stream drained (see `read_new`).
+        let mut drained = false;
         while !common.shutdown.is_shutdown() {
             let c = match conn.as_mut() {
                 Some(c) => c,
@@ -113,28 +115,29 @@ impl Reader {
                     }),
                 Position::New => {
                     let sent_at = Instant::now();
-                    self.read_new(c, room.places()).map(|entries| {
-                        let idle = entries.is_empty();
-                        if let Some(last) = entries.last() {
-                            if last_seen.as_deref().is_none_or(|l| newer(&last.id, l)) {
-                                last_seen = Some(last.id.clone());
+                    self.read_new(c, room.places(), &mut drained)
+                        .map(|entries| {
+                            let idle = entries.is_empty();
+                            if let Some(last) = entries.last() {
+                                if last_seen.as_deref().is_none_or(|l| newer(&last.id, l)) {
+                                    last_seen = Some(last.id.clone());
+                                }
                             }
-                        }
-                        let tickets = room.admit(
-                            stream,
-                            entries.iter().map(|e| (e.id.as_str(), Some(1), e.bytes())),
-                        );
-                        let job = Delivery::from_entries(
-                            &common.stats,
-                            claim.limits,
-                            stream,
-                            entries,
-                            tickets,
-                            sent_at,
-                            |_| 1,
-                        );
-                        (job, idle)
-                    })
+                            let tickets = room.admit(
+                                stream,
+                                entries.iter().map(|e| (e.id.as_str(), Some(1), e.bytes())),
+                            );
+                            let job = Delivery::from_entries(
+                                &common.stats,
+                                claim.limits,
+                                stream,
+                                entries,
+                                tickets,
+                                sent_at,
+                                |_| 1,
+                            );
+                            (job, idle)
+                        })
                 }
             };
             match read {
@@ -157,6 +160,7 @@ impl Reader {
                 }
                 Err(e) => {
                     self.idle.store(false, Ordering::SeqCst);
+                    drained = false;
                     // Whatever went wrong, what this consumer may have been
                     // given is pending for it: re-read that first.
                     position = Position::Pending("-".into());
@@ -180,7 +184,8 @@ impl Reader {
 
     /// New entries: without blocking (cut down to the size limit in Redis),
     /// or, when there are none, one entry blocking up to BLOCK (which
-    /// arrives whole, once, and is cut down as it is parsed).
+    /// arrives whole, once, and is cut down as it is parsed), then at once
+    /// whatever else came, without blocking.
     ///
     /// Either way each entry's event id is recorded in the in-flight ids
     /// (`keys::in_flight_ids`) before the entries go to a worker thread: an
@@ -190,9 +195,24 @@ impl Reader {
     /// died. Before, only the fast path wrote them, and an applied event's
     /// second copy read ahead and then trimmed became a `trimmed` letter of
     /// an unknown event, beside the effect (found by the chaos run). The
-    /// script records them in the same step as the read; after a blocking
-    /// read, one HSET follows.
-    fn read_new(&self, c: &mut RedisConn, room: usize) -> redis::RedisResult<Vec<RawEntry>> {
+    /// script records them in the same step as the read, and records (and
+    /// looks up the markers of) what a blocking read took in the step that
+    /// reads what came after it: if that step fails, the entry is not
+    /// handed on, and the reader's next step re-reads its pending entries.
+    ///
+    /// `drained`: the last read waited for its entry and nothing came after
+    /// it (a trickle), so this one blocks at once: a read that would find
+    /// nothing is a round trip for nothing, and one that blocks returns at
+    /// once if anything came. Under a trickle an entry then costs two round
+    /// trips to read, not four (an empty read, the blocking one, the
+    /// in-flight ids, the markers); under a heavier load, where entries
+    /// come while one is read, reads do not block first.
+    fn read_new(
+        &self,
+        c: &mut RedisConn,
+        room: usize,
+        drained: &mut bool,
+    ) -> redis::RedisResult<Vec<RawEntry>> {
         let claim = &self.claim;
         let in_flight = crate::redis::keys::in_flight_ids(&self.stream, &claim.group);
         let dead_index = crate::redis::keys::dead_letter_index(&self.stream);
@@ -205,30 +225,42 @@ impl Reader {
             dead_index: &dead_index,
             markers: prefix.as_deref().map(|prefix| (&ns, prefix)),
         };
-        let entries = streams::read_group_bounded(
-            c,
-            &self.stream,
-            &keys,
-            &claim.group,
-            &claim.consumer,
-            room,
-            ">",
-            claim.limits,
-        )?;
-        if !entries.is_empty() {
-            return Ok(entries);
+        let (group, consumer) = (claim.group.as_str(), claim.consumer.as_str());
+        let stream = &*self.stream;
+        if !*drained {
+            let entries = streams::read_group_bounded(
+                c,
+                stream,
+                &keys,
+                (group, consumer),
+                room,
+                ">",
+                claim.limits,
+                Vec::new(),
+            )?;
+            if !entries.is_empty() {
+                return Ok(entries);
+            }
         }
         let block = self.block.as_millis() as u64;
-        let entries = streams::read_group(
+        let blocked = streams::read_group(c, stream, group, consumer, 1, Some(block), ">")?;
+        if blocked.is_empty() {
+            *drained = false;
+            return Ok(blocked);
+        }
+        let (taken, more) = (blocked.len(), room.saturating_sub(blocked.len()));
+        let entries = streams::read_group_bounded(
             c,
-            &self.stream,
-            &claim.group,
-            &claim.consumer,
-            1,
-            Some(block),
+            stream,
+            &keys,
+            (group, consumer),
+            more,
             ">",
+            claim.limits,
+            blocked,
         )?;
-        record_event_ids(c, &in_flight, &entries, claim.limits.max_event_id_bytes);
+        // Nothing came after the entry the read waited for: a trickle.
+        *drained = entries.len() == taken;
         Ok(entries)
     }
 
@@ -246,31 +278,6 @@ impl Reader {
         if let Err(e) = streams::ensure_group(c, stream, group, &start) {
             log::error!("{stream}: cannot create group {group}: {e}");
             self.common.shutdown.sleep(Duration::from_secs(1));
-        }
-    }
-}
-
-/// Records the event ids of `entries` in the in-flight ids `key`, as the
-/// read script does (see [`Reader::read_new`]). If Redis does not answer,
-/// the next read finds out.
-fn record_event_ids(c: &mut RedisConn, key: &str, entries: &[RawEntry], longest: usize) {
-    let mut hset = redis::cmd("HSET");
-    hset.arg(key);
-    let mut any = false;
-    for entry in entries {
-        let event_id = entry
-            .fields
-            .iter()
-            .flatten()
-            .find(|(k, _)| k == b"event_id");
-        if let Some((_, id)) = event_id.filter(|(_, id)| id.len() <= longest) {
-            hset.arg(&entry.id).arg(id);
-            any = true;
-        }
-    }
-    if any {
-        if let Err(e) = hset.query::<()>(c) {
-            log::debug!("in-flight ids not written after a blocking read ({e})");
         }
     }
 }

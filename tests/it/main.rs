@@ -27,6 +27,7 @@ mod properties;
 mod cluster;
 mod embed;
 mod http_handler;
+mod round_trips;
 mod tls;
 
 // Operating it: the CLI, the dead letters, the HTTP endpoints and pages.

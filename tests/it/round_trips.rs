@@ -1,0 +1,102 @@
+//! Round trips to Redis on the hot path, counted by a private server's
+//! `INFO commandstats` (every call these tests make there is theirs).
+//!
+//! Under a steady trickle, the common load of a small deployment, entries
+//! arrive one at a time: each read blocks, and each read is cut into jobs
+//! of one event so they run side by side. These tests pin that such an
+//! entry is not paid for with a round trip per step.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use crate::support::*;
+
+/// Calls per command on the server of `conn` since the last reset (script
+/// calls included: `xack` counts one per ack script).
+fn calls(conn: &mut redis::Connection) -> HashMap<String, u64> {
+    let info: String = redis::cmd("INFO").arg("commandstats").query(conn).unwrap();
+    info.lines()
+        .filter_map(|line| {
+            let (name, rest) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+            let n = rest
+                .strip_prefix("calls=")?
+                .split(',')
+                .next()?
+                .parse()
+                .ok()?;
+            Some((name.to_owned(), n))
+        })
+        .collect()
+}
+
+/// A trickle of 60 entries, one every 2 ms, to 4 workers in per-event mode.
+/// Each entry is read by a blocking read followed by one read script call,
+/// which records its event id in the in-flight ids and looks its marker up
+/// (no marker check of its own: no HMGET); and finished entries are acked
+/// together for a few milliseconds, not one ack per job. Before, an entry
+/// cost an empty read, the blocking read, an HSET, a marker check and an
+/// ack of its own: 60 XACK calls and 60 HMGET here.
+#[test]
+fn a_trickle_shares_its_reads_and_acks() {
+    let r = PrivateRedis::start();
+    let db = TestDb::new();
+    let (stream, group) = (unique("trickle"), unique("g"));
+    let mut conn = redis(&r.url());
+    let running = Running::start(
+        fast_builder(&r.url(), &db.url, &stream, &group)
+            .mode(taskhub::Mode::PerEvent)
+            .workers(4)
+            .count(64),
+        taskhub::SqlHandler::default(),
+    );
+    // One event first, so the worker knows its marker namespace (the
+    // read script looks markers up from then on).
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "warm"), ("payload", "p")],
+    );
+    assert!(
+        wait_until(Duration::from_secs(20), || pending(
+            &mut conn, &stream, &group
+        ) == 0
+            && db.count("SELECT count(*) FROM processed_events") == 1),
+        "the first event was not applied"
+    );
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query(&mut conn)
+        .unwrap();
+    let n = 60;
+    for i in 0..n {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &format!("t-{i}")), ("payload", "p")],
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(
+        wait_until(Duration::from_secs(20), || pending(
+            &mut conn, &stream, &group
+        ) == 0
+            && db.count("SELECT count(*) FROM processed_events") == 1 + n),
+        "the trickle was not applied and acked: {} pending",
+        pending(&mut conn, &stream, &group)
+    );
+    let calls = calls(&mut conn);
+    let summary = running.stop();
+    assert_eq!(summary.applied, 1 + n as u64, "{summary}");
+    let get = |name: &str| calls.get(name).copied().unwrap_or(0);
+    assert_eq!(get("hmget"), 0, "marker checks of their own: {calls:?}");
+    assert!(
+        get("xack") * 2 <= n as u64,
+        "{} ack round trips for {n} entries: {calls:?}",
+        get("xack")
+    );
+    assert!(
+        get("xreadgroup") <= 2 * n as u64 + 10,
+        "{} reads for {n} entries: {calls:?}",
+        get("xreadgroup")
+    );
+}
