@@ -20,7 +20,11 @@
 #    with a 1 s backoff) in both modes;
 # 5. steady load, both modes: a producer at 50%, 75% and 90% of the rate
 #    that mode drained in step 4, for STEADY_SECS seconds each, with the
-#    latency from XADD to commit (p50 / p99 / max);
+#    latency from XADD to commit (p50 / p99 / max); and, as its floor, the
+#    database alone at the same rate of events for as long (pgbench -R:
+#    per-event, one statement per event, taskhub's fused form; batch, 50
+#    events per transaction), latency from each transaction's scheduled
+#    start to its end;
 # 6. prints one table: events/s, latency, CPU per event, peak RSS, and each
 #    rate as a ratio of the matching ceiling.
 set -euo pipefail
@@ -93,6 +97,14 @@ INSERT INTO notifications (event_id, payload)
 COMMIT;
 SQL
 
+# The floor of the per-event steady runs: the dedup insert and the effect
+# as one statement, its own transaction, as taskhub's fused form sends it.
+cat >"$work/per_event_one.sql" <<'SQL'
+\set n random(1, 2000000000)
+WITH done AS (INSERT INTO processed_events (scope, event_id) VALUES ('pgbench', :client_id || '-' || :n) ON CONFLICT DO NOTHING RETURNING 1)
+  INSERT INTO notifications (event_id, payload) SELECT :client_id || '-' || :n, repeat('x', 200) FROM done;
+SQL
+
 # Every measurement, ceiling or taskhub, starts from empty tables and a
 # fresh checkpoint: the 50-per-transaction ceiling alone adds about a
 # million rows, and a run after it would pay for bigger indexes and the
@@ -107,6 +119,18 @@ pgbench_tps() { # script
     pgbench -n -c "$WORKERS" -j 2 -T "$DURATION" -f "$1" "$BENCH_URL" 2>/dev/null |
         awk '/^tps = / { printf "%d\n", $3 }'
 }
+# The database alone at a steady rate: prints "p50_ms=.. p99_ms=.. max_ms=.."
+# over every transaction, from its scheduled start (so a stall's queue
+# counts, as it does for taskhub's events) to its end.
+pgbench_latency() { # script transactions-per-second
+    fresh_tables
+    rm -f "$work"/pgl.*
+    pgbench -n -c "$WORKERS" -j 2 -T "$STEADY_SECS" -R "$2" -l --log-prefix="$work/pgl" \
+        -f "$1" "$BENCH_URL" >/dev/null 2>&1
+    cat "$work"/pgl.* | awk '{ print $3 }' | sort -n | awk '{ a[NR] = $1 } END {
+        printf "p50_ms=%.2f p99_ms=%.2f max_ms=%.2f\n", a[int(NR * 0.5)] / 1000, a[int(NR * 0.99)] / 1000, a[NR] / 1000 }'
+}
+
 # One benchmark run; prints its RESULT line.
 bench() { # label args...
     local label=$1
@@ -145,6 +169,13 @@ for mode in per-event batch; do
         rate=$((capacity * share / 100))
         bench "steady-$mode-$share%" --mode "$mode" --rate "$rate" --duration "${STEADY_SECS}s" \
             >>"$work/results"
+        echo "running: the database alone at $rate events/s..." >&2
+        if [[ $mode == per-event ]]; then
+            floor=$(pgbench_latency "$work/per_event_one.sql" "$rate")
+        else
+            floor=$(pgbench_latency "$work/batch50.sql" $(((rate + 49) / 50)))
+        fi
+        echo "steady-$mode-$share% rate=$rate $floor" >>"$work/floors"
     done
 done
 
@@ -172,10 +203,23 @@ for mode in per-event batch; do
     printf 'healthy events under failures, %s: %s/s vs %s/s clean = %.2fx\n' "$mode" "$failing" "$clean" \
         "$(awk "BEGIN { print $failing / $clean }")"
 done
+printf '\nsteady load, taskhub next to the database alone at the same rate (pgbench -R):\n'
+printf '%-22s %10s %27s %27s\n' run events/s "taskhub p50 / p99 / max ms" "database p50 / p99 / max ms"
+while read -r label line; do
+    ours=$(grep "^$label " "$work/results")
+    line=" $line"
+    printf '%-22s %10s %27s %27s\n' "$label" "$(field "$line" rate)" \
+        "$(field "$ours" p50_ms) / $(field "$ours" p99_ms) / $(field "$ours" max_ms)" \
+        "$(field "$line" p50_ms) / $(field "$line" p99_ms) / $(field "$line" max_ms)"
+done <"$work/floors"
 cat <<EOF
 
 hol-*: 10% of events fail twice with a 1 s backoff; healthy/s is the drain
 rate of the other 90%, to compare with the clean run of the same mode.
 steady-*: a producer at that share of the mode's drain rate for ${STEADY_SECS} s;
-latency from XADD to commit; cpu_us includes the producer thread.
+latency from XADD to commit; cpu_us includes the producer thread. The
+database alone: pgbench at the same rate of events (per-event: one statement
+per event, the fused form; batch: 50 events per transaction), latency from
+each transaction's scheduled start, so the stalls of the machine and the
+database show in both columns.
 EOF
