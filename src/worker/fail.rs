@@ -95,6 +95,11 @@ impl Processor {
                     }
                     commits_before = commits;
                     outages += 1;
+                    // What earlier jobs finished does not wait out this
+                    // outage for its ack (Redis's own outage it would).
+                    if server != Server::Redis {
+                        self.flush_acks();
+                    }
                     if self.stage.common.shutdown.sleep(outage_backoff(outages)) {
                         return Flow::Stopped;
                     }

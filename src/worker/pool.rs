@@ -39,7 +39,7 @@ pub(crate) fn worker_thread(
         let job = match job {
             Ok(job) => job,
             Err(RecvTimeoutError::Timeout) => {
-                processor.flush_acks();
+                flush(&mut processor);
                 continue;
             }
             Err(RecvTimeoutError::Disconnected) => break,
@@ -51,9 +51,7 @@ pub(crate) fn worker_thread(
                 std::thread::current().name().unwrap_or("worker"),
             );
             // What earlier jobs finished is still owed its ack.
-            if catch_unwind(AssertUnwindSafe(|| processor.flush_acks())).is_err() {
-                log::error!("acking finished entries panicked; they stay pending and will be delivered again (as duplicates)");
-            }
+            flush(&mut processor);
             processor = Processor::new(
                 stage.clone(),
                 processor.retry_sender(),
@@ -61,5 +59,16 @@ pub(crate) fn worker_thread(
             );
         }
     }
-    processor.flush_acks();
+    flush(&mut processor);
+}
+
+/// Acks what `processor` holds (see `process::ACK_HOLD`); a panic doing
+/// so is logged, and the thread goes on.
+fn flush(processor: &mut Processor) {
+    if catch_unwind(AssertUnwindSafe(|| processor.flush_acks())).is_err() {
+        log::error!(
+            "{}: acking finished entries panicked; they stay pending and will be delivered again (as duplicates)",
+            std::thread::current().name().unwrap_or("worker"),
+        );
+    }
 }

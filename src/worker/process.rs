@@ -64,10 +64,11 @@ const ACK_WITHIN: Duration = Duration::from_millis(250);
 
 /// Finished entries wait up to this long after the oldest of them for
 /// the next jobs' to join them in one ack round trip, or until a quarter
-/// of a read is finished (`Settings::ack_batch`): the worker thread's wait for a job ends when they
-/// are due (see `pool.rs`), and a job that comes first takes them on, to
-/// be acked with its own or, as its own are, before its next transaction
-/// once [`ACK_WITHIN`] old. Under a steady trickle jobs are one or two
+/// of a read is finished (`Settings::ack_batch`). The worker thread's
+/// wait for a job ends when they are due (see `pool.rs`); a job checks
+/// them before each transaction, and before it waits out an outage or
+/// for its turn to run a suspect, so a job that comes first makes them
+/// wait one transaction more at most. Under a steady trickle jobs are one or two
 /// events each (a read is cut to run side by side), and an ack round trip
 /// per job was most of the round trips to Redis. A finished entry stays
 /// pending that much longer; a crash then redelivers it and its marker or
@@ -76,6 +77,17 @@ const ACK_WITHIN: Duration = Duration::from_millis(250);
 pub(crate) const ACK_HOLD: Duration = Duration::from_millis(50);
 
 impl Finished {
+    /// Adds `other`'s deliveries after these.
+    fn append(&mut self, other: Finished) {
+        let base = self.deliveries.len();
+        self.to_mark.extend(other.to_mark.iter().map(|i| i + base));
+        self.deliveries.extend(other.deliveries);
+        self.since = match (self.since, other.since) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
+
     fn push(&mut self, delivery: Delivery, mark: bool) {
         if mark {
             self.to_mark.push(self.deliveries.len());
@@ -211,17 +223,12 @@ impl Processor {
         }
     }
 
-    /// The held finished entries, for a job of `stream` to go on with (so
-    /// they are acked with its own, or once overdue within it); another
-    /// stream's are acked first.
-    fn take_held(&mut self, stream: &Arc<str>) -> Finished {
-        match self.held.take() {
-            Some((s, held)) if s == *stream => held,
-            Some((s, held)) => {
-                self.mark_and_ack(&s, held);
-                Finished::default()
-            }
-            None => Finished::default(),
+    /// Acks the held finished entries if they are due (see [`ACK_HOLD`]):
+    /// checked before every transaction, so a job does not make them wait
+    /// longer than that plus one transaction.
+    pub(crate) fn flush_acks_if_due(&mut self) {
+        if self.ack_due().is_some_and(|due| due <= Instant::now()) {
+            self.flush_acks();
         }
     }
 
@@ -232,11 +239,21 @@ impl Processor {
         if done.deliveries.is_empty() {
             return;
         }
-        let due = done.since.is_some_and(|t| t.elapsed() >= ACK_HOLD);
-        if due || done.deliveries.len() >= self.stage.settings.ack_batch {
-            self.mark_and_ack(stream, done);
+        match &mut self.held {
+            Some((s, held)) if s == stream => held.append(done),
+            _ => {
+                self.flush_acks();
+                self.held = Some((stream.clone(), done));
+            }
+        }
+        let full = self
+            .held
+            .as_ref()
+            .is_some_and(|(_, h)| h.deliveries.len() >= self.stage.settings.ack_batch);
+        if full {
+            self.flush_acks();
         } else {
-            self.held = Some((stream.clone(), done));
+            self.flush_acks_if_due();
         }
     }
 
@@ -273,9 +290,7 @@ impl Processor {
                 }
             }
         }
-        // What earlier jobs finished and hold for their ack goes on with
-        // this job's (see `ACK_HOLD`).
-        let mut done = self.take_held(&stream);
+        let mut done = Finished::default();
         if !trimmed.is_empty() {
             self.settle_trimmed(&stream, trimmed, &mut done);
         }
@@ -360,6 +375,7 @@ impl Processor {
         if done.overdue() {
             self.mark_and_ack(stream, std::mem::take(done));
         }
+        self.flush_acks_if_due();
     }
 
     /// Entries deleted from the stream before they were acked. Their event
@@ -612,8 +628,14 @@ impl Processor {
     /// crash and dead-lettered with it (found by scripts/chaos.sh).
     fn apply_one(&mut self, mut delivery: Delivery, done: &mut Finished) {
         let stage = self.stage.clone();
-        let _one_suspect_at_a_time = (delivery.delivery_count > 1 && delivery.failures.is_empty())
-            .then(|| suspect_turn(&stage.suspects, stage.settings.handler_timeout));
+        let suspect = delivery.delivery_count > 1 && delivery.failures.is_empty();
+        if suspect {
+            // Its turn may take a while: what earlier jobs finished is
+            // acked first.
+            self.flush_acks();
+        }
+        let _one_suspect_at_a_time =
+            suspect.then(|| suspect_turn(&stage.suspects, stage.settings.handler_timeout));
         let mut strikes = delivery.strikes;
         let max = self.stage.settings.max_attempts;
         let flow = self.through_outages(&mut strikes, max, |p| p.apply(&mut delivery));

@@ -86,6 +86,9 @@ impl Reader {
         let mut failures = 0u32;
         // Whether the last read found the stream drained (see `read_new`).
         let mut drained = false;
+        // (entry id, event id) of what a blocking read took and could not
+        // record (see `read_new`): recorded before anything else.
+        let mut unrecorded: Vec<(String, Vec<u8>)> = Vec::new();
         while !common.shutdown.is_shutdown() {
             let c = match conn.as_mut() {
                 Some(c) => c,
@@ -99,6 +102,23 @@ impl Reader {
                     }
                 },
             };
+            if !unrecorded.is_empty() {
+                let key = crate::redis::keys::in_flight_ids(stream, &claim.group);
+                let mut hset = redis::cmd("HSET");
+                hset.arg(&key).arg(&unrecorded);
+                if let Err(e) = hset.query::<()>(c) {
+                    if crate::redis::is_outage(&e) {
+                        common.health.down(Server::Redis, &e);
+                    } else {
+                        log::error!("{stream}: recording what a blocking read took failed: {e}");
+                    }
+                    conn = None;
+                    failures += 1;
+                    common.shutdown.sleep(outage_backoff(failures));
+                    continue;
+                }
+                unrecorded.clear();
+            }
             let Some(room) = flow.reserve(self.count, &common.shutdown) else {
                 break;
             };
@@ -115,7 +135,7 @@ impl Reader {
                     }),
                 Position::New => {
                     let sent_at = Instant::now();
-                    self.read_new(c, room.places(), &mut drained)
+                    self.read_new(c, room.places(), &mut drained, &mut unrecorded)
                         .map(|entries| {
                             let idle = entries.is_empty();
                             if let Some(last) = entries.last() {
@@ -198,7 +218,8 @@ impl Reader {
     /// script records them in the same step as the read, and records (and
     /// looks up the markers of) what a blocking read took in the step that
     /// reads what came after it: if that step fails, the entry is not
-    /// handed on, and the reader's next step re-reads its pending entries.
+    /// handed on, its event id is recorded (`unrecorded`) as soon as Redis
+    /// answers again, and then the reader re-reads its pending entries.
     ///
     /// `drained`: the last read waited for its entry and nothing came after
     /// it (a trickle), so this one blocks at once: a read that would find
@@ -212,6 +233,7 @@ impl Reader {
         c: &mut RedisConn,
         room: usize,
         drained: &mut bool,
+        unrecorded: &mut Vec<(String, Vec<u8>)>,
     ) -> redis::RedisResult<Vec<RawEntry>> {
         let claim = &self.claim;
         let in_flight = crate::redis::keys::in_flight_ids(&self.stream, &claim.group);
@@ -249,7 +271,14 @@ impl Reader {
             return Ok(blocked);
         }
         let (taken, more) = (blocked.len(), room.saturating_sub(blocked.len()));
-        let entries = streams::read_group_bounded(
+        let ids: Vec<(String, Vec<u8>)> = blocked
+            .iter()
+            .filter_map(|e| {
+                let event_id = streams::event_id_of(e, claim.limits.max_event_id_bytes)?;
+                Some((e.id.clone(), event_id.to_vec()))
+            })
+            .collect();
+        let read = streams::read_group_bounded(
             c,
             stream,
             &keys,
@@ -258,9 +287,17 @@ impl Reader {
             ">",
             claim.limits,
             blocked,
-        )?;
-        // Nothing came after the entry the read waited for: a trickle.
-        *drained = entries.len() == taken;
+        );
+        let Ok(entries) = read else {
+            // Not handed on, and pending for this consumer: its event id
+            // is recorded first thing once Redis answers, before the
+            // pending entries are read again (if it is deleted from the
+            // stream meanwhile, that is how its event is known).
+            unrecorded.extend(ids);
+            return read;
+        };
+        // Nothing more came after the entry the read waited for: a trickle.
+        *drained = more > 0 && entries.len() == taken;
         Ok(entries)
     }
 

@@ -702,6 +702,76 @@ fn entries_read_ahead_then_trimmed_are_settled_by_their_event() {
     assert_eq!(db.count("SELECT count(*) FROM processed_events"), 5);
 }
 
+/// Regression (a review of this round's reads): the read script call that
+/// follows a blocking read records the entry that read took; when that
+/// call failed, the entry was dropped unrecorded (pending, its event id
+/// nowhere), and once deleted from the stream it became a `trimmed` letter
+/// of an unknown event, beside the effect of its event. Its event id is now
+/// recorded first thing once Redis answers again.
+///
+/// An event applied; its in-flight ids key made a string (a shared Redis),
+/// so the script fails; a second copy is read by the blocking read and
+/// deleted while pending; the key is fixed: the copy is acked as applied,
+/// with no letter.
+#[test]
+fn an_entry_whose_read_failed_after_a_blocking_read_is_still_named() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("blockfail"), unique("g"));
+    let mut p = Proc::spawn(run_cmd(
+        &db,
+        &stream,
+        &group,
+        "c1",
+        &["--mode", "per-event"],
+    ));
+    xadd(&mut conn, &stream, &[("event_id", "e"), ("payload", "p")]);
+    assert!(
+        wait_until(Duration::from_secs(20), || db
+            .count("SELECT count(*) FROM processed_events")
+            == 1
+            && pending(&mut conn, &stream, &group) == 0),
+        "not applied\n{}",
+        p.stderr()
+    );
+    // In the stream's hash slot, as `keys::in_flight_ids` names it.
+    let in_flight = format!("{stream}:dlq:ids:{}:{group}", group.len());
+    let _: () = redis::cmd("SET")
+        .arg(&in_flight)
+        .arg("not a hash")
+        .query(&mut conn)
+        .unwrap();
+    let copy = xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "e"), ("payload", "copy")],
+    );
+    assert!(
+        wait_until(Duration::from_secs(20), || pending(
+            &mut conn, &stream, &group
+        ) == 1),
+        "the copy was not read\n{}",
+        p.stderr()
+    );
+    let _: () = redis::cmd("XDEL")
+        .arg(&stream)
+        .arg(&copy)
+        .query(&mut conn)
+        .unwrap();
+    let _: () = redis::cmd("DEL").arg(&in_flight).query(&mut conn).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(30), || pending(
+            &mut conn, &stream, &group
+        ) == 0),
+        "the deleted copy was not settled\n{}",
+        p.stderr()
+    );
+    p.kill();
+    let letters = dead_letters(&mut conn, &stream);
+    assert!(letters.is_empty(), "{letters:?}\n{}", p.stderr());
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 1);
+}
+
 /// Regression (a review of the fused built-in statement): the statement
 /// that needs no ownership check was sent without a bound, so a row lock
 /// held it past `--reclaim-min-idle` while its entry was deleted; another
