@@ -114,7 +114,10 @@ fn bounded_on(script: &str, keys: &[&str], max_entry_bytes: usize, keep: usize) 
 /// duplicate markers (`keys::marker` without the event id) or an empty
 /// string; then (entry id, event id or empty) pairs of entries a blocking
 /// read took just before (a script cannot block), which are recorded and
-/// looked up first, as if this read had taken them.
+/// looked up first, as if this read had taken them, their idle time reset
+/// (XCLAIM JUSTID to this consumer, which keeps the delivery count), so
+/// that they count as read by this call; one that is no longer pending for
+/// this consumer (claimed by another meanwhile) is left alone.
 ///
 /// With a prefix, the script also answers the fast path's questions for
 /// each entry (see `markers.rs`): a letter per entry, `d` when it is in the
@@ -124,10 +127,11 @@ fn bounded_on(script: &str, keys: &[&str], max_entry_bytes: usize, keep: usize) 
 /// `-`. Markers are in other hash slots than the stream, so on a cluster
 /// the prefix is empty and the fast path asks apart.
 ///
-/// The reply is `{entries, letters}`, the entries packed with MessagePack
-/// (see `packed.rs`: one string to parse instead of seven values per
-/// entry), the letters (those of the blocking read's entries first) empty
-/// without a prefix.
+/// The reply is `{entries, letters, kept}`, the entries packed with
+/// MessagePack (see `packed.rs`: one string to parse instead of seven
+/// values per entry), the letters (those of the blocking read's entries
+/// first) empty without a prefix, and `kept` a `1` per blocking read's
+/// entry still this consumer's, else `0`.
 const READ_BOUNDED: &str = r"
 local prefix, longest = ARGV[9], tonumber(ARGV[8])
 local ids, seen = {}, {}
@@ -153,10 +157,18 @@ local function note(id, event)
         seen[#seen + 1] = letter
     end
 end
+local kept = {}
 for i = 10, #ARGV - 1, 2 do
-    local event = ARGV[i + 1]
-    if event == '' then event = nil end
-    note(ARGV[i], event)
+    local p = redis.call('XPENDING', KEYS[1], ARGV[4], ARGV[i], ARGV[i], 1)
+    if #p == 1 and p[1][2] == ARGV[5] then
+        redis.call('XCLAIM', KEYS[1], ARGV[4], ARGV[5], 0, ARGV[i], 'JUSTID')
+        local event = ARGV[i + 1]
+        if event == '' then event = nil end
+        note(ARGV[i], event)
+        kept[#kept + 1] = '1'
+    else
+        kept[#kept + 1] = '0'
+    end
 end
 local entries = {}
 if ARGV[6] ~= '0' then
@@ -177,7 +189,7 @@ for _, e in ipairs(entries) do
     note(e[1], event)
 end
 if #ids > 0 then redis.call('HSET', KEYS[2], unpack(ids)) end
-return {cmsgpack.pack(bound(entries)), table.concat(seen)}
+return {cmsgpack.pack(bound(entries)), table.concat(seen), table.concat(kept)}
 ";
 
 /// The keys [`read_group_bounded`] uses besides the stream.
@@ -241,19 +253,29 @@ pub(crate) fn read_group_bounded(
         let event_id = event_id_of(entry, limits.max_event_id_bytes).unwrap_or_default();
         cmd.arg(&entry.id).arg(event_id);
     }
-    let (packed, seen) = match cmd.query(conn)? {
-        redis::Value::Array(parts) if parts.len() == 2 => {
+    let (packed, seen, kept) = match cmd.query(conn)? {
+        redis::Value::Array(parts) if parts.len() == 3 => {
             let mut parts = parts.into_iter().map(crate::event::bytes);
-            match (parts.next().flatten(), parts.next().flatten()) {
-                (Some(packed), Some(letters)) => (packed, letters),
-                _ => return Err(protocol_error("read: not two strings".into())),
+            match (
+                parts.next().flatten(),
+                parts.next().flatten(),
+                parts.next().flatten(),
+            ) {
+                (Some(packed), Some(letters), Some(kept)) if kept.len() == blocked.len() => {
+                    (packed, letters, kept)
+                }
+                _ => return Err(protocol_error("read: not three strings".into())),
             }
         }
         other => return Err(protocol_error(format!("read: {other:?}"))),
     };
     let entries = crate::redis::packed::unpack(&packed).map_err(protocol_error)?;
+    // What the blocking read took and another consumer claimed meanwhile
+    // is that consumer's.
     let mut entries = blocked
         .into_iter()
+        .zip(kept)
+        .filter_map(|(entry, kept)| (kept == b'1').then_some(entry))
         .chain(parse_entries(entries).map_err(protocol_error)?)
         .collect::<Vec<_>>();
     let Some((ns, _)) = keys.markers else {
@@ -991,6 +1013,29 @@ pub(crate) mod tests {
             .cloned()
             .zip(["b", "x", "y"].map(str::to_owned))
             .collect();
+        assert_eq!(in_flight_of(&mut c), want);
+        // Claimed by another consumer between the two: left to it.
+        let mut add = redis::cmd("XADD");
+        add.arg(&stream).arg("*").arg("event_id").arg("z");
+        let z = add.query::<String>(&mut c).unwrap();
+        let blocked = read_group(&mut c, &stream, "g", "me", 1, Some(100), ">").unwrap();
+        assert_eq!(blocked[0].id, z);
+        cmd(
+            &mut c,
+            &["XCLAIM", &stream, "g", "other", "0", &z, "JUSTID"],
+        );
+        let none = read_group_bounded(
+            &mut c,
+            &stream,
+            &keys,
+            ("g", "me"),
+            10,
+            ">",
+            limits,
+            blocked,
+        )
+        .unwrap();
+        assert!(none.is_empty(), "{none:?}");
         assert_eq!(in_flight_of(&mut c), want);
         let mut del = redis::cmd("DEL");
         del.arg(&stream).arg(&in_flight).arg(&b);

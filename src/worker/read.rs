@@ -133,32 +133,30 @@ impl Reader {
                         };
                         (taken.job, false)
                     }),
-                Position::New => {
-                    let sent_at = Instant::now();
-                    self.read_new(c, room.places(), &mut drained, &mut unrecorded)
-                        .map(|entries| {
-                            let idle = entries.is_empty();
-                            if let Some(last) = entries.last() {
-                                if last_seen.as_deref().is_none_or(|l| newer(&last.id, l)) {
-                                    last_seen = Some(last.id.clone());
-                                }
+                Position::New => self
+                    .read_new(c, room.places(), &mut drained, &mut unrecorded)
+                    .map(|(entries, sent_at)| {
+                        let idle = entries.is_empty();
+                        if let Some(last) = entries.last() {
+                            if last_seen.as_deref().is_none_or(|l| newer(&last.id, l)) {
+                                last_seen = Some(last.id.clone());
                             }
-                            let tickets = room.admit(
-                                stream,
-                                entries.iter().map(|e| (e.id.as_str(), Some(1), e.bytes())),
-                            );
-                            let job = Delivery::from_entries(
-                                &common.stats,
-                                claim.limits,
-                                stream,
-                                entries,
-                                tickets,
-                                sent_at,
-                                |_| 1,
-                            );
-                            (job, idle)
-                        })
-                }
+                        }
+                        let tickets = room.admit(
+                            stream,
+                            entries.iter().map(|e| (e.id.as_str(), Some(1), e.bytes())),
+                        );
+                        let job = Delivery::from_entries(
+                            &common.stats,
+                            claim.limits,
+                            stream,
+                            entries,
+                            tickets,
+                            sent_at,
+                            |_| 1,
+                        );
+                        (job, idle)
+                    }),
             };
             match read {
                 Ok((job, idle)) => {
@@ -234,7 +232,7 @@ impl Reader {
         room: usize,
         drained: &mut bool,
         unrecorded: &mut Vec<(String, Vec<u8>)>,
-    ) -> redis::RedisResult<Vec<RawEntry>> {
+    ) -> redis::RedisResult<(Vec<RawEntry>, Instant)> {
         let claim = &self.claim;
         let in_flight = crate::redis::keys::in_flight_ids(&self.stream, &claim.group);
         let dead_index = crate::redis::keys::dead_letter_index(&self.stream);
@@ -250,6 +248,7 @@ impl Reader {
         let (group, consumer) = (claim.group.as_str(), claim.consumer.as_str());
         let stream = &*self.stream;
         if !*drained {
+            let sent_at = Instant::now();
             let entries = streams::read_group_bounded(
                 c,
                 stream,
@@ -261,14 +260,14 @@ impl Reader {
                 Vec::new(),
             )?;
             if !entries.is_empty() {
-                return Ok(entries);
+                return Ok((entries, sent_at));
             }
         }
         let block = self.block.as_millis() as u64;
         let blocked = streams::read_group(c, stream, group, consumer, 1, Some(block), ">")?;
         if blocked.is_empty() {
             *drained = false;
-            return Ok(blocked);
+            return Ok((blocked, Instant::now()));
         }
         let (taken, more) = (blocked.len(), room.saturating_sub(blocked.len()));
         let ids: Vec<(String, Vec<u8>)> = blocked
@@ -278,6 +277,11 @@ impl Reader {
                 Some((e.id.clone(), event_id.to_vec()))
             })
             .collect();
+        // The call below resets the idle time of what the blocking read
+        // took: read at this time, however long the read waited for it (an
+        // entry dated from before the wait was held over a second when it
+        // came late in a long BLOCK, and took the slow path).
+        let sent_at = Instant::now();
         let read = streams::read_group_bounded(
             c,
             stream,
@@ -288,17 +292,20 @@ impl Reader {
             claim.limits,
             blocked,
         );
-        let Ok(entries) = read else {
-            // Not handed on, and pending for this consumer: its event id
-            // is recorded first thing once Redis answers, before the
-            // pending entries are read again (if it is deleted from the
-            // stream meanwhile, that is how its event is known).
-            unrecorded.extend(ids);
-            return read;
+        let entries = match read {
+            Ok(entries) => entries,
+            Err(e) => {
+                // Not handed on, and pending for this consumer: its event
+                // id is recorded first thing once Redis answers, before the
+                // pending entries are read again (if it is deleted from the
+                // stream meanwhile, that is how its event is known).
+                unrecorded.extend(ids);
+                return Err(e);
+            }
         };
         // Nothing more came after the entry the read waited for: a trickle.
         *drained = more > 0 && entries.len() == taken;
-        Ok(entries)
+        Ok((entries, sent_at))
     }
 
     /// The group is gone: create it again, at `0`, or, for a group that

@@ -100,3 +100,56 @@ fn a_trickle_shares_its_reads_and_acks() {
         get("xreadgroup")
     );
 }
+
+/// A sparse trickle under a long BLOCK (the default is 2 s): an entry that
+/// comes late in the wait is still fresh when it is handed on, so the read
+/// script's marker letter is used (no marker check of its own) and the
+/// one-statement transaction runs. Before, the read was dated from before
+/// the wait: an entry that came over a second into it counted as held
+/// long, and took the slow path with a marker check of its own.
+#[test]
+fn an_entry_late_in_a_long_block_is_fresh() {
+    let r = PrivateRedis::start();
+    let db = TestDb::new();
+    let (stream, group) = (unique("sparse"), unique("g"));
+    let mut conn = redis(&r.url());
+    let running = Running::start(
+        fast_builder(&r.url(), &db.url, &stream, &group)
+            .mode(taskhub::Mode::PerEvent)
+            .block(Duration::from_secs(5)),
+        taskhub::SqlHandler::default(),
+    );
+    let applied = |n: i64| {
+        wait_until(Duration::from_secs(20), || {
+            db.count("SELECT count(*) FROM processed_events") == n
+        })
+    };
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "warm"), ("payload", "p")],
+    );
+    assert!(applied(1), "the first event was not applied");
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query(&mut conn)
+        .unwrap();
+    for i in 0..2 {
+        // Well into the reader's next wait.
+        std::thread::sleep(Duration::from_millis(1500));
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &format!("late-{i}")), ("payload", "p")],
+        );
+        assert!(applied(2 + i), "late-{i} was not applied");
+    }
+    let calls = calls(&mut conn);
+    let summary = running.stop();
+    assert_eq!(summary.applied, 3, "{summary}");
+    assert_eq!(
+        calls.get("hmget").copied().unwrap_or(0),
+        0,
+        "marker checks of their own: {calls:?}"
+    );
+}
