@@ -107,14 +107,9 @@ impl Reader {
                 let mut hset = redis::cmd("HSET");
                 hset.arg(&key).arg(&unrecorded);
                 if let Err(e) = hset.query::<()>(c) {
-                    if crate::redis::is_outage(&e) {
-                        common.health.down(Server::Redis, &e);
-                    } else {
-                        log::error!("{stream}: recording what a blocking read took failed: {e}");
-                    }
+                    let what = "recording what a blocking read took";
+                    back_off(common, stream, what, &e, &mut failures);
                     conn = None;
-                    failures += 1;
-                    common.shutdown.sleep(outage_backoff(failures));
                     continue;
                 }
                 unrecorded.clear();
@@ -186,14 +181,8 @@ impl Reader {
                         self.create_group_again(c, last_seen.as_deref());
                         continue;
                     }
-                    if crate::redis::is_outage(&e) {
-                        common.health.down(Server::Redis, &e);
-                    } else {
-                        log::error!("{stream}: reading failed: {e}");
-                    }
+                    back_off(common, stream, "reading", &e, &mut failures);
                     conn = None;
-                    failures += 1;
-                    common.shutdown.sleep(outage_backoff(failures));
                 }
             }
         }
@@ -324,6 +313,19 @@ impl Reader {
             self.common.shutdown.sleep(Duration::from_secs(1));
         }
     }
+}
+
+/// A Redis call of a reader failed: an outage is shown in the health,
+/// anything else logged; then the reader waits before trying again (on a
+/// new connection).
+fn back_off(common: &Common, stream: &str, what: &str, e: &redis::RedisError, failures: &mut u32) {
+    if crate::redis::is_outage(e) {
+        common.health.down(Server::Redis, e);
+    } else {
+        log::error!("{stream}: {what} failed: {e}");
+    }
+    *failures += 1;
+    common.shutdown.sleep(outage_backoff(*failures));
 }
 
 /// Whether stream entry id `a` comes after `b` (`<ms>-<seq>`).
