@@ -987,6 +987,17 @@ pub(crate) mod tests {
         assert!(only[0].seen.as_ref().is_some_and(|s| s.marked && !s.dead));
         assert_eq!(in_flight_of(&mut c), vec![(ids[0].clone(), "b".to_owned())]);
         assert_eq!(pending_count(&mut c, &stream, "g").unwrap(), 1);
+        // Its idle time reset, its delivery count kept (a count of 2 would
+        // make it a redelivery, a suspect of a crash).
+        let pending: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+            .arg(&stream)
+            .arg("g")
+            .arg(&ids[0])
+            .arg(&ids[0])
+            .arg(1)
+            .query(&mut c)
+            .unwrap();
+        assert_eq!(pending[0].3, 1, "{pending:?}");
         // Room for more: the blocked entry first, then the rest.
         let blocked = read_group(&mut c, &stream, "g", "me", 1, Some(100), ">").unwrap();
         let all = read_group_bounded(

@@ -236,18 +236,13 @@ impl Reader {
         };
         let (group, consumer) = (claim.group.as_str(), claim.consumer.as_str());
         let stream = &*self.stream;
+        let read = |c: &mut RedisConn, count: usize, blocked: Vec<RawEntry>| {
+            let who = (group, consumer);
+            streams::read_group_bounded(c, stream, &keys, who, count, ">", claim.limits, blocked)
+        };
         if !*drained {
             let sent_at = Instant::now();
-            let entries = streams::read_group_bounded(
-                c,
-                stream,
-                &keys,
-                (group, consumer),
-                room,
-                ">",
-                claim.limits,
-                Vec::new(),
-            )?;
+            let entries = read(c, room, Vec::new())?;
             if !entries.is_empty() {
                 return Ok((entries, sent_at));
             }
@@ -271,17 +266,7 @@ impl Reader {
         // entry dated from before the wait was held over a second when it
         // came late in a long BLOCK, and took the slow path).
         let sent_at = Instant::now();
-        let read = streams::read_group_bounded(
-            c,
-            stream,
-            &keys,
-            (group, consumer),
-            more,
-            ">",
-            claim.limits,
-            blocked,
-        );
-        let entries = match read {
+        let entries = match read(c, more, blocked) {
             Ok(entries) => entries,
             Err(e) => {
                 // Not handed on, and pending for this consumer: its event
