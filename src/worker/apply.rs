@@ -29,6 +29,8 @@
 
 use std::time::Instant;
 
+use postgres::types::Type;
+
 use crate::error::{FailureClass, HandlerError};
 use crate::event::Event;
 use crate::fault::{self, Point};
@@ -46,7 +48,7 @@ const INSERT_PROCESSED_BATCH: &str = "INSERT INTO processed_events (scope, event
 /// The transaction id now: NULL outside a transaction that wrote, and an
 /// error (25P02) in an aborted one.
 const CURRENT_TXID: &str = "SELECT txid_current_if_assigned()";
-/// Takes back the dedup rows of the events a guarded batch left out.
+/// Takes back the dedup rows of the events a batch left out.
 const DELETE_PROCESSED: &str =
     "DELETE FROM processed_events WHERE scope = $1 AND event_id = ANY($2::text[])";
 
@@ -494,8 +496,13 @@ impl Processor {
                 .iter()
                 .map(|(i, _)| event(&batch[*i]).event_id())
                 .collect();
-            let delete = tx.prepare_cached(DELETE_PROCESSED)?;
-            tx.execute(&delete, &[&scope, &ids])?;
+            // Planned for these values each time, never prepared: a plan
+            // cached while the table was small is a sequential scan, which
+            // it stays as the table grows (until its next ANALYZE).
+            tx.execute_typed(
+                DELETE_PROCESSED,
+                &[(&scope, Type::TEXT), (&ids, Type::TEXT_ARRAY)],
+            )?;
         }
         // Only what this COMMIT applies needs to be ours: a duplicate is
         // acked whoever holds it, and checking it rolled the batch back

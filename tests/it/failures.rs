@@ -1270,6 +1270,120 @@ fn a_handler_that_fails_before_writing_costs_its_batch_nothing() {
     assert_eq!(db.count("SELECT last_value FROM dedup_rows"), 20);
 }
 
+/// Taking back the dedup rows of the events a batch left out reads those
+/// rows alone, whatever `processed_events` looked like when the statement
+/// was first planned. Sent as a statement prepared once per connection, it
+/// kept the generic plan PostgreSQL settles on after five runs: planned on a
+/// small table (a new deployment, a table just pruned or truncated) that is
+/// a sequential scan, kept as the table grew until the next ANALYZE, so
+/// every batch with a failing event read the whole table (a 100,000-event
+/// benchmark with a custom `--sql` and 10% failing drained at a third of
+/// its clean rate, PostgreSQL busy comparing event ids). Seen through
+/// `pg_stat_user_tables.seq_tup_read`: the prepared statement read all
+/// 50,000 rows for one left-out event.
+#[test]
+fn taking_back_a_left_out_event_reads_only_its_own_rows() {
+    if !batch_mode() {
+        return;
+    }
+    let db = TestDb::new();
+    taskhub::migrate(&db.url).unwrap();
+    // Statistics of an empty table, and no ANALYZE to refresh them.
+    db.client()
+        .batch_execute(
+            "ALTER TABLE processed_events SET (autovacuum_enabled = false);
+             ANALYZE processed_events",
+        )
+        .unwrap();
+    let stat = |column: &str| {
+        db.count(&format!(
+            "SELECT {column} FROM pg_stat_user_tables WHERE relname = 'processed_events'"
+        ))
+    };
+    let (stream, group) = (unique("takeback"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let mut pair = |n: usize| {
+        for (kind, payload) in [("bad", "bad"), ("good", "good")] {
+            let id = format!("{kind}-{n}");
+            xadd(
+                &mut conn,
+                &stream,
+                &[("event_id", &id), ("payload", payload)],
+            );
+        }
+    };
+    /// Refuses "bad" events before writing: each batch of two leaves one out.
+    struct RefusesBad;
+    impl Handler for RefusesBad {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            self.handle_batch(&[event], tx)
+        }
+        fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            if let Some(i) = events.iter().position(|e| e.payload() == Some("bad")) {
+                return Err(HandlerError::permanent("refused before writing").for_event(i));
+            }
+            for event in events {
+                insert(event, tx)?;
+            }
+            Ok(())
+        }
+    }
+    // One worker, one connection: sixteen pairs while the table is small
+    // settle the plan (more than five statements).
+    for n in 0..16 {
+        pair(n);
+    }
+    let running = Running::start(
+        fast_builder(&redis_url(), &db.url, &stream, &group)
+            .until_idle(false)
+            .workers(1)
+            .count(2),
+        RefusesBad,
+    );
+    // Each event's dedup row is inserted once (a refused event's is
+    // deleted or rolled back); the worker's session reports its counts,
+    // those of its last transaction with the rest, once idle a moment.
+    let reported = |pairs: i64| {
+        assert!(
+            wait_until(Duration::from_secs(30), || stat("n_tup_ins") >= 2 * pairs),
+            "{pairs} pairs applied and reported"
+        );
+        stat("n_tup_del")
+    };
+    let taken_back = reported(16);
+    assert!(
+        taken_back >= 6,
+        "only {taken_back} left-out events taken back"
+    );
+    db.client()
+        .batch_execute(
+            "INSERT INTO processed_events (scope, event_id)
+             SELECT 'elsewhere', 'e-' || g FROM generate_series(1, 50000) g",
+        )
+        .unwrap();
+    let (before, inserted) = (stat("seq_tup_read"), stat("n_tup_ins"));
+    for n in 16..20 {
+        pair(n);
+    }
+    assert!(
+        wait_until(Duration::from_secs(30), || stat("n_tup_ins")
+            >= inserted + 8),
+        "4 more pairs applied and reported"
+    );
+    let (read, more) = (
+        stat("seq_tup_read") - before,
+        stat("n_tup_del") - taken_back,
+    );
+    let summary = running.stop();
+    assert_eq!(summary.dead_lettered, 20, "{summary}");
+    assert_eq!(db.count("SELECT count(*) FROM notifications"), 20);
+    assert!(more >= 1, "no left-out event taken back on the grown table");
+    assert!(
+        read < 1_000,
+        "taking back {more} events read {read} rows of processed_events"
+    );
+}
+
 /// A handler call that fails after it wrote must not leave its write
 /// behind, savepoint or not: with none taken (the first failures of a
 /// batch), the batch is rolled back and runs again without the event; after
