@@ -17,7 +17,8 @@
 # 4. drains EVENTS preloaded events (~200-byte JSON payloads) with taskhub in
 #    per-event mode, in batch mode, in batch mode with a custom per-event
 #    --sql statement, and the head-of-line case (10% of events fail twice
-#    with a 1 s backoff) in both modes;
+#    with a 1 s backoff) in both modes and with the custom statement (where
+#    every batch with a failing event takes its dedup row back);
 # 5. steady load, both modes: a producer at 50%, 75% and 90% of the rate
 #    that mode drained in step 4, for STEADY_SECS seconds each, with the
 #    latency from XADD to commit (p50 / p99 / max); and, as its floor, the
@@ -157,6 +158,9 @@ batch_before=$(($(pgbench_tps "$work/batch50.sql") * 50))
     # shellcheck disable=SC2016 # $1 and $2 are SQL parameters, not shell variables
     bench batch-custom-sql --mode batch --sql 'INSERT INTO notifications (event_id, payload) VALUES ($1, $2::text)'
     bench hol-batch --mode batch --fail-ratio 0.1 --fail-times 2 --backoff-base 1s
+    # shellcheck disable=SC2016
+    bench hol-batch-custom-sql --mode batch --sql 'INSERT INTO notifications (event_id, payload) VALUES ($1, $2::text)' \
+        --fail-ratio 0.1 --fail-times 2 --backoff-base 1s
 } >>"$work/results"
 batch_after=$(($(pgbench_tps "$work/batch50.sql") * 50))
 ceiling_event=$(((event_before + event_after) / 2))
@@ -197,7 +201,7 @@ while read -r label line; do
         "$(field "$line" max_ms)" \
         "$(field "$line" cpu_us)" "$(awk "BEGIN { print $(field "$line" rss_kb) / 1024 }")" "$share"
 done <"$work/results"
-for mode in per-event batch; do
+for mode in per-event batch batch-custom-sql; do
     clean=$(grep "^$mode " "$work/results" | sed -E 's/.* healthy_rate=([^ ]+).*/\1/')
     failing=$(grep "^hol-$mode " "$work/results" | sed -E 's/.* healthy_rate=([^ ]+).*/\1/')
     printf 'healthy events under failures, %s: %s/s vs %s/s clean = %.2fx\n' "$mode" "$failing" "$clean" \

@@ -394,6 +394,13 @@ impl Worker {
                 claim: claim.clone(),
                 parts: jobs_per_read(config, &*self.handler),
                 board: self.monitor.inner.retrying.clone(),
+                still_ours: {
+                    let backoff = settings(config, self.handler.retry_budget()).backoff;
+                    crate::worker::retry::still_ours(
+                        config.reclaim_min_idle,
+                        backoff.cap.max(backoff.max_retry_after),
+                    )
+                },
             };
             let tx = jobs_tx.clone();
             spawn("taskhub-retry".into(), move || retrier.run(&retry_rx, &tx))?

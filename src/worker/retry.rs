@@ -7,14 +7,25 @@
 //! still this consumer's (another consumer may have claimed it while it
 //! waited: then it is the new owner's), resets its idle time, reads it back
 //! from the stream and hands it to the worker pool. An entry deleted from
-//! the stream meanwhile becomes a `trimmed` dead letter.
+//! the stream meanwhile becomes a `trimmed` dead letter (one that went back
+//! without asking, below, is applied from the event it kept, or found
+//! deleted by the check before its COMMIT).
 //!
-//! A waiting retry keeps only the entry id and its attempt history, not its
-//! fields, and does not count against the readers' in-flight room: thousands
-//! of events can wait out a long backoff while healthy events flow at full
-//! speed, and memory stays small. The entry stays pending in Redis all along,
-//! so a crash loses nothing; at shutdown the waiting retries are left pending
-//! and come back on the next start.
+//! A retry due within [`STILL_OURS`] of its read (or of its last refresh)
+//! skips that round trip: no consumer can claim an entry idle for less than
+//! 2 s (the least `--reclaim-min-idle`), so it is still ours, and it kept
+//! its fields in memory (up to [`KEPT_BYTES`] of them in all). Held over a
+//! second by the time it commits, its ownership is checked then, as for any
+//! entry (see `delivery.rs`). Its idle time is not reset, so this is done
+//! only where `--reclaim-min-idle` leaves room for one more of the longest
+//! waits after it ([`still_ours`]).
+//!
+//! Any other waiting retry keeps only the entry id and its attempt history,
+//! not its fields, and does not count against the readers' in-flight room:
+//! thousands of events can wait out a long backoff while healthy events flow
+//! at full speed, and memory stays small. The entry stays pending in Redis
+//! all along, so a crash loses nothing; at shutdown the waiting retries are
+//! left pending and come back on the next start.
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
@@ -24,10 +35,10 @@ use std::time::{Duration, Instant, SystemTime};
 use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender};
 
 use crate::dlq::Attempt;
-use crate::event::{Event, Invalid};
+use crate::event::{Event, Fields, Invalid};
 use crate::redis::streams::{self, Owned};
 use crate::worker::context::{outage_backoff, Claim, Common};
-use crate::worker::delivery::{in_parts, Delivery, Job, TRIMMED};
+use crate::worker::delivery::{in_parts, Delivery, Job, FRESH, TRIMMED};
 use crate::worker::flow::Ticket;
 use crate::worker::stats::{Server, Stats};
 
@@ -40,6 +51,8 @@ pub(crate) struct Retrier {
     pub parts: usize,
     /// Where it shows what waits (for the monitor).
     pub board: Arc<Board>,
+    /// See [`still_ours`].
+    pub still_ours: Duration,
 }
 
 /// A delivery waiting for its retry, as a monitor shows it.
@@ -116,19 +129,66 @@ pub(crate) struct Retry {
     pub strikes: u32,
     /// Its parked place in the in-flight set.
     pub ticket: Option<Ticket>,
+    /// When this consumer last read or refreshed the entry.
+    pub held_since: Instant,
+    /// Its event, while it may go back without asking Redis.
+    pub kept: Option<Box<Kept>>,
 }
 
+/// The event of a retry due soon, kept so that it needs no round trip.
+#[derive(Debug)]
+pub(crate) struct Kept {
+    event: Event,
+    bytes: usize,
+}
+
+/// A retry due this soon after its entry was read or refreshed is still this
+/// consumer's: no consumer claims an entry idle for less than 2 s, the least
+/// `--reclaim-min-idle` (`held_since` is taken before the command is sent,
+/// so Redis's idle time is never longer).
+const STILL_OURS: Duration = Duration::from_millis(1500);
+
+/// How long after its entry's read (or refresh) a retry may go back without
+/// asking Redis: under [`STILL_OURS`], and soon enough that, should it fail
+/// again and wait the longest wait, the entry stays idle for less than
+/// `reclaim_min_idle` (a second left for its run), as after a refresh.
+pub(crate) fn still_ours(reclaim_min_idle: Duration, longest_wait: Duration) -> Duration {
+    reclaim_min_idle
+        .saturating_sub(longest_wait + FRESH)
+        .min(STILL_OURS)
+}
+
+/// Bytes of fields the retries due soon keep in memory, at most (with the
+/// events around them, a few thousand small events); past it, a retry
+/// reads its fields back.
+const KEPT_BYTES: usize = 4 << 20;
+
 impl Retry {
-    /// Keeps what a retry needs of `delivery`; its fields are read again
-    /// from the stream when it is due.
+    /// Keeps what a retry needs of `delivery`: its event when it is due
+    /// within [`STILL_OURS`] of its read, else only its id (its fields are
+    /// read again from the stream when it is due).
     pub fn of(mut delivery: Delivery, due: Instant, earliest: Instant) -> Retry {
         if let Some(ticket) = &mut delivery.ticket {
             ticket.park();
         }
+        let event_id = delivery.event_id().map(str::to_owned);
+        let soon = due < delivery.held_since + STILL_OURS;
+        let kept = match std::mem::replace(
+            &mut delivery.body,
+            Err((Vec::new(), Invalid(String::new()))),
+        ) {
+            Ok(event) if soon && !delivery.trimmed => {
+                let bytes = event.fields.iter().map(|(k, v)| k.len() + v.len()).sum();
+                Some(Box::new(Kept { event, bytes }))
+            }
+            _ => None,
+        };
         Retry {
+            held_since: delivery.held_since,
+            kept,
             due,
             earliest,
-            event_id: delivery.event_id().map(str::to_owned),
+            event_id,
             stream: delivery.stream,
             entry_id: delivery.entry_id,
             delivery_count: delivery.delivery_count,
@@ -137,6 +197,35 @@ impl Retry {
             strikes: delivery.strikes,
             ticket: delivery.ticket,
         }
+    }
+}
+
+/// The delivery a retry becomes again, its `bytes` of fields back in the
+/// readers' room.
+fn back_to_pool(
+    mut retry: Retry,
+    body: Result<Event, (Fields, Invalid)>,
+    bytes: usize,
+    held_since: Instant,
+    trimmed: bool,
+) -> Delivery {
+    if let Some(ticket) = &mut retry.ticket {
+        ticket.unpark(bytes);
+    }
+    Delivery {
+        stream: retry.stream,
+        entry_id: retry.entry_id,
+        body,
+        delivery_count: retry.delivery_count,
+        token: retry.token,
+        trimmed,
+        held_since,
+        failures: retry.failures,
+        strikes: retry.strikes,
+        started_as: None,
+        ticket: retry.ticket,
+        seen: None,
+        holder: None,
     }
 }
 
@@ -168,6 +257,8 @@ impl Retrier {
     pub fn run(self, incoming: &Receiver<Retry>, jobs: &Sender<Job>) {
         let mut waiting: BinaryHeap<Retry> = BinaryHeap::new();
         let mut failures = 0u32;
+        // Bytes of the events the waiting retries keep.
+        let mut kept_bytes = 0usize;
         let mut published = (0usize, Instant::now());
         while !self.common.shutdown.is_shutdown() {
             let now = Instant::now();
@@ -189,41 +280,70 @@ impl Retrier {
                 due.push(waiting.pop().expect("peeked"));
             }
             if !due.is_empty() {
-                let sent_at = Instant::now();
-                match self.fetch(&due) {
-                    Ok(owned) => {
-                        self.common.health.up(Server::Redis);
-                        failures = 0;
-                        // The due retries of one stream travel together,
-                        // so in batch mode they share a (guarded) batch.
-                        let mut by_stream: Vec<Job> = Vec::new();
-                        for (retry, owned) in due.into_iter().zip(owned) {
-                            let Some(delivery) = self.hand_back(retry, owned, sent_at) else {
-                                continue;
-                            };
-                            match by_stream
-                                .iter_mut()
-                                .find(|j| j[0].stream == delivery.stream)
-                            {
-                                Some(job) => job.push(delivery),
-                                None => by_stream.push(vec![delivery]),
-                            }
+                // Those still ours with their event go back as they are
+                // (checked again here: the thread may be late, or Redis was
+                // down when they fell due); the others are checked and read
+                // back from Redis.
+                let (soon, mut ask): (Vec<Retry>, Vec<Retry>) = due
+                    .into_iter()
+                    .partition(|r| r.kept.is_some() && r.held_since.elapsed() < self.still_ours);
+                let mut back: Vec<Delivery> = Vec::with_capacity(soon.len() + ask.len());
+                for mut retry in soon {
+                    let kept = *retry.kept.take().expect("partitioned");
+                    kept_bytes -= kept.bytes;
+                    let mut event = kept.event;
+                    event.delivery_count = retry.delivery_count;
+                    let held_since = retry.held_since;
+                    back.push(back_to_pool(
+                        retry,
+                        Ok(event),
+                        kept.bytes,
+                        held_since,
+                        false,
+                    ));
+                }
+                for retry in &mut ask {
+                    if let Some(kept) = retry.kept.take() {
+                        kept_bytes -= kept.bytes;
+                    }
+                }
+                if !ask.is_empty() {
+                    let sent_at = Instant::now();
+                    match self.fetch(&ask) {
+                        Ok(owned) => {
+                            self.common.health.up(Server::Redis);
+                            failures = 0;
+                            back.extend(ask.into_iter().zip(owned).filter_map(|(retry, owned)| {
+                                self.hand_back(retry, owned, sent_at)
+                            }));
                         }
-                        for job in by_stream {
-                            for part in in_parts(job, self.parts) {
-                                self.send(jobs, part);
+                        Err(e) => {
+                            // Redis is down: try these again a little later.
+                            self.common.health.down(Server::Redis, &e);
+                            failures += 1;
+                            let later = Instant::now() + outage_backoff(failures);
+                            for mut retry in ask {
+                                retry.due = later;
+                                waiting.push(retry);
                             }
                         }
                     }
-                    Err(e) => {
-                        // Redis is down: try these again a little later.
-                        self.common.health.down(Server::Redis, &e);
-                        failures += 1;
-                        let later = Instant::now() + outage_backoff(failures);
-                        for mut retry in due {
-                            retry.due = later;
-                            waiting.push(retry);
-                        }
+                }
+                // The due retries of one stream travel together, so in
+                // batch mode they share a (guarded) batch.
+                let mut by_stream: Vec<Job> = Vec::new();
+                for delivery in back {
+                    match by_stream
+                        .iter_mut()
+                        .find(|j| j[0].stream == delivery.stream)
+                    {
+                        Some(job) => job.push(delivery),
+                        None => by_stream.push(vec![delivery]),
+                    }
+                }
+                for job in by_stream {
+                    for part in in_parts(job, self.parts) {
+                        self.send(jobs, part);
                     }
                 }
                 continue;
@@ -232,7 +352,17 @@ impl Retrier {
                 .peek()
                 .map_or(TICK, |r| r.due.saturating_duration_since(now).min(TICK));
             match incoming.recv_timeout(wait) {
-                Ok(retry) => waiting.push(retry),
+                Ok(mut retry) => {
+                    if let Some(kept) = &retry.kept {
+                        let soon = retry.due < retry.held_since + self.still_ours;
+                        if !soon || kept_bytes + kept.bytes > KEPT_BYTES {
+                            retry.kept = None; // read back when due
+                        } else {
+                            kept_bytes += kept.bytes;
+                        }
+                    }
+                    waiting.push(retry);
+                }
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) if waiting.is_empty() => break,
                 Err(RecvTimeoutError::Disconnected) => std::thread::sleep(wait),
@@ -312,24 +442,7 @@ impl Retrier {
                 (Err((known, Invalid(TRIMMED.into()))), true)
             }
         };
-        if let Some(ticket) = &mut retry.ticket {
-            ticket.unpark(bytes);
-        }
-        Some(Delivery {
-            stream: retry.stream,
-            entry_id: retry.entry_id,
-            body,
-            delivery_count: retry.delivery_count,
-            token: retry.token,
-            trimmed,
-            held_since: at,
-            failures: retry.failures,
-            strikes: retry.strikes,
-            started_as: None,
-            ticket: retry.ticket,
-            seen: None,
-            holder: None,
-        })
+        Some(back_to_pool(retry, body, bytes, at, trimmed))
     }
 
     /// Sends a job to the workers, waiting while the channel is full;
@@ -345,5 +458,22 @@ impl Retrier {
                 Err(SendTimeoutError::Timeout(_) | SendTimeoutError::Disconnected(_)) => return,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_retry_skips_its_check_only_where_no_wait_can_outlast_min_idle() {
+        let s = Duration::from_secs;
+        // The defaults (5 min, 30 s cap): the whole window.
+        assert_eq!(still_ours(s(300), s(30)), STILL_OURS);
+        // 3 s min-idle, 1 s waits: 1 s after the read at most.
+        assert_eq!(still_ours(s(3), s(1)), s(1));
+        // 2 s min-idle, 1 s waits: never; each retry is checked and
+        // refreshed, as before.
+        assert_eq!(still_ours(s(2), s(1)), Duration::ZERO);
     }
 }
