@@ -58,6 +58,25 @@ fn insert(event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
     Ok(())
 }
 
+/// Looks at the whole batch before it writes anything: refuses the events
+/// whose payload is "bad" (permanently), inserts the others' effects.
+struct LooksFirst;
+
+impl Handler for LooksFirst {
+    fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        self.handle_batch(&[event], tx)
+    }
+    fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        if let Some(i) = events.iter().position(|e| e.payload() == Some("bad")) {
+            return Err(HandlerError::permanent("refused before writing").for_event(i));
+        }
+        for event in events {
+            insert(event, tx)?;
+        }
+        Ok(())
+    }
+}
+
 /// Whether the workers run in batch mode (`TASKHUB_MODE`, batch by
 /// default). In batch mode a failing event's batch-mates are rolled back
 /// with it and run again, so their handler runs more than once while their
@@ -1240,22 +1259,6 @@ fn a_handler_that_fails_before_writing_costs_its_batch_nothing() {
             good.push(id);
         }
     }
-    /// Looks at the whole batch before it writes anything.
-    struct LooksFirst;
-    impl Handler for LooksFirst {
-        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-            self.handle_batch(&[event], tx)
-        }
-        fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-            if let Some(i) = events.iter().position(|e| e.payload() == Some("bad")) {
-                return Err(HandlerError::permanent("refused before writing").for_event(i));
-            }
-            for event in events {
-                insert(event, tx)?;
-            }
-            Ok(())
-        }
-    }
     let summary = Running::of(
         builder(&redis_url(), &db.url, &stream, &group)
             .workers(1)
@@ -1312,22 +1315,6 @@ fn taking_back_a_left_out_event_reads_only_its_own_rows() {
             );
         }
     };
-    /// Refuses "bad" events before writing: each batch of two leaves one out.
-    struct RefusesBad;
-    impl Handler for RefusesBad {
-        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-            self.handle_batch(&[event], tx)
-        }
-        fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-            if let Some(i) = events.iter().position(|e| e.payload() == Some("bad")) {
-                return Err(HandlerError::permanent("refused before writing").for_event(i));
-            }
-            for event in events {
-                insert(event, tx)?;
-            }
-            Ok(())
-        }
-    }
     // One worker, one connection: sixteen pairs while the table is small
     // settle the plan (more than five statements).
     for n in 0..16 {
@@ -1338,7 +1325,7 @@ fn taking_back_a_left_out_event_reads_only_its_own_rows() {
             .until_idle(false)
             .workers(1)
             .count(2),
-        RefusesBad,
+        LooksFirst,
     );
     // Each event's dedup row is inserted once (a refused event's is
     // deleted or rolled back); the worker's session reports its counts,
