@@ -355,12 +355,34 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ms(0.99),
         ms(1.0),
     );
-    // The benchmark's stream is scratch data: drop it (its markers expire).
+    // The benchmark's keys are scratch data: its stream and the keys beside
+    // it, and its duplicate markers (`th:<namespace>:<len>:<scope>:<id>`),
+    // which would otherwise stay for the marker TTL. Left behind, a
+    // bench.sh run's millions of markers made Redis slower for every run
+    // after it (rehashing its key space mid-run).
     let mut redis = redis::Client::open(redis_url.as_str())?.get_connection()?;
-    redis::cmd("DEL")
-        .arg(&stream)
-        .arg(taskhub::dlq::dead_letter_stream(&stream))
-        .query::<()>(&mut redis)?;
+    for pattern in [
+        format!("{stream}*"),
+        format!("th:*:{}:{group}:*", group.len()),
+    ] {
+        let mut cursor = 0u64;
+        loop {
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(10_000)
+                .query(&mut redis)?;
+            if !keys.is_empty() {
+                redis::cmd("UNLINK").arg(&keys).query::<()>(&mut redis)?;
+            }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+    }
     if applied as usize != events {
         return Err(format!("expected {events} effects, found {applied}").into());
     }
