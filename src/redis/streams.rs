@@ -834,16 +834,58 @@ pub(crate) mod tests {
         cmd(&mut c, &["DEL", &a, &b]);
     }
 
+    /// Event ids up to 64 bytes, entries up to 1 MiB.
+    const LIMITS: Limits = Limits {
+        max_event_id_bytes: 64,
+        max_entry_bytes: 1 << 20,
+    };
+
+    /// A new stream with group `g`, and the keys a read of it uses, with
+    /// the markers of a new scope in namespace `00ff00ff00ff00ff`.
+    struct ReadSetup {
+        stream: String,
+        scope: String,
+        ns: Arc<str>,
+        index: String,
+        in_flight: String,
+        prefix: String,
+    }
+
+    impl ReadSetup {
+        fn new(c: &mut RedisConn, name: &str) -> ReadSetup {
+            use crate::redis::keys::{dead_letter_index, in_flight_ids, marker_prefix};
+            let stream = format!("{name}-{}", uuid::Uuid::new_v4());
+            let scope = format!("scope-{}", uuid::Uuid::new_v4());
+            let ns: Arc<str> = "00ff00ff00ff00ff".into();
+            cmd(c, &["XGROUP", "CREATE", &stream, "g", "0", "MKSTREAM"]);
+            ReadSetup {
+                index: dead_letter_index(&stream),
+                in_flight: in_flight_ids(&stream, "g"),
+                prefix: marker_prefix(&ns, &scope),
+                stream,
+                scope,
+                ns,
+            }
+        }
+
+        fn keys(&self) -> ReadKeys<'_> {
+            ReadKeys {
+                in_flight: &self.in_flight,
+                dead_index: &self.index,
+                markers: Some((&self.ns, &self.prefix)),
+            }
+        }
+    }
+
     #[test]
     fn the_read_script_looks_up_each_entrys_marker_and_dead_letter() {
         // One letter per entry, in the entries' order: a hit read for the
         // wrong entry would ack an event that was never applied.
-        use crate::redis::keys::{dead_letter_index, in_flight_ids, marker, marker_prefix};
+        use crate::redis::keys::marker;
         let mut c = conn();
-        let stream = format!("read-seen-{}", uuid::Uuid::new_v4());
-        let scope = format!("scope-{}", uuid::Uuid::new_v4());
-        let ns: Arc<str> = "00ff00ff00ff00ff".into();
-        cmd(&mut c, &["XGROUP", "CREATE", &stream, "g", "0", "MKSTREAM"]);
+        let setup = ReadSetup::new(&mut c, "read-seen");
+        let (stream, scope, ns) = (&setup.stream, &setup.scope, &setup.ns);
+        let (index, in_flight, keys) = (&setup.index, &setup.in_flight, setup.keys());
         let mut ids = Vec::new();
         for fields in [
             vec!["event_id", "a"],
@@ -854,7 +896,7 @@ pub(crate) mod tests {
             vec!["event_id", "e"],
         ] {
             let mut add = redis::cmd("XADD");
-            add.arg(&stream).arg("*").arg(fields);
+            add.arg(stream).arg("*").arg(fields);
             ids.push(add.query::<String>(&mut c).unwrap());
         }
         let set = |c: &mut RedisConn, key: &str, value: &str| {
@@ -862,39 +904,26 @@ pub(crate) mod tests {
         };
         // b: a marker; c: an old `1`; e: a marker of another namespace;
         // d: in the dead-letter index (and marked: dead comes first).
-        let b = marker(&ns, &scope, "b");
+        let b = marker(ns, scope, "b");
         set(&mut c, &b, &crate::redis::keys::marker_tag(&b));
-        set(&mut c, &marker(&ns, &scope, "c"), "1");
+        set(&mut c, &marker(ns, scope, "c"), "1");
         // a: a key of another type where its marker would be (a shared
         // Redis): no marker, and no error that would fail the whole read.
-        cmd(&mut c, &["HSET", &marker(&ns, &scope, "a"), "x", "1"]);
-        let d = marker(&ns, &scope, "d");
+        cmd(&mut c, &["HSET", &marker(ns, scope, "a"), "x", "1"]);
+        let d = marker(ns, scope, "d");
         set(&mut c, &d, &crate::redis::keys::marker_tag(&d));
-        let e = marker("1111222233334444", &scope, "e");
+        let e = marker("1111222233334444", scope, "e");
         set(&mut c, &e, &crate::redis::keys::marker_tag(&e));
-        let index = dead_letter_index(&stream);
-        cmd(&mut c, &["HSET", &index, &ids[4], "1-0"]);
-        let in_flight = in_flight_ids(&stream, "g");
-        let prefix = marker_prefix(&ns, &scope);
-        let limits = Limits {
-            max_event_id_bytes: 64,
-            max_entry_bytes: 1 << 20,
-        };
-        let keys = ReadKeys {
-            in_flight: &in_flight,
-            dead_index: &index,
-            markers: Some((&ns, &prefix)),
-        };
+        cmd(&mut c, &["HSET", index, &ids[4], "1-0"]);
         let read = |c: &mut RedisConn, keys: &ReadKeys<'_>, from: &str| {
-            read_group_bounded(c, &stream, keys, ("g", "me"), 100, from, limits, Vec::new())
-                .unwrap()
+            read_group_bounded(c, stream, keys, ("g", "me"), 100, from, LIMITS, Vec::new()).unwrap()
         };
         let entries = read(&mut c, &keys, ">");
         let got: Vec<(&str, bool, bool)> = entries
             .iter()
             .map(|e| {
                 let seen = e.seen.as_ref().expect("looked up");
-                assert_eq!(seen.ns, ns);
+                assert_eq!(seen.ns, *ns);
                 (e.id.as_str(), seen.marked, seen.dead)
             })
             .collect();
@@ -923,13 +952,13 @@ pub(crate) mod tests {
         assert_eq!(again.len(), ids.len());
         assert!(again.iter().all(|e| e.seen.is_none()));
         let mut del = redis::cmd("DEL");
-        del.arg(&stream)
-            .arg(&index)
-            .arg(&in_flight)
+        del.arg(stream)
+            .arg(index)
+            .arg(in_flight)
             .arg(&b)
             .arg(&d)
             .arg(&e);
-        del.arg(marker(&ns, &scope, "c"));
+        del.arg(marker(ns, scope, "c"));
         del.query::<()>(&mut c).unwrap();
     }
 
@@ -938,38 +967,25 @@ pub(crate) mod tests {
     /// no room left (`count` 0) reads nothing more.
     #[test]
     fn a_read_after_a_blocking_read_records_and_looks_up_its_entry() {
-        use crate::redis::keys::{dead_letter_index, in_flight_ids, marker, marker_prefix};
+        use crate::redis::keys::marker;
         let mut c = conn();
-        let stream = format!("read-blocked-{}", uuid::Uuid::new_v4());
-        let scope = format!("scope-{}", uuid::Uuid::new_v4());
-        let ns: Arc<str> = "00ff00ff00ff00ff".into();
-        cmd(&mut c, &["XGROUP", "CREATE", &stream, "g", "0", "MKSTREAM"]);
+        let setup = ReadSetup::new(&mut c, "read-blocked");
+        let (stream, scope, ns) = (&setup.stream, &setup.scope, &setup.ns);
+        let (in_flight, keys) = (&setup.in_flight, setup.keys());
         let mut ids = Vec::new();
         for event in ["b", "x", "y"] {
             let mut add = redis::cmd("XADD");
-            add.arg(&stream).arg("*").arg("event_id").arg(event);
+            add.arg(stream).arg("*").arg("event_id").arg(event);
             ids.push(add.query::<String>(&mut c).unwrap());
         }
-        let b = marker(&ns, &scope, "b");
+        let b = marker(ns, scope, "b");
         cmd(
             &mut c,
             &["SET", &b, &crate::redis::keys::marker_tag(&b), "EX", "60"],
         );
-        let index = dead_letter_index(&stream);
-        let in_flight = in_flight_ids(&stream, "g");
-        let prefix = marker_prefix(&ns, &scope);
-        let limits = Limits {
-            max_event_id_bytes: 64,
-            max_entry_bytes: 1 << 20,
-        };
-        let keys = ReadKeys {
-            in_flight: &in_flight,
-            dead_index: &index,
-            markers: Some((&ns, &prefix)),
-        };
         let in_flight_of = |c: &mut RedisConn| -> Vec<(String, String)> {
             let mut all: Vec<(String, String)> = redis::cmd("HGETALL")
-                .arg(&in_flight)
+                .arg(in_flight)
                 .query::<std::collections::HashMap<String, String>>(c)
                 .unwrap()
                 .into_iter()
@@ -977,20 +993,20 @@ pub(crate) mod tests {
             all.sort();
             all
         };
-        let blocked = read_group(&mut c, &stream, "g", "me", 1, Some(100), ">").unwrap();
+        let blocked = read_group(&mut c, stream, "g", "me", 1, Some(100), ">").unwrap();
         assert_eq!(blocked.len(), 1);
         // No room for more: only the blocked entry, recorded and looked up.
-        let only = read_group_bounded(&mut c, &stream, &keys, ("g", "me"), 0, ">", limits, blocked)
+        let only = read_group_bounded(&mut c, stream, &keys, ("g", "me"), 0, ">", LIMITS, blocked)
             .unwrap();
         assert_eq!(only.len(), 1);
         assert_eq!(only[0].id, ids[0]);
         assert!(only[0].seen.as_ref().is_some_and(|s| s.marked && !s.dead));
         assert_eq!(in_flight_of(&mut c), vec![(ids[0].clone(), "b".to_owned())]);
-        assert_eq!(pending_count(&mut c, &stream, "g").unwrap(), 1);
+        assert_eq!(pending_count(&mut c, stream, "g").unwrap(), 1);
         // Its idle time reset, its delivery count kept (a count of 2 would
         // make it a redelivery, a suspect of a crash).
         let pending: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-            .arg(&stream)
+            .arg(stream)
             .arg("g")
             .arg(&ids[0])
             .arg(&ids[0])
@@ -999,18 +1015,9 @@ pub(crate) mod tests {
             .unwrap();
         assert_eq!(pending[0].3, 1, "{pending:?}");
         // Room for more: the blocked entry first, then the rest.
-        let blocked = read_group(&mut c, &stream, "g", "me", 1, Some(100), ">").unwrap();
-        let all = read_group_bounded(
-            &mut c,
-            &stream,
-            &keys,
-            ("g", "me"),
-            10,
-            ">",
-            limits,
-            blocked,
-        )
-        .unwrap();
+        let blocked = read_group(&mut c, stream, "g", "me", 1, Some(100), ">").unwrap();
+        let all = read_group_bounded(&mut c, stream, &keys, ("g", "me"), 10, ">", LIMITS, blocked)
+            .unwrap();
         let got: Vec<(&str, bool)> = all
             .iter()
             .map(|e| (e.id.as_str(), e.seen.as_ref().expect("looked up").marked))
@@ -1027,29 +1034,17 @@ pub(crate) mod tests {
         assert_eq!(in_flight_of(&mut c), want);
         // Claimed by another consumer between the two: left to it.
         let mut add = redis::cmd("XADD");
-        add.arg(&stream).arg("*").arg("event_id").arg("z");
+        add.arg(stream).arg("*").arg("event_id").arg("z");
         let z = add.query::<String>(&mut c).unwrap();
-        let blocked = read_group(&mut c, &stream, "g", "me", 1, Some(100), ">").unwrap();
+        let blocked = read_group(&mut c, stream, "g", "me", 1, Some(100), ">").unwrap();
         assert_eq!(blocked[0].id, z);
-        cmd(
-            &mut c,
-            &["XCLAIM", &stream, "g", "other", "0", &z, "JUSTID"],
-        );
-        let none = read_group_bounded(
-            &mut c,
-            &stream,
-            &keys,
-            ("g", "me"),
-            10,
-            ">",
-            limits,
-            blocked,
-        )
-        .unwrap();
+        cmd(&mut c, &["XCLAIM", stream, "g", "other", "0", &z, "JUSTID"]);
+        let none = read_group_bounded(&mut c, stream, &keys, ("g", "me"), 10, ">", LIMITS, blocked)
+            .unwrap();
         assert!(none.is_empty(), "{none:?}");
         assert_eq!(in_flight_of(&mut c), want);
         let mut del = redis::cmd("DEL");
-        del.arg(&stream).arg(&in_flight).arg(&b);
+        del.arg(stream).arg(in_flight).arg(&b);
         del.query::<()>(&mut c).unwrap();
     }
 }
