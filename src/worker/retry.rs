@@ -131,7 +131,8 @@ pub(crate) struct Retry {
     pub ticket: Option<Ticket>,
     /// When this consumer last read or refreshed the entry.
     pub held_since: Instant,
-    /// Its event, while it may go back without asking Redis.
+    /// Its event, while it may go back without asking Redis (see
+    /// [`Retrier::still_ours`]).
     pub kept: Option<Box<Kept>>,
 }
 
@@ -164,20 +165,19 @@ pub(crate) fn still_ours(reclaim_min_idle: Duration, longest_wait: Duration) -> 
 const KEPT_BYTES: usize = 4 << 20;
 
 impl Retry {
-    /// Keeps what a retry needs of `delivery`: its event when it is due
-    /// within [`STILL_OURS`] of its read, else only its id (its fields are
-    /// read again from the stream when it is due).
+    /// Keeps what a retry needs of `delivery`, its event included; the
+    /// retry thread drops the event on receipt unless it may go back
+    /// without asking Redis (then its fields are read again when due).
     pub fn of(mut delivery: Delivery, due: Instant, earliest: Instant) -> Retry {
         if let Some(ticket) = &mut delivery.ticket {
             ticket.park();
         }
         let event_id = delivery.event_id().map(str::to_owned);
-        let soon = due < delivery.held_since + STILL_OURS;
         let kept = match std::mem::replace(
             &mut delivery.body,
             Err((Vec::new(), Invalid(String::new()))),
         ) {
-            Ok(event) if soon && !delivery.trimmed => {
+            Ok(event) if !delivery.trimmed => {
                 let bytes = event.fields.iter().map(|(k, v)| k.len() + v.len()).sum();
                 Some(Box::new(Kept { event, bytes }))
             }

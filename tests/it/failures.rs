@@ -1486,3 +1486,60 @@ fn a_copy_of_a_failed_event_in_its_batch_does_not_mark_it_applied() {
     assert_eq!(summary.dead_lettered, 0, "{summary}");
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 }
+
+/// An entry deleted from its stream (a producer's MAXLEN, an XDEL) while
+/// its retry waits briefly, within 1.5 s of its read, is applied from the
+/// event the retry kept: one outcome, nothing left pending. (After a longer
+/// wait the retry reads the entry back, finds it gone, and it becomes a
+/// `trimmed` dead letter: see `one_outcome.rs`.)
+#[test]
+fn an_entry_deleted_during_a_short_retry_wait_is_applied_from_its_kept_event() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("kept-deleted"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let entry = xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "kept-1"), ("payload", "p")],
+    );
+    /// Deletes the entry and fails on the first call; applies on the next.
+    struct DeletesThenFails {
+        url: String,
+        stream: String,
+        entry: String,
+        calls: AtomicUsize,
+    }
+    impl Handler for DeletesThenFails {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                let mut c = redis(&self.url);
+                let deleted: i64 = redis::cmd("XDEL")
+                    .arg(&self.stream)
+                    .arg(&self.entry)
+                    .query(&mut c)
+                    .unwrap();
+                assert_eq!(deleted, 1);
+                return Err(HandlerError::retryable("not yet"));
+            }
+            insert(event, tx)
+        }
+    }
+    let handler = Arc::new(DeletesThenFails {
+        url: redis_url(),
+        stream: stream.clone(),
+        entry,
+        calls: AtomicUsize::new(0),
+    });
+    let summary = Running::start(
+        builder(&redis_url(), &db.url, &stream, &group)
+            .backoff_base(Duration::from_millis(200))
+            .backoff_cap(Duration::from_millis(200)),
+        handler.clone(),
+    )
+    .join(Duration::from_secs(30));
+    assert_eq!(handler.calls.load(Ordering::SeqCst), 2);
+    assert_eq!(summary.applied, 1, "{summary}");
+    assert_eq!(summary.dead_lettered, 0, "{summary}");
+    db.assert_effects_once(&["kept-1".to_owned()]);
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}

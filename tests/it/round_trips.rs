@@ -204,9 +204,11 @@ fn read_back_calls(conn: &mut redis::Connection) -> usize {
 }
 
 /// Runs `events` (payloads of `size` bytes), each failing once with a
-/// backoff of `backoff` (half of it to all of it), to the end; returns the
-/// script calls that read retries back.
-fn retry_reads(events: usize, size: usize, backoff: Duration) -> usize {
+/// backoff of `backoff` (half of it to all of it), to the end, with
+/// `--reclaim-min-idle` `min_idle` (the longest wait is 5 s, the
+/// `max_retry_after` of `fast_builder`); returns the script calls that read
+/// retries back.
+fn retry_reads(events: usize, size: usize, backoff: Duration, min_idle: Duration) -> usize {
     let r = PrivateRedis::start();
     let db = TestDb::new();
     let (stream, group) = (unique("retry"), unique("g"));
@@ -234,7 +236,8 @@ fn retry_reads(events: usize, size: usize, backoff: Duration) -> usize {
         fast_builder(&r.url(), &db.url, &stream, &group)
             .until_idle(true)
             .backoff_base(backoff)
-            .backoff_cap(backoff),
+            .backoff_cap(backoff)
+            .reclaim_min_idle(min_idle),
         FailsOnce(Default::default()),
     )
     .join(Duration::from_secs(60));
@@ -252,8 +255,18 @@ fn retry_reads(events: usize, size: usize, backoff: Duration) -> usize {
 /// XPENDING, an XRANGE and an XCLAIM each).
 #[test]
 fn a_retry_due_soon_asks_redis_nothing() {
-    let reads = retry_reads(40, 100, Duration::from_millis(100));
+    let reads = retry_reads(40, 100, Duration::from_millis(100), Duration::from_secs(10));
     assert_eq!(reads, 0, "script calls that read retries back");
+}
+
+/// Going back without asking does not reset the entry's idle time, so it is
+/// done only where `--reclaim-min-idle` leaves room for one more of the
+/// longest waits (and a second for the run) after it: with 6 s of min-idle
+/// and 5 s waits, every retry is checked and refreshed, as before.
+#[test]
+fn a_retry_is_checked_where_min_idle_leaves_no_room_for_another_wait() {
+    let reads = retry_reads(40, 100, Duration::from_millis(100), Duration::from_secs(6));
+    assert!(reads >= 1, "no retry read back");
 }
 
 /// The events the retries keep are bounded (4 MiB): past that, a retry
@@ -262,6 +275,6 @@ fn a_retry_due_soon_asks_redis_nothing() {
 /// due, 0.5 to 1 s later: at most 5 of their 700 kB events fit.)
 #[test]
 fn retries_keep_at_most_a_few_megabytes_of_events() {
-    let reads = retry_reads(12, 700_000, Duration::from_secs(1));
+    let reads = retry_reads(12, 700_000, Duration::from_secs(1), Duration::from_secs(10));
     assert!(reads >= 1, "no retry of 700 kB read back");
 }
