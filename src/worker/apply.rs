@@ -26,6 +26,10 @@
 //! that needs no ownership check (step 4) that statement is the whole
 //! transaction: no BEGIN, no COMMIT, one round trip
 //! ([`Processor::apply_statement`], [`Processor::apply_batch_statement`]).
+//! In a batch that also holds events of the handler's own code, the batch's
+//! dedup insert applies the built-in statement's events
+//! ([`sql::DEDUP_BATCH_AND_DEFAULT`]) and the handler the others, in one
+//! transaction.
 
 use std::time::Instant;
 
@@ -361,7 +365,12 @@ impl Processor {
 
     /// Step 3 for a batch: one set-based insert into `processed_events`
     /// returns which event ids are new, the handler's batch form applies
-    /// them, one COMMIT.
+    /// them, one COMMIT. Events whose whole effect is the built-in statement
+    /// ([`plain`]) get it from the dedup insert itself
+    /// ([`sql::DEDUP_BATCH_AND_DEFAULT`]) and are not handed to the
+    /// handler: a read that mixes them with the handler's events costs one
+    /// transaction, not one for each kind (two WAL flushes, and a switch of
+    /// the session each way).
     ///
     /// An error that names its event costs only that event when the call
     /// sent no statement (`Tx::touched`: the transaction is as it was) or,
@@ -378,36 +387,59 @@ impl Processor {
         &mut self,
         batch: &[Delivery],
         guarded: bool,
-        plain: bool,
     ) -> Result<Batch, HandlerError> {
         let stage = self.stage.clone();
         let scope = stage.settings.scope.as_str();
-        // The one-statement form runs guarded or not: it runs no handler
-        // code, and a failure of the statement names no event either way.
-        if plain && batch.iter().all(|d| !d.held_long()) {
+        let mut fold: Vec<bool> = batch.iter().map(|d| d.plain).collect();
+        // All of the one-statement kind: one statement, no transaction. It
+        // runs guarded or not: it runs no handler code, and a failure of the
+        // statement names no event either way.
+        if fold.iter().all(|f| *f) && batch.iter().all(|d| !d.held_long()) {
             if let Some(new) = self.apply_batch_statement(batch)? {
                 return Ok(Batch::Applied(new, Vec::new()));
             }
         }
+        if !(fold.contains(&true) && self.default_folds()?) {
+            // The handler applies the built-in statement's events too.
+            fold.iter_mut().for_each(|f| *f = false);
+        }
+        let folded = fold.contains(&true);
         self.connection()?;
         self.session(Session::Handler)?;
-        // A savepoint costs a round trip, and only a call that failed
-        // after sending a statement needs one: a call that failed before
-        // (`Tx::touched`) left the transaction as it was. So a guarded
-        // batch takes one up front only after such a failure lately.
-        let savepoint = guarded && self.savepoint_batches > 0;
-        self.savepoint_batches = self.savepoint_batches.saturating_sub(u32::from(savepoint));
         let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
             unreachable!("connection() sets it")
         };
-        let insert = prepare(&mut ***conn, cache, INSERT_PROCESSED_BATCH)?;
+        let insert = if folded {
+            prepare(&mut ***conn, cache, sql::DEDUP_BATCH_AND_DEFAULT)?
+        } else {
+            prepare(&mut ***conn, cache, INSERT_PROCESSED_BATCH)?
+        };
         let mut tx = Tx {
             tx: conn.build_transaction().read_only(false).start()?,
             cache,
             touched: false,
         };
         let ids: Vec<&str> = batch.iter().map(|d| event(d).event_id()).collect();
-        let rows = tx.query(&insert, &[&scope, &ids])?;
+        let rows = if folded {
+            // The first copy of each event id: a later one is a duplicate
+            // whatever its kind, and must not add an effect of its own.
+            let mut seen = std::collections::HashSet::new();
+            let (mut first, mut payloads, mut flags) = (Vec::new(), Vec::new(), Vec::new());
+            for (d, f) in batch.iter().zip(&fold) {
+                let event = event(d);
+                if seen.insert(event.event_id()) {
+                    first.push(event.event_id());
+                    payloads.push(if *f { sql::payload(event)? } else { None });
+                    flags.push(*f);
+                }
+            }
+            for (d, _) in batch.iter().zip(&fold).filter(|(_, f)| **f) {
+                fault::hit(Point::InHandler, event(d).event_id());
+            }
+            tx.query(&insert, &[&scope, &first, &payloads, &flags])?
+        } else {
+            tx.query(&insert, &[&scope, &ids])?
+        };
         self.reached_database = true;
         let xid: Option<i64> = rows.first().map(|row| row.get(1));
         let mut inserted: std::collections::HashSet<String> =
@@ -415,10 +447,12 @@ impl Processor {
         // The first delivery of each inserted id is new; later copies of the
         // same id in this batch are duplicates.
         let new: Vec<bool> = ids.iter().map(|id| inserted.remove(*id)).collect();
+        // The new events whose effect the dedup insert applied.
+        let applied: Vec<usize> = (0..batch.len()).filter(|i| new[*i] && fold[*i]).collect();
         let (positions, events): (Vec<usize>, Vec<&Event>) = batch
             .iter()
             .enumerate()
-            .filter(|(i, _)| new[*i])
+            .filter(|(i, _)| new[*i] && !fold[*i])
             .map(|(i, d)| (i, event(d)))
             .unzip();
         let Some(xid) = xid else {
@@ -429,6 +463,13 @@ impl Processor {
             fault::hit(Point::InHandler, e.event_id());
         }
         let mut left_out: Vec<(usize, HandlerError)> = Vec::new();
+        // A savepoint costs a round trip, and only a call that failed
+        // after sending a statement needs one: a call that failed before
+        // (`Tx::touched`) left the transaction as it was. So a guarded
+        // batch takes one up front only after such a failure lately, and
+        // only when the handler has events to apply.
+        let savepoint = guarded && self.savepoint_batches > 0 && !events.is_empty();
+        self.savepoint_batches = self.savepoint_batches.saturating_sub(u32::from(savepoint));
         if savepoint {
             tx.batch_execute("SAVEPOINT batch")?;
         }
@@ -484,7 +525,12 @@ impl Processor {
                 }
             }
         }
-        if events.is_empty() {
+        // What this COMMIT applies: the built-in statement's new events and
+        // the handler's that did not fail, in the batch's order.
+        let mut applied = applied;
+        applied.extend(positions);
+        applied.sort_unstable();
+        if applied.is_empty() {
             // Every new event failed: nothing to commit. A rollback writes
             // nothing to flush, where deleting their dedup rows and
             // committing cost a WAL flush.
@@ -508,7 +554,7 @@ impl Processor {
         // acked whoever holds it, and checking it rolled the batch back
         // (its new events ran again) or made a deleted duplicate a
         // `trimmed` letter of an applied event.
-        let long: Vec<usize> = positions
+        let long: Vec<usize> = applied
             .iter()
             .copied()
             .filter(|i| batch[*i].held_long())
@@ -525,12 +571,13 @@ impl Processor {
                 return Ok(Batch::NotOurs(lost));
             }
         }
-        for e in &events {
-            fault::hit(Point::BeforeCommit, e.event_id());
+        for i in &applied {
+            fault::hit(Point::BeforeCommit, event(&batch[*i]).event_id());
         }
         commit(tx, xid).map_err(HandlerError::for_no_event)?;
         Stats::add(&stage.common.stats.commits, 1);
-        for e in &events {
+        for i in &applied {
+            let e = event(&batch[*i]);
             fault::hit(Point::AfterCommit, e.event_id());
             committed(&stage, e);
         }

@@ -55,6 +55,10 @@ pub(crate) struct Delivery {
     /// dead-letter index), when it looked: the fast path then asks nothing
     /// more.
     pub seen: Option<Seen>,
+    /// Whether the event's whole effect is the built-in statement
+    /// (`apply::plain`): asked once per attempt, by `Processor::process`,
+    /// for the events it batches.
+    pub plain: bool,
     /// Another consumer that holds this entry (a deleted entry found
     /// pending for it, see `reclaim.rs`): its dead letter is fenced by that
     /// consumer and count instead of this one's.
@@ -131,6 +135,7 @@ impl Delivery {
                 started_as: None,
                 ticket: Some(ticket),
                 seen: entry.seen,
+                plain: false,
                 holder: None,
             });
         }
@@ -161,6 +166,7 @@ impl Delivery {
             started_as: None,
             ticket,
             seen: None,
+            plain: false,
             holder: None,
         }
     }

@@ -306,15 +306,14 @@ impl Processor {
         // or per event.
         let mut one_by_one = Vec::with_capacity(valid.len());
         let mut batch = Vec::new();
-        // Events whose whole effect is the built-in statement go apart from
-        // the others: their batch is one statement in one round trip (see
-        // `apply.rs`), whatever the others do. A batch mixing them with
-        // events of a failing handler would run the general path, savepoints
-        // and all, for every one of them.
-        let mut plain = Vec::new();
+        // How many of the batch are the handler's: the others' whole effect
+        // is the built-in statement, which the batch's dedup insert applies
+        // (see `apply_batch`), and a batch of those alone is one statement
+        // in one round trip.
+        let mut handlers = 0;
         let batch_mode =
             self.stage.settings.mode == Mode::Batch && self.stage.handler.supports_batches();
-        for ((delivery, marked), dead) in valid.into_iter().zip(marked).zip(dead_before) {
+        for ((mut delivery, marked), dead) in valid.into_iter().zip(marked).zip(dead_before) {
             if dead {
                 log::info!(
                     "{}/{}: dead-lettered before (its group was created again?); acked, not applied",
@@ -337,29 +336,18 @@ impl Processor {
                 // fails again costs a savepoint, not its batch-mates.
                 // Redeliveries after a crash go one by one: a poison event
                 // must not take its batch-mates down with it.
-                if crate::worker::apply::plain(&*self.stage.handler, event(&delivery)) {
-                    plain.push(delivery);
-                } else {
-                    batch.push(delivery);
-                }
+                delivery.plain =
+                    crate::worker::apply::plain(&*self.stage.handler, event(&delivery));
+                handlers += usize::from(!delivery.plain);
+                batch.push(delivery);
             } else {
                 one_by_one.push(delivery);
             }
         }
-        // The kind the session is set up for goes first, so a job of both
-        // kinds switches the session once, not twice. Only the handler's
-        // batches count towards the failure rate that guards them.
-        let handler_first = self.session == Some(Session::Handler);
-        if !handler_first {
-            let plain = std::mem::take(&mut plain);
-            self.apply_batches(&stream, plain, true, &mut one_by_one, &mut done);
-        }
-        let size = batch.len();
-        let failures = self.apply_batches(&stream, batch, false, &mut one_by_one, &mut done);
-        self.record_batch(size, failures);
-        if handler_first {
-            self.apply_batches(&stream, plain, true, &mut one_by_one, &mut done);
-        }
+        // Only the handler's events count towards the failure rate that
+        // guards its batches.
+        let failures = self.apply_batches(&stream, batch, &mut one_by_one, &mut done);
+        self.record_batch(handlers, failures);
         for delivery in one_by_one {
             self.ack_if_overdue(&stream, &mut done);
             self.apply_one(delivery, &mut done);
@@ -501,28 +489,27 @@ impl Processor {
     /// normal failure path) and the rest goes on without it; a failure that
     /// names no event sends the whole batch one by one. While failures are
     /// frequent, batches run guarded (see `apply_batch`): a failing event
-    /// costs a return to a savepoint, not the batch's transaction. `plain`:
-    /// every event is `apply::plain` (one statement per batch). Returns how
-    /// many of its events failed.
+    /// costs a return to a savepoint, not the batch's transaction. Returns
+    /// how many of the handler's events failed (see `record_batch`).
     fn apply_batches(
         &mut self,
         stream: &str,
         batch: Vec<Delivery>,
-        plain: bool,
         one_by_one: &mut Vec<Delivery>,
         done: &mut Finished,
     ) -> usize {
         let mut chunk = batch;
         let mut failures = 0;
         let mut strikes = 0;
-        // A batch of one goes one by one, but for the one-statement form,
-        // which is as cheap for one event (and asked `sql_effect` already).
-        while chunk.len() > 1 || (plain && !chunk.is_empty()) {
+        // A batch of one goes one by one, but for the one-statement form
+        // (every event `apply::plain`), which is as cheap for one event (and
+        // asked `sql_effect` already).
+        while chunk.len() > 1 || (!chunk.is_empty() && chunk.iter().all(|d| d.plain)) {
             self.ack_if_overdue(stream, done);
             let guarded =
                 self.failure_rate >= GUARD_ABOVE || chunk.iter().any(|d| !d.failures.is_empty());
             match self.through_outages(&mut strikes, BATCH_STRIKES, |p| {
-                p.apply_batch(&chunk, guarded, plain)
+                p.apply_batch(&chunk, guarded)
             }) {
                 Flow::Stopped => chunk.clear(), // left pending
                 Flow::Struck => {
@@ -587,7 +574,14 @@ impl Processor {
                     }
                 }
                 Flow::Done(Err(e)) => {
-                    failures += 1;
+                    // A failure of the built-in statement's events (a
+                    // constraint of `notifications`, say) is not the
+                    // handler's.
+                    let handlers = match e.event_index() {
+                        Some(i) if i < chunk.len() => !chunk[i].plain,
+                        _ => chunk.iter().any(|d| !d.plain),
+                    };
+                    failures += usize::from(handlers);
                     match e.event_index() {
                         Some(i) if i < chunk.len() => {
                             let delivery = chunk.remove(i);
@@ -614,7 +608,9 @@ impl Processor {
         if size == 0 {
             return;
         }
-        let observed = failures as f64 / size as f64;
+        // (Where the built-in statement cannot be fused, its events are the
+        // handler's too and may fail beyond `size`.)
+        let observed = (failures as f64 / size as f64).min(1.0);
         self.failure_rate = 0.8 * self.failure_rate + 0.2 * observed;
     }
 

@@ -225,6 +225,7 @@ fn back_to_pool(
         started_as: None,
         ticket: retry.ticket,
         seen: None,
+        plain: false,
         holder: None,
     }
 }

@@ -1169,6 +1169,136 @@ fn hostile_values_are_stored_verbatim_by_the_one_round_trip_transaction() {
     }
 }
 
+/// Batch mode: a read that mixes events whose whole effect is the built-in
+/// statement with events of the handler's own code commits once. The
+/// batch's dedup insert applies the former, the handler the latter, one
+/// COMMIT for both (before, each kind had a transaction of its own: two WAL
+/// flushes and a switch of the session each way per read, and under 10%
+/// failing events as many transactions again as reads). A copy of an event
+/// id is a duplicate whatever its kind, the first copy in the stream's
+/// order being the one applied when it does not fail; a handler's event that fails before
+/// writing (left out, its dedup row taken back) or after (the transaction
+/// run again without it) costs only itself; every event ends with one
+/// effect, its own kind's.
+#[test]
+fn a_read_mixing_the_built_in_statement_and_handler_events_commits_once() {
+    struct Mixed {
+        sql: SqlHandler,
+        attempts: Mutex<HashMap<String, u32>>,
+    }
+    impl Handler for Mixed {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            let first = {
+                let mut attempts = self.attempts.lock().unwrap();
+                let n = attempts.entry(event.event_id().to_owned()).or_default();
+                *n += 1;
+                *n == 1
+            };
+            let fail = event.field("fail");
+            if first && fail == Some(b"before".as_slice()) {
+                return Err(HandlerError::retryable("fails before writing"));
+            }
+            let payload = format!("own:{}", event.payload().unwrap_or_default());
+            tx.execute(
+                "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)",
+                &[&event.event_id(), &payload],
+            )?;
+            if first && fail == Some(b"after".as_slice()) {
+                return Err(HandlerError::retryable("fails after writing"));
+            }
+            Ok(())
+        }
+        fn sql_effect(&self, event: &Event) -> Option<&SqlHandler> {
+            event.field("own").is_none().then_some(&self.sql)
+        }
+    }
+
+    // (event id, the handler's own, how its first attempt fails): p* are
+    // the built-in statement's, o* the handler's; the last two are copies
+    // of the other kind.
+    let reads: [&[(&str, bool, Option<&str>)]; 2] = [
+        &[
+            ("p1", false, None),
+            ("o2", true, Some("before")),
+            ("o1", true, None),
+            ("p2", false, None),
+            ("o4", true, None),
+            ("o1", false, None),
+            ("p1", true, None),
+        ],
+        &[
+            ("p1", false, None),
+            ("o1", true, None),
+            ("o3", true, Some("after")),
+            ("p2", false, None),
+            ("o4", true, None),
+            ("o1", false, None),
+            ("p1", true, None),
+        ],
+    ];
+    for events in reads {
+        let db = TestDb::new();
+        let (stream, group) = (unique("mixed"), unique("g"));
+        let mut conn = redis(&redis_url());
+        for (id, own, fail) in events {
+            let mut fields = vec![("event_id", *id), ("payload", "x")];
+            if *own {
+                fields.push(("own", "1"));
+            }
+            if let Some(fail) = fail {
+                fields.push(("fail", fail));
+            }
+            xadd(&mut conn, &stream, &fields);
+        }
+        // One worker, one read of all of them: one job.
+        let summary = run_until_idle(
+            builder(&db.url, &stream, &group)
+                .mode(taskhub::Mode::Batch)
+                .workers(1),
+            Mixed {
+                sql: SqlHandler::default(),
+                attempts: Mutex::default(),
+            },
+        );
+        assert_eq!(summary.applied, 5, "{events:?}: {summary}");
+        assert_eq!(summary.duplicates, 2, "{events:?}: {summary}");
+        assert_eq!(summary.dead_lettered, 0, "{events:?}: {summary}");
+        assert_eq!(summary.retries, 1, "{events:?}: {summary}");
+        let ids: Vec<&str> = ["p1", "p2", "o1", "o2", "o3", "o4"]
+            .into_iter()
+            .filter(|id| events.iter().any(|(e, ..)| e == id))
+            .collect();
+        // The events that did not fail: their dedup rows and effects were
+        // written by one transaction.
+        let together = ["p1", "p2", "o1", "o4"];
+        let transactions = db
+            .client()
+            .query_one(
+                "SELECT count(DISTINCT x) FROM ( \
+                 SELECT xmin::text AS x FROM processed_events WHERE scope = $1 AND event_id = ANY($2) \
+                 UNION ALL SELECT xmin::text FROM notifications WHERE event_id = ANY($2)) t",
+                &[&group, &&together[..]],
+            )
+            .unwrap()
+            .get::<_, i64>(0);
+        assert_eq!(transactions, 1, "{events:?}: {summary}");
+        for id in &ids {
+            let rows = db
+                .client()
+                .query(
+                    "SELECT payload FROM notifications WHERE event_id = $1",
+                    &[id],
+                )
+                .unwrap();
+            assert_eq!(rows.len(), 1, "{events:?}: {id}: one effect");
+            let want = if id.starts_with('p') { "x" } else { "own:x" };
+            assert_eq!(rows[0].get::<_, &str>(0), want, "{events:?}: {id}");
+            assert_eq!(processed_rows(&db, &group, id), 1, "{events:?}: {id}");
+        }
+        assert_eq!(pending(&mut conn, &stream, &group), 0);
+    }
+}
+
 /// Regression (a review of the fused built-in statement): it passes the
 /// payload as text, which a `jsonb` `notifications.payload` column refuses
 /// (the migration keeps a table that exists); every event was dead-lettered
