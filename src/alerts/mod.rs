@@ -203,12 +203,19 @@ impl Alerts {
             ttl: (self.interval * 3).max(Duration::from_secs(3)),
         };
         loop {
-            if let Ok(mut conn) = monitor.redis_conn() {
-                for stream in monitor.streams() {
-                    if let Err(e) = self.round(&mut conn, &lease, monitor, stream, agent) {
-                        log::debug!("alert: cannot look at {}: {e}", dead_letter_stream(stream));
+            match monitor.redis_conn() {
+                Ok(mut conn) => {
+                    for stream in monitor.streams() {
+                        if let Err(e) = self.round(&mut conn, &lease, monitor, stream, agent) {
+                            log::debug!(
+                                "alert: cannot look at {}: {e}",
+                                dead_letter_stream(stream)
+                            );
+                        }
                     }
                 }
+                // Redis down, or the page's requests hold every place.
+                Err(e) => log::debug!("alert: no Redis connection this round ({e})"),
             }
             if shutdown.sleep(self.interval) {
                 break;

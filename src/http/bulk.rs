@@ -200,7 +200,7 @@ impl Bulk {
         action: Action,
         rate: f64,
     ) -> String {
-        let mut conn = match monitor.redis_conn() {
+        let mut conn = match monitor.redis_conn_for_bulk() {
             Ok(c) => c,
             Err(e) => return format!("failed: Redis: {e}"),
         };

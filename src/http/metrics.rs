@@ -142,7 +142,11 @@ fn durations(out: &mut String, monitor: &Monitor) {
 /// is left out of this scrape.
 fn group_gauges(out: &mut String, monitor: &Monitor) {
     let now = SystemTime::now();
-    let mut conn = monitor.redis_conn().ok();
+    // A scrape waits a second at most for its place beside the page's
+    // requests (Prometheus gives up on the whole scrape after ten).
+    let mut conn = monitor
+        .redis_conn_within(std::time::Duration::from_secs(1))
+        .ok();
     let found: Vec<(String, Gauges)> = monitor
         .streams()
         .iter()

@@ -328,11 +328,12 @@ pub(crate) fn stream_param<'a>(
 
 pub(crate) fn redis(
     monitor: &Monitor,
-) -> Result<r2d2::PooledConnection<crate::redis::pool::RedisManager>, Response> {
+) -> Result<crate::worker::monitor::Look<crate::redis::pool::PooledRedis>, Response> {
     monitor.redis_conn().map_err(|e| {
+        let busy = e.starts_with("busy");
         html(
             503,
-            "Redis unavailable",
+            if busy { "Busy" } else { "Redis unavailable" },
             &format!("<p>Redis: {}</p>", escape(&e.to_string())),
         )
     })

@@ -47,7 +47,7 @@ pub(crate) mod stats;
 use context::{Claim, Common};
 use dead_letter::Writer;
 use flow::InFlight;
-use monitor::Monitor;
+use monitor::{Monitor, LOOKS};
 use process::{Settings, Stage};
 use read::Reader;
 use reclaim::Reclaimer;
@@ -117,6 +117,10 @@ impl Worker {
                 thread_died: Mutex::new(None),
                 retrying: Arc::default(),
                 servers: OnceLock::new(),
+                looks: (
+                    monitor::Slots::new(monitor::LOOKS),
+                    monitor::Slots::new(monitor::LOOKS),
+                ),
             }),
         };
         Worker {
@@ -179,13 +183,21 @@ impl Worker {
             crate::redis::check_slots(&config.streams)?;
             log::info!("redis: a Redis Cluster (hash slots checked for every stream)");
         }
-        let redis = redis_pool(&redis_client, &config.redis_url, config.workers as u32 + 4)?;
+        let redis = redis_pool(
+            &redis_client,
+            &config.redis_url,
+            config.workers as u32 + 4 + LOOKS as u32,
+        )?;
         let namespace = Namespace::default();
         let setup = Setup {
             namespace: namespace.clone(),
             statement_timeout: config.handler_timeout,
         };
-        let pg = postgres_pool(&config.database_url, config.workers as u32 + 1, setup)?;
+        let pg = postgres_pool(
+            &config.database_url,
+            config.workers as u32 + 1 + LOOKS as u32,
+            setup,
+        )?;
         check_schema(&pg, config, self.handler.as_ref())?;
         {
             let mut conn = redis

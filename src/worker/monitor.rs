@@ -2,8 +2,9 @@
 //! it from beside (the HTTP endpoint, the alerts, an embedding program's own
 //! metrics): its counters, what it holds, whether its servers answer.
 
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, SystemTime};
+use std::ops::{Deref, DerefMut};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::postgres::pool::{PgConn, PgPool};
 use crate::redis::pool::{PooledRedis, RedisPool};
@@ -11,8 +12,91 @@ use crate::shutdown::Shutdown;
 use crate::worker::flow::InFlight;
 use crate::worker::stats::{Health, Stats, Summary, DURATION_BUCKETS};
 
+/// Why a look got no connection: the others hold every place.
+const BUSY: &str = "busy: other requests hold the connections the page may use; try again";
+
 /// How long a look waits for a pooled connection.
 const WAIT: Duration = Duration::from_secs(2);
+/// How long a look waits for its place: requests queue behind the two that
+/// run (a page of big letters takes a second or two) rather than fail.
+const LOOK_WAIT: Duration = Duration::from_secs(10);
+
+/// How many looks (page requests, alerts, an embedding program's) hold a
+/// connection to each server at once; the pools have room for them beside
+/// the worker's own. More would take the worker's connections and Redis's
+/// time: sixteen clients asking the dead-letter page over and over slowed a
+/// drain of 30,000 events from 1.7 s to 410 s.
+pub(crate) const LOOKS: usize = 2;
+
+/// Free places, taken with a bounded wait and given back when the [`Slot`]
+/// is dropped.
+#[derive(Debug)]
+pub(crate) struct Slots {
+    free: Mutex<usize>,
+    freed: Condvar,
+}
+
+impl Slots {
+    pub fn new(places: usize) -> Arc<Slots> {
+        Arc::new(Slots {
+            free: Mutex::new(places),
+            freed: Condvar::new(),
+        })
+    }
+
+    /// A place, waiting for one up to `wait`, or until `stop()`; `None`
+    /// if none came free.
+    fn take(self: &Arc<Slots>, wait: Duration, stop: &dyn Fn() -> bool) -> Option<Slot> {
+        let deadline = Instant::now() + wait;
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        while *free == 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || stop() {
+                return None;
+            }
+            free = self
+                .freed
+                .wait_timeout(free, left.min(Duration::from_millis(50)))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        *free -= 1;
+        Some(Slot(self.clone()))
+    }
+}
+
+/// One place of [`Slots`].
+#[derive(Debug)]
+pub(crate) struct Slot(Arc<Slots>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        *self.0.free.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        self.0.freed.notify_one();
+    }
+}
+
+/// A pooled connection held by a look, with its place: it dereferences to
+/// the connection, and gives both back when dropped.
+pub(crate) struct Look<C> {
+    conn: C,
+    /// None for the bulk action's connection, and once the worker stops.
+    _slot: Option<Slot>,
+}
+
+impl<C: Deref> Deref for Look<C> {
+    type Target = C::Target;
+
+    fn deref(&self) -> &C::Target {
+        &self.conn
+    }
+}
+
+impl<C: DerefMut> DerefMut for Look<C> {
+    fn deref_mut(&mut self) -> &mut C::Target {
+        &mut self.conn
+    }
+}
 
 /// A read-only view of a [`Worker`](crate::Worker), taken with
 /// [`Worker::monitor`](crate::Worker::monitor) before `run()`. Cheap to
@@ -37,6 +121,8 @@ pub(crate) struct Inner {
     pub retrying: Arc<crate::worker::retry::Board>,
     /// The pools, once `run()` made them.
     pub servers: OnceLock<(RedisPool, PgPool)>,
+    /// The places of the looks at Redis and at PostgreSQL ([`LOOKS`] each).
+    pub looks: (Arc<Slots>, Arc<Slots>),
 }
 
 /// The handler durations, as a Prometheus histogram: cumulative counts per
@@ -133,7 +219,13 @@ impl Monitor {
         if self.inner.servers.get().is_none() {
             problems.push("starting: not connected yet".to_owned());
         } else {
-            let redis = self.redis_conn().and_then(|mut c| {
+            // Past the looks' limit: a flood of page requests must not
+            // make the worker look unready.
+            let (redis, pg) = self.inner.servers.get().expect("checked above");
+            let redis = redis
+                .get_timeout(WAIT)
+                .map_err(|e| format!("no connection: {e}"));
+            let redis = redis.and_then(|mut c| {
                 redis::cmd("PING")
                     .query::<()>(&mut *c)
                     .map_err(|e| e.to_string())
@@ -141,7 +233,10 @@ impl Monitor {
             if let Err(e) = redis {
                 problems.push(format!("redis: {e}"));
             }
-            let pg = self.pg_conn().and_then(|mut c| {
+            let pg = pg
+                .get_timeout(WAIT)
+                .map_err(|e| format!("no connection: {e}"));
+            let pg = pg.and_then(|mut c| {
                 c.simple_query("SELECT 1")
                     .map(drop)
                     .map_err(|e| e.to_string())
@@ -163,26 +258,92 @@ impl Monitor {
         }
     }
 
-    /// One of the worker's Redis connections, for the HTTP page and alerts.
-    pub(crate) fn redis_conn(&self) -> Result<PooledRedis, String> {
+    /// One of the worker's Redis connections, for the HTTP page and alerts:
+    /// one of the [`LOOKS`] places.
+    pub(crate) fn redis_conn(&self) -> Result<Look<PooledRedis>, String> {
+        self.redis_conn_within(LOOK_WAIT)
+    }
+
+    /// [`Monitor::redis_conn`], waiting at most `wait` for a place.
+    pub(crate) fn redis_conn_within(&self, wait: Duration) -> Result<Look<PooledRedis>, String> {
         let (redis, _) = self.inner.servers.get().ok_or("not connected yet")?;
-        redis
+        let slot = self.place(&self.inner.looks.0, wait)?;
+        let conn = redis
             .get_timeout(WAIT)
-            .map_err(|e| format!("no connection: {e}"))
+            .map_err(|e| format!("no connection: {e}"))?;
+        Ok(Look { conn, _slot: slot })
+    }
+
+    /// A Redis connection for the page's bulk action, which holds it for as
+    /// long as the action runs (minutes, at its rate): not one of the
+    /// looks' places, so the page and alerts keep theirs. The pools have
+    /// room for it: the page runs one bulk action at a time.
+    pub(crate) fn redis_conn_for_bulk(&self) -> Result<Look<PooledRedis>, String> {
+        let (redis, _) = self.inner.servers.get().ok_or("not connected yet")?;
+        let conn = redis
+            .get_timeout(WAIT)
+            .map_err(|e| format!("no connection: {e}"))?;
+        Ok(Look { conn, _slot: None })
     }
 
     /// One of the worker's PostgreSQL sessions (read-only outside a
-    /// transaction that says READ WRITE).
-    pub(crate) fn pg_conn(&self) -> Result<PgConn, String> {
+    /// transaction that says READ WRITE): one of the [`LOOKS`] places.
+    pub(crate) fn pg_conn(&self) -> Result<Look<PgConn>, String> {
         let (_, pg) = self.inner.servers.get().ok_or("not connected yet")?;
-        pg.get_timeout(WAIT)
-            .map_err(|e| format!("no connection: {e}"))
+        let slot = self.place(&self.inner.looks.1, LOOK_WAIT)?;
+        let conn = pg
+            .get_timeout(WAIT)
+            .map_err(|e| format!("no connection: {e}"))?;
+        Ok(Look { conn, _slot: slot })
+    }
+
+    /// A place among `slots`, waiting at most `wait`; none needed once the
+    /// worker stops (its threads need no room any more, and what runs then,
+    /// the alerts giving their lease back, must not wait behind the page).
+    fn place(&self, slots: &Arc<Slots>, wait: Duration) -> Result<Option<Slot>, String> {
+        let stopping = || self.inner.shutdown.is_shutdown();
+        match slots.take(wait, &stopping) {
+            Some(slot) => Ok(Some(slot)),
+            None if stopping() => Ok(None),
+            None => Err(BUSY.to_owned()),
+        }
     }
 
     /// Runs `f` with one of the worker's PostgreSQL sessions (read-only
-    /// outside a transaction that says READ WRITE).
+    /// outside a transaction that says READ WRITE); `None` when none came
+    /// within about twelve seconds: the worker's own are never lent, and at
+    /// most two looks (the HTTP page's, alerts', this method's callers')
+    /// hold one at once, the others waiting for their place.
     pub fn with_postgres<T>(&self, f: impl FnOnce(&mut postgres::Client) -> T) -> Option<T> {
         let mut conn = self.pg_conn().ok()?;
         Some(f(&mut conn))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn looks_take_at_most_their_places_and_give_them_back() {
+        let slots = Slots::new(2);
+        let go_on = || false;
+        let (a, b) = (slots.take(WAIT, &go_on), slots.take(WAIT, &go_on));
+        assert!(a.is_some() && b.is_some());
+        assert!(slots.take(Duration::from_millis(20), &go_on).is_none());
+        // Asked to stop: no wait.
+        let started = Instant::now();
+        assert!(slots.take(Duration::from_secs(10), &|| true).is_none());
+        assert!(started.elapsed() < Duration::from_secs(5));
+        // One given back while another waits: the waiter gets it.
+        let waiter = {
+            let slots = slots.clone();
+            std::thread::spawn(move || slots.take(Duration::from_secs(10), &|| false).is_some())
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        drop(a);
+        assert!(waiter.join().unwrap());
+        drop(b);
+        assert!(slots.take(Duration::ZERO, &go_on).is_some());
     }
 }

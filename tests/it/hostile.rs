@@ -8,6 +8,7 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
 use crate::support::*;
@@ -1001,4 +1002,130 @@ fn a_filter_that_matches_nothing_stops_at_its_budget() {
     assert!(reply.body.contains("Looked at 10000"), "{}", reply.body);
     assert!(reply.body.contains("id=\"next\""), "{}", reply.body);
     stop_within_deadline(p);
+}
+
+/// Found while profiling (2026-12-02): the page's requests took connections
+/// from the worker's pools, and Redis's time, without limit. Clients asking
+/// over and over for a dead-letter page whose filter matches nothing (each
+/// request scans up to 10,000 letters) slowed a drain of 30,000 events from
+/// 1.7 s to 410 s. Now at most two looks hold a connection to each server
+/// at once, beside the worker's own (the others queue for up to ten
+/// seconds, then get 503 "busy"), and readiness is asked apart: it stays 200
+/// throughout.
+#[test]
+fn a_flood_of_page_requests_does_not_stall_the_worker() {
+    const EVENTS: usize = 20_000;
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    // Drains `stream` with `--http`, `flood` clients asking its dead-letter
+    // page meanwhile; returns how long the drain took, the statuses the
+    // clients got and `/readyz`'s during the flood.
+    let mut drain = |flood: usize| {
+        let stream = unique("flood");
+        let dlq = taskhub::dlq::dead_letter_stream(&stream);
+        for chunk in 0..12 {
+            let mut pipe = redis::pipe();
+            for i in 0..1000 {
+                pipe.cmd("XADD").arg(&dlq).arg("*");
+                for (k, v) in [
+                    ("original_id", format!("1-{chunk}{i}")),
+                    ("stream", stream.clone()),
+                    ("group", stream.clone()),
+                    ("consumer", "c".into()),
+                    ("kind", "permanent".into()),
+                    ("reason", "boom".into()),
+                    ("attempts", "1".into()),
+                    ("history", "[]".into()),
+                    ("first_failed_at", "1".into()),
+                    ("dead_at", "1".into()),
+                ] {
+                    pipe.arg(k).arg(v);
+                }
+                pipe.ignore();
+            }
+            let () = pipe.query(&mut conn).unwrap();
+        }
+        let ids: Vec<String> = (0..EVENTS).map(|i| format!("{stream}-{i}")).collect();
+        xadd_events(&mut conn, &stream, &ids);
+        let http = format!("127.0.0.1:{}", free_port());
+        let port = port_of(&http);
+        let mut cmd = run_on(&db.url, &stream);
+        cmd.args(["--http", &http, "--workers", "4", "--until-idle"]);
+        let (go, stop) = (AtomicBool::new(false), AtomicBool::new(false));
+        let path = format!("/dlq?stream={}&reason=nothing-like-this", encode(&stream));
+        let started = Instant::now();
+        let mut p = Proc::spawn(cmd);
+        let (statuses, ready) = std::thread::scope(|s| {
+            let clients: Vec<_> = (0..flood)
+                .map(|_| {
+                    s.spawn(|| {
+                        while !go.load(SeqCst) && !stop.load(SeqCst) {
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
+                        let mut statuses = Vec::new();
+                        while !stop.load(SeqCst) {
+                            // (None once the worker is gone.)
+                            statuses.extend(get(port, &path, "").status);
+                        }
+                        statuses
+                    })
+                })
+                .collect();
+            let mut ready = None;
+            // Past ten times the time of the drain without clients (at
+            // least 2 s), the worker is stalled: the bug took 240 times.
+            let limit = Duration::from_secs(60);
+            while started.elapsed() < limit {
+                if p.child.try_wait().unwrap().is_some() {
+                    break;
+                }
+                if !go.load(SeqCst) {
+                    // The clients start once the page answers.
+                    go.store(get(port, "/healthz", "").status.is_some(), SeqCst);
+                } else if flood > 0 && ready.is_none() {
+                    std::thread::sleep(Duration::from_millis(300));
+                    ready = get(port, "/readyz", "").status;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            stop.store(true, SeqCst);
+            let statuses: Vec<u16> = clients
+                .into_iter()
+                .flat_map(|c| c.join().unwrap())
+                .collect();
+            (statuses, ready)
+        });
+        let took = started.elapsed();
+        let status = p.wait(Duration::from_secs(60));
+        assert!(status.success(), "{}", p.stderr());
+        let summary = parse_summary(&p.stdout());
+        assert_eq!(summary["applied"], EVENTS as u64, "{}", p.stderr());
+        let _: i64 = redis::cmd("DEL")
+            .arg(&stream)
+            .arg(&dlq)
+            .query(&mut conn)
+            .unwrap();
+        (took, statuses, ready)
+    };
+    let (alone, _, _) = drain(0);
+    let (flooded, statuses, ready) = drain(12);
+    println!(
+        "drain alone {alone:?}, under 12 clients {flooded:?}; {} page requests",
+        statuses.len()
+    );
+    assert!(
+        flooded < alone.max(Duration::from_secs(2)) * 10,
+        "the drain took {flooded:?} under the flood, {alone:?} alone"
+    );
+    // The page still answers: some requests got their place.
+    assert!(statuses.contains(&200), "{statuses:?}");
+    assert!(
+        statuses.iter().all(|s| matches!(s, 200 | 503)),
+        "{statuses:?}"
+    );
+    // (None: the drain ended before it was asked.)
+    assert!(
+        matches!(ready, None | Some(200)),
+        "readiness under the flood: {ready:?}"
+    );
 }
