@@ -46,6 +46,19 @@ fn processed_rows(db: &TestDb, scope: &str, event_id: &str) -> i64 {
         .get(0)
 }
 
+/// The payloads of `event_id`'s effect rows in `notifications`.
+fn effect_payloads(db: &TestDb, event_id: &str) -> Vec<Option<String>> {
+    db.client()
+        .query(
+            "SELECT payload FROM notifications WHERE event_id = $1",
+            &[&event_id],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
 fn marker_exists(db: &TestDb, conn: &mut redis::Connection, scope: &str, event_id: &str) -> bool {
     redis::cmd("EXISTS")
         .arg(marker_key(&db.url, scope, event_id))
@@ -1145,15 +1158,11 @@ fn hostile_values_are_stored_verbatim_by_the_one_round_trip_transaction() {
         assert_eq!(summary.duplicates, cases.len() as u64, "{summary}");
         assert_eq!(summary.dead_lettered, 0, "{summary}");
         for (id, payload) in &cases {
-            let rows = db
-                .client()
-                .query(
-                    "SELECT payload FROM notifications WHERE event_id = $1",
-                    &[id],
-                )
-                .unwrap();
-            assert_eq!(rows.len(), 1, "{id:?}: one effect");
-            assert_eq!(rows[0].get::<_, Option<String>>(0), *payload, "{id:?}");
+            assert_eq!(
+                effect_payloads(&db, id),
+                std::slice::from_ref(payload),
+                "{id:?}"
+            );
             assert_eq!(processed_rows(&db, &group, id), 1, "{id:?}");
         }
         let count = |sql: &str| db.count(sql);
@@ -1283,16 +1292,12 @@ fn a_read_mixing_the_built_in_statement_and_handler_events_commits_once() {
             .get::<_, i64>(0);
         assert_eq!(transactions, 1, "{events:?}: {summary}");
         for id in &ids {
-            let rows = db
-                .client()
-                .query(
-                    "SELECT payload FROM notifications WHERE event_id = $1",
-                    &[id],
-                )
-                .unwrap();
-            assert_eq!(rows.len(), 1, "{events:?}: {id}: one effect");
             let want = if id.starts_with('p') { "x" } else { "own:x" };
-            assert_eq!(rows[0].get::<_, &str>(0), want, "{events:?}: {id}");
+            assert_eq!(
+                effect_payloads(&db, id),
+                [Some(want.to_owned())],
+                "{events:?}: {id}: one effect"
+            );
             assert_eq!(processed_rows(&db, &group, id), 1, "{events:?}: {id}");
         }
         assert_eq!(pending(&mut conn, &stream, &group), 0);
