@@ -32,24 +32,14 @@ pub(crate) const DEDUP_AND_DEFAULT: &str = "WITH done AS (\
      effect AS (INSERT INTO notifications (event_id, payload) SELECT $2, $3::text FROM done) \
      SELECT xid FROM done";
 
-/// [`DEDUP_AND_DEFAULT`] for a batch of distinct event ids: `$1` scope, `$2`
-/// event ids, `$3` payloads; returns the event ids that were new (their
-/// effects inserted in the batch's order).
-pub(crate) const DEDUP_AND_DEFAULT_BATCH: &str = "WITH e AS (\
-     SELECT * FROM unnest($2::text[], $3::text[]) WITH ORDINALITY AS e(id, payload, n)), \
-     done AS (INSERT INTO processed_events (scope, event_id) SELECT $1, id FROM e \
-     ON CONFLICT DO NOTHING RETURNING event_id), \
-     effect AS (INSERT INTO notifications (event_id, payload) \
-     SELECT e.id, e.payload FROM e JOIN done ON done.event_id = e.id ORDER BY e.n) \
-     SELECT event_id FROM done";
-
-/// The dedup insert of a batch in which some events' whole effect is the
-/// built-in statement and the others' is the handler's (see
-/// `Processor::apply_batch`): `$1` scope, `$2` distinct event ids, `$3`
-/// payloads, `$4` whether the built-in statement is the event's effect.
-/// Inserts the dedup rows of all, and the effects of the new ones flagged
-/// in `$4`; returns the event ids that were new, with the transaction id.
-/// It runs inside the batch's transaction: one COMMIT for both kinds.
+/// [`DEDUP_AND_DEFAULT`] for a batch of distinct event ids, some of whose
+/// effects may be the handler's (see `Processor::apply_batch`): `$1` scope,
+/// `$2` event ids, `$3` payloads, `$4` whether the built-in statement is
+/// the event's effect. Inserts the dedup rows of all, and the effects of
+/// the new ones flagged in `$4` in the batch's order; returns the event ids
+/// that were new, with the transaction id. Alone (every event flagged) it
+/// is its own transaction; beside handler events it runs inside the
+/// batch's: one COMMIT for both kinds.
 pub(crate) const DEDUP_BATCH_AND_DEFAULT: &str = "WITH e AS (\
      SELECT * FROM unnest($2::text[], $3::text[], $4::bool[]) WITH ORDINALITY AS e(id, payload, fold, n)), \
      done AS (INSERT INTO processed_events (scope, event_id) SELECT $1, id FROM e \

@@ -330,7 +330,7 @@ pub(crate) fn redis(
     monitor: &Monitor,
 ) -> Result<crate::worker::monitor::Look<crate::redis::pool::PooledRedis>, Response> {
     monitor.redis_conn().map_err(|e| {
-        let busy = e.starts_with("busy");
+        let busy = e == crate::worker::monitor::BUSY;
         html(
             503,
             if busy { "Busy" } else { "Redis unavailable" },

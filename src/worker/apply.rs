@@ -22,7 +22,7 @@
 //!
 //! When the effect is the built-in SQL statement (`Handler::sql_effect`),
 //! steps 1 and 3 are one statement ([`sql::DEDUP_AND_DEFAULT`],
-//! [`sql::DEDUP_AND_DEFAULT_BATCH`]), and for a first delivery or a batch
+//! [`sql::DEDUP_BATCH_AND_DEFAULT`]), and for a first delivery or a batch
 //! that needs no ownership check (step 4) that statement is the whole
 //! transaction: no BEGIN, no COMMIT, one round trip
 //! ([`Processor::apply_statement`], [`Processor::apply_batch_statement`]).
@@ -254,7 +254,7 @@ impl Processor {
     }
 
     /// [`Processor::apply_batch`] in one round trip, for a batch of
-    /// [`plain`] events (the caller checked): [`sql::DEDUP_AND_DEFAULT_BATCH`]
+    /// [`plain`] events (the caller checked): [`sql::DEDUP_BATCH_AND_DEFAULT`]
     /// alone, in the session of [`Processor::apply_statement`] (no entry of
     /// the batch is held long enough to need its ownership checked).
     /// Returns, per delivery, whether it was new (the first delivery of each
@@ -286,7 +286,7 @@ impl Processor {
         let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
             unreachable!("session() needs a connection")
         };
-        let fused = prepare(&mut ***conn, cache, sql::DEDUP_AND_DEFAULT_BATCH)
+        let fused = prepare(&mut ***conn, cache, sql::DEDUP_BATCH_AND_DEFAULT)
             .map_err(|e| for_batch(e.into()))?;
         for d in batch {
             fault::hit(Point::InHandler, event(d).event_id());
@@ -295,7 +295,8 @@ impl Processor {
         let started = Instant::now();
         // As in `apply_statement`: no strike here; held over a second, the
         // batch takes the general path.
-        let rows = match conn.query(&fused, &[&stage.settings.scope, &ids, &payloads]) {
+        let all = vec![true; ids.len()];
+        let rows = match conn.query(&fused, &[&stage.settings.scope, &ids, &payloads, &all]) {
             Ok(rows) => rows,
             Err(e) if e.code() == Some(&postgres::error::SqlState::QUERY_CANCELED) => {
                 return Ok(None); // past the bound: rolled back

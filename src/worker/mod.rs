@@ -47,7 +47,7 @@ pub(crate) mod stats;
 use context::{Claim, Common};
 use dead_letter::Writer;
 use flow::InFlight;
-use monitor::{Monitor, LOOKS};
+use monitor::{Monitor, PG_ROOM, REDIS_ROOM};
 use process::{Settings, Stage};
 use read::Reader;
 use reclaim::Reclaimer;
@@ -186,7 +186,7 @@ impl Worker {
         let redis = redis_pool(
             &redis_client,
             &config.redis_url,
-            config.workers as u32 + 4 + LOOKS as u32,
+            config.workers as u32 + 4 + REDIS_ROOM,
         )?;
         let namespace = Namespace::default();
         let setup = Setup {
@@ -195,7 +195,7 @@ impl Worker {
         };
         let pg = postgres_pool(
             &config.database_url,
-            config.workers as u32 + 1 + LOOKS as u32,
+            config.workers as u32 + 1 + PG_ROOM,
             setup,
         )?;
         check_schema(&pg, config, self.handler.as_ref())?;

@@ -13,7 +13,8 @@ use crate::worker::flow::InFlight;
 use crate::worker::stats::{Health, Stats, Summary, DURATION_BUCKETS};
 
 /// Why a look got no connection: the others hold every place.
-const BUSY: &str = "busy: other requests hold the connections the page may use; try again";
+pub(crate) const BUSY: &str =
+    "busy: other requests hold the connections the page may use; try again";
 
 /// How long a look waits for a pooled connection.
 const WAIT: Duration = Duration::from_secs(2);
@@ -27,6 +28,12 @@ const LOOK_WAIT: Duration = Duration::from_secs(10);
 /// time: sixteen clients asking the dead-letter page over and over slowed a
 /// drain of 30,000 events from 1.7 s to 410 s.
 pub(crate) const LOOKS: usize = 2;
+
+/// The room the pools keep beside the worker's own: Redis for the looks and
+/// the page's bulk action (one at a time, see `redis_conn_for_bulk`),
+/// PostgreSQL for the looks.
+pub(crate) const REDIS_ROOM: u32 = LOOKS as u32 + 1;
+pub(crate) const PG_ROOM: u32 = LOOKS as u32;
 
 /// Free places, taken with a bounded wait and given back when the [`Slot`]
 /// is dropped.
@@ -222,10 +229,7 @@ impl Monitor {
             // Past the looks' limit: a flood of page requests must not
             // make the worker look unready.
             let (redis, pg) = self.inner.servers.get().expect("checked above");
-            let redis = redis
-                .get_timeout(WAIT)
-                .map_err(|e| format!("no connection: {e}"));
-            let redis = redis.and_then(|mut c| {
+            let redis = checkout(redis).and_then(|mut c| {
                 redis::cmd("PING")
                     .query::<()>(&mut *c)
                     .map_err(|e| e.to_string())
@@ -233,10 +237,7 @@ impl Monitor {
             if let Err(e) = redis {
                 problems.push(format!("redis: {e}"));
             }
-            let pg = pg
-                .get_timeout(WAIT)
-                .map_err(|e| format!("no connection: {e}"));
-            let pg = pg.and_then(|mut c| {
+            let pg = checkout(pg).and_then(|mut c| {
                 c.simple_query("SELECT 1")
                     .map(drop)
                     .map_err(|e| e.to_string())
@@ -268,10 +269,10 @@ impl Monitor {
     pub(crate) fn redis_conn_within(&self, wait: Duration) -> Result<Look<PooledRedis>, String> {
         let (redis, _) = self.inner.servers.get().ok_or("not connected yet")?;
         let slot = self.place(&self.inner.looks.0, wait)?;
-        let conn = redis
-            .get_timeout(WAIT)
-            .map_err(|e| format!("no connection: {e}"))?;
-        Ok(Look { conn, _slot: slot })
+        Ok(Look {
+            conn: checkout(redis)?,
+            _slot: slot,
+        })
     }
 
     /// A Redis connection for the page's bulk action, which holds it for as
@@ -280,10 +281,10 @@ impl Monitor {
     /// room for it: the page runs one bulk action at a time.
     pub(crate) fn redis_conn_for_bulk(&self) -> Result<Look<PooledRedis>, String> {
         let (redis, _) = self.inner.servers.get().ok_or("not connected yet")?;
-        let conn = redis
-            .get_timeout(WAIT)
-            .map_err(|e| format!("no connection: {e}"))?;
-        Ok(Look { conn, _slot: None })
+        Ok(Look {
+            conn: checkout(redis)?,
+            _slot: None,
+        })
     }
 
     /// One of the worker's PostgreSQL sessions (read-only outside a
@@ -291,10 +292,10 @@ impl Monitor {
     pub(crate) fn pg_conn(&self) -> Result<Look<PgConn>, String> {
         let (_, pg) = self.inner.servers.get().ok_or("not connected yet")?;
         let slot = self.place(&self.inner.looks.1, LOOK_WAIT)?;
-        let conn = pg
-            .get_timeout(WAIT)
-            .map_err(|e| format!("no connection: {e}"))?;
-        Ok(Look { conn, _slot: slot })
+        Ok(Look {
+            conn: checkout(pg)?,
+            _slot: slot,
+        })
     }
 
     /// A place among `slots`, waiting at most `wait`; none needed once the
@@ -318,6 +319,14 @@ impl Monitor {
         let mut conn = self.pg_conn().ok()?;
         Some(f(&mut conn))
     }
+}
+
+/// A connection of `pool`, waiting for one at most [`WAIT`].
+fn checkout<M: r2d2::ManageConnection>(
+    pool: &r2d2::Pool<M>,
+) -> Result<r2d2::PooledConnection<M>, String> {
+    pool.get_timeout(WAIT)
+        .map_err(|e| format!("no connection: {e}"))
 }
 
 #[cfg(test)]
