@@ -33,8 +33,6 @@
 
 use std::time::Instant;
 
-use postgres::types::Type;
-
 use crate::error::{FailureClass, HandlerError};
 use crate::event::Event;
 use crate::fault::{self, Point};
@@ -52,9 +50,6 @@ const INSERT_PROCESSED_BATCH: &str = "INSERT INTO processed_events (scope, event
 /// The transaction id now: NULL outside a transaction that wrote, and an
 /// error (25P02) in an aborted one.
 const CURRENT_TXID: &str = "SELECT txid_current_if_assigned()";
-/// Takes back the dedup rows of the events a batch left out.
-const DELETE_PROCESSED: &str =
-    "DELETE FROM processed_events WHERE scope = $1 AND event_id = ANY($2::text[])";
 
 /// The outcome of applying one event.
 #[derive(Debug, PartialEq, Eq)]
@@ -378,9 +373,9 @@ impl Processor {
     /// in a `guarded` batch (while failures are frequent), when a savepoint
     /// was taken before the call: back to it (which also clears an aborted
     /// statement), the event left out, the call made again for the rest;
-    /// the dedup rows of the events left out are deleted before COMMIT (or
-    /// the transaction rolled back when none is left) and they take the
-    /// normal failure path. Otherwise the batch is rolled back and run again
+    /// the dedup rows of the events left out are deleted by a statement
+    /// sent with the COMMIT (see [`forget`]; or the transaction rolled back
+    /// when none is left) and they take the normal failure path. Otherwise the batch is rolled back and run again
     /// without the event ([`Batch::Redo`]); a guarded batch takes its
     /// savepoint up front for a while after that. No savepoint round trip
     /// while handlers fail before they write.
@@ -538,19 +533,13 @@ impl Processor {
             tx.tx.rollback()?;
             return Ok(Batch::Applied(new, left_out));
         }
-        if !left_out.is_empty() {
-            let ids: Vec<&str> = left_out
-                .iter()
-                .map(|(i, _)| event(&batch[*i]).event_id())
-                .collect();
-            // Planned for these values each time, never prepared: a plan
-            // cached while the table was small is a sequential scan, which
-            // it stays as the table grows (until its next ANALYZE).
-            tx.execute_typed(
-                DELETE_PROCESSED,
-                &[(&scope, Type::TEXT), (&ids, Type::TEXT_ARRAY)],
-            )?;
-        }
+        // The dedup rows of the events left out are taken back with the
+        // COMMIT, in its round trip.
+        let ids: Vec<&str> = left_out
+            .iter()
+            .map(|(i, _)| event(&batch[*i]).event_id())
+            .collect();
+        let take_back = forget(scope, &ids);
         // Only what this COMMIT applies needs to be ours: a duplicate is
         // acked whoever holds it, and checking it rolled the batch back
         // (its new events ran again) or made a deleted duplicate a
@@ -575,7 +564,7 @@ impl Processor {
         for i in &applied {
             fault::hit(Point::BeforeCommit, event(&batch[*i]).event_id());
         }
-        commit(tx, xid).map_err(HandlerError::for_no_event)?;
+        commit(tx, xid, &take_back).map_err(HandlerError::for_no_event)?;
         Stats::add(&stage.common.stats.commits, 1);
         for i in &applied {
             let e = event(&batch[*i]);
@@ -636,7 +625,7 @@ fn finish(
         }
     }
     fault::hit(Point::BeforeCommit, event.event_id());
-    commit(tx, xid)?;
+    commit(tx, xid, "")?;
     Stats::add(&stage.common.stats.commits, 1);
     fault::hit(Point::AfterCommit, event.event_id());
     committed(stage, event);
@@ -775,7 +764,8 @@ fn ended_error() -> HandlerError {
     )
 }
 
-/// COMMIT, but only of the transaction that recorded the event.
+/// COMMIT, but only of the transaction that recorded the event; `before`
+/// (SQL, see [`forget`]) runs after the check, in the same round trip.
 ///
 /// PostgreSQL answers COMMIT in a failed transaction with ROLLBACK and no
 /// error, and the client reports success: a handler that swallowed a
@@ -788,9 +778,9 @@ fn ended_error() -> HandlerError {
 /// COMMIT runs only if the check passed. The check fails in an aborted
 /// transaction (25P02), and raises an error of its own when the transaction
 /// id is not the one of the dedup insert (another transaction, or none).
-fn commit(tx: Tx<'_>, xid: i64) -> Result<(), HandlerError> {
+fn commit(tx: Tx<'_>, xid: i64, before: &str) -> Result<(), HandlerError> {
     let Tx { mut tx, .. } = tx;
-    match tx.batch_execute(&commit_if_ours(xid)) {
+    match tx.batch_execute(&commit_if_ours(xid, before)) {
         Ok(()) => {
             // Committed by our own COMMIT: dropping the `Transaction` would
             // send a ROLLBACK and wait for it (a round trip per event and a
@@ -813,12 +803,60 @@ fn commit(tx: Tx<'_>, xid: i64) -> Result<(), HandlerError> {
 /// way to raise an error from plain SQL without a function of our own; its
 /// text is built from a volatile call, so the planner cannot fold (and
 /// raise) it ahead of the CASE.
-fn commit_if_ours(xid: i64) -> String {
+fn commit_if_ours(xid: i64, before: &str) -> String {
     format!(
         "SELECT CASE WHEN txid_current_if_assigned() IS DISTINCT FROM {xid} \
          THEN ('{NOT_OURS} ' || coalesce(txid_current_if_assigned()::text, 'none'))::int END; \
-         COMMIT"
+         {before}COMMIT"
     )
+}
+
+/// The statement that takes back the dedup rows of `ids` (the events a
+/// batch left out), to send with the COMMIT (see [`commit`]): a round trip
+/// of its own cost a batch with a failing event a quarter more. Its values
+/// are written in as literals ([`literal`]), as a query sent with the
+/// COMMIT must be, and so it is planned for them each time, never prepared:
+/// a plan cached while the table was small is a sequential scan, which it
+/// stays as the table grows (until its next ANALYZE). Empty for no ids.
+fn forget(scope: &str, ids: &[&str]) -> String {
+    if ids.is_empty() {
+        return String::new();
+    }
+    let mut sql = format!(
+        "DELETE FROM processed_events WHERE scope = {} AND event_id IN (",
+        literal(scope)
+    );
+    for (n, id) in ids.iter().enumerate() {
+        if n > 0 {
+            sql.push_str(", ");
+        }
+        sql.push_str(&literal(id));
+    }
+    sql.push_str("); ");
+    sql
+}
+
+/// `text` as an SQL string literal, dollar-quoted with a tag that the
+/// literal holds nowhere before its end: nothing inside is an escape or a
+/// quote, whatever the session's `standard_conforming_strings` (a handler
+/// may change it in its transaction), so an event id cannot end the
+/// literal early. (Event ids hold no NUL or other control character:
+/// `event.rs` refuses them.)
+fn literal(text: &str) -> String {
+    let mut n = 0u32;
+    loop {
+        let tag = if n == 0 {
+            "$t$".to_owned()
+        } else {
+            format!("$t{n}$")
+        };
+        let quoted = format!("{tag}{text}{tag}");
+        // The closing tag is the first one after the opening tag.
+        if quoted[tag.len()..].find(&tag) == Some(text.len()) {
+            return quoted;
+        }
+        n += 1;
+    }
 }
 
 /// How the check of [`commit_if_ours`] starts its error.
@@ -869,6 +907,56 @@ mod tests {
         assert_eq!(record_start(&mut conn, &key, 2, 60).unwrap(), 1);
         assert_eq!(record_start(&mut conn, &key, 3, 60).unwrap(), 2);
         let _: () = redis::cmd("DEL").arg(&key).query(&mut conn).unwrap();
+    }
+
+    /// What a literal reads back as in PostgreSQL, with the session's
+    /// `standard_conforming_strings` as given.
+    fn read_back(conn: &mut postgres::Client, text: &str) -> String {
+        let rows = conn
+            .simple_query(&format!("SELECT {}", literal(text)))
+            .expect("the literal parses");
+        let row = rows.iter().find_map(|m| match m {
+            postgres::SimpleQueryMessage::Row(row) => Some(row),
+            _ => None,
+        });
+        row.expect("one row").get(0).unwrap().to_owned()
+    }
+
+    /// Event ids come from producers: written into the statement sent with
+    /// the COMMIT (`forget`), none can end its literal early, whatever
+    /// quotes, dollar signs or backslashes it holds, in either setting of
+    /// `standard_conforming_strings`.
+    #[test]
+    fn a_literal_reads_back_as_its_text_whatever_it_holds() {
+        // The tests' shared server (tests/support/databases.rs); no table
+        // is touched.
+        let url = std::env::var("TASKHUB_TEST_PG_URL")
+            .unwrap_or_else(|_| "postgres://postgres:taskhub@127.0.0.1:5432/postgres".into());
+        let mut conn = postgres::Client::connect(&url, postgres::NoTls).expect("the test database");
+        let hostile = [
+            "plain",
+            "",
+            "it's",
+            "back\\slash\\",
+            "$",
+            "$$",
+            "$t",
+            "a$t",
+            "$t$",
+            "x$t$'; DROP TABLE processed_events; --",
+            "$t$$t1$$t2$",
+            "ends in $t1",
+            "tag$t$t$t1$t1",
+            "ünïcödé ✓",
+        ];
+        for setting in ["on", "off"] {
+            conn.batch_execute(&format!("SET standard_conforming_strings = {setting}"))
+                .unwrap();
+            for text in hostile {
+                assert_eq!(read_back(&mut conn, text), text, "{text:?} ({setting})");
+            }
+        }
+        assert_eq!(forget("s", &[]), "");
     }
 
     #[test]

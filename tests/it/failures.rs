@@ -1273,6 +1273,66 @@ fn a_handler_that_fails_before_writing_costs_its_batch_nothing() {
     assert_eq!(db.count("SELECT last_value FROM dedup_rows"), 20);
 }
 
+/// The dedup rows of the events a batch left out are taken back by a
+/// statement sent with the COMMIT, their event ids written into it as
+/// literals: ids built to end a literal early (quotes, backslashes, dollar
+/// quotes) take back their own rows and nothing else.
+#[test]
+fn left_out_events_with_hostile_ids_take_back_only_their_own_rows() {
+    if !batch_mode() {
+        return;
+    }
+    let db = TestDb::new();
+    let (stream, group) = (unique("hostile-ids"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let hostile = [
+        "it's",
+        "back\\slash\\'",
+        "$t$') OR true; --",
+        "a$t",
+        "$t$$t1$ x $t2$",
+        "x'); DELETE FROM processed_events; --",
+        "x$t$); DELETE FROM processed_events; --",
+        // Valid SQL if written in plainly: would take back every row.
+        "x') OR true OR event_id IN ('y",
+    ];
+    let mut good = Vec::new();
+    for (n, id) in hostile.iter().enumerate() {
+        for (kind, payload) in [("bad", "bad"), ("good", "good")] {
+            let id = format!("{kind}{n} {id}");
+            xadd(
+                &mut conn,
+                &stream,
+                &[("event_id", &id), ("payload", payload)],
+            );
+            if payload == "good" {
+                good.push(id);
+            }
+        }
+    }
+    // A batch per pair: one left out, one committed, each on its own.
+    let summary = Running::of(
+        builder(&redis_url(), &db.url, &stream, &group)
+            .workers(1)
+            .count(2)
+            .build(LooksFirst)
+            .unwrap(),
+    )
+    .join(Duration::from_secs(60));
+    db.assert_effects_once(&good);
+    assert_eq!(summary.dead_lettered, hostile.len() as u64, "{summary}");
+    let mut recorded: Vec<String> = db
+        .client()
+        .query("SELECT event_id FROM processed_events", &[])
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    recorded.sort();
+    good.sort();
+    assert_eq!(recorded, good);
+}
+
 /// Taking back the dedup rows of the events a batch left out reads those
 /// rows alone, whatever `processed_events` looked like when the statement
 /// was first planned. Sent as a statement prepared once per connection, it
