@@ -254,17 +254,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .mode(args.mode)
         .build(handler.clone())?;
     let shutdown = worker.shutdown_handle();
+    let monitor = worker.monitor();
     let (cpu_before, _) = usage();
     let started = Instant::now();
     let summary = std::thread::scope(|scope| -> Result<_, Box<dyn std::error::Error>> {
         let running = scope.spawn(|| worker.run());
         if steady {
+            // The steady state, not the start: events sent while the
+            // worker was still connecting waited for it, and counted in
+            // the steady run's latency.
+            while monitor.ready().is_err() && !running.is_finished() {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let began = Instant::now();
             // One small pipeline per millisecond, each event stamped with
             // the producer's clock; then wait for the last commit.
             let total = (args.rate as f64 * args.duration.as_secs_f64()) as usize;
             let mut sent = 0;
             while sent < total && !running.is_finished() {
-                let due = (started.elapsed().as_secs_f64() * args.rate as f64) as usize;
+                let due = (began.elapsed().as_secs_f64() * args.rate as f64) as usize;
                 let due = due.min(total);
                 if due > sent {
                     let now = now_micros().to_string();

@@ -948,11 +948,24 @@ mod tests {
             "ends in $t1",
             "tag$t$t$t1$t1",
             "ünïcödé ✓",
+            "x$t$t1",
+            "$é$ é",
+            "é$t",
         ];
+        // Each tag tried in turn found in it: the longest search an id of
+        // the default limit (256 bytes) can force.
+        let mut chain = String::from("$t$");
+        for n in 1.. {
+            let next = format!("t{n}$");
+            if chain.len() + next.len() > 256 {
+                break;
+            }
+            chain.push_str(&next);
+        }
         for setting in ["on", "off"] {
             conn.batch_execute(&format!("SET standard_conforming_strings = {setting}"))
                 .unwrap();
-            for text in hostile {
+            for text in hostile.iter().copied().chain([chain.as_str()]) {
                 assert_eq!(read_back(&mut conn, text), text, "{text:?} ({setting})");
             }
         }
