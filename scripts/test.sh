@@ -72,10 +72,11 @@ bash scripts/services.sh
 echo "test.sh: cargo test $* (TASKHUB_PG_BIN=$TASKHUB_PG_BIN)" >&2
 cargo test "$@"
 
-# Batch mode is the default; the exactly-once and crash-window tests run a
-# second time in per-event mode (TASKHUB_MODE reaches every taskhub process
-# the tests start, and support::mode() the in-process workers).
+# Batch mode is the default; the exactly-once, crash-window and failure
+# tests run a second time in per-event mode (TASKHUB_MODE reaches every
+# taskhub process the tests start, and support::mode() the in-process
+# workers).
 if (($# == 0)); then
-    echo "test.sh: exactly-once and crash tests again with TASKHUB_MODE=per-event" >&2
-    TASKHUB_MODE=per-event cargo test --test it -- crash:: exactly_once::
+    echo "test.sh: exactly-once, crash and failure tests again with TASKHUB_MODE=per-event" >&2
+    TASKHUB_MODE=per-event cargo test --test it -- crash:: exactly_once:: failures::
 fi

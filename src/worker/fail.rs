@@ -37,10 +37,11 @@ impl Processor {
     /// Runs `apply` (one event or a batch), waiting out outages: they are
     /// not the events' fault, so they count no attempt. But a connection
     /// lost while this attempt ran, after the attempt had reached the
-    /// database, while other transactions committed or right after the
-    /// previous attempt had lost its own the same way, is a strike against
-    /// it: at `max` strikes it is [`Flow::Struck`] (an event that kills its
-    /// session would otherwise stall a worker for ever).
+    /// database, is a strike against it when other transactions commit
+    /// while this worker waits to try again (the database works: only this
+    /// session died), or right after the previous attempt had lost its own
+    /// the same way: at `max` strikes it is [`Flow::Struck`] (an event that
+    /// kills its session would otherwise stall a worker for ever).
     pub(crate) fn through_outages<T>(
         &mut self,
         strikes: &mut u32,
@@ -51,16 +52,13 @@ impl Processor {
         // Whether the previous attempt lost its session after reaching the
         // database.
         let mut lost_before = false;
-        let mut commits_before = self
-            .stage
-            .common
-            .stats
-            .commits
-            .load(std::sync::atomic::Ordering::SeqCst);
+        let stats = self.stage.common.stats.clone();
+        let commits = || stats.commits.load(std::sync::atomic::Ordering::SeqCst);
         loop {
             self.reached_database = false;
             match apply(self) {
                 Err(e) if e.class() == FailureClass::Outage => {
+                    let commits_at_loss = commits();
                     let server = server_of(&e);
                     if server == Server::Postgres {
                         // A fresh connection for the next try: this one is
@@ -70,30 +68,10 @@ impl Processor {
                         }
                     }
                     self.stage.common.health.down(server, &e);
-                    let commits = self
-                        .stage
-                        .common
-                        .stats
-                        .commits
-                        .load(std::sync::atomic::Ordering::SeqCst);
                     // Only a lost database session is a strike: an event
                     // cannot kill the downstream's or Redis' connection.
-                    // The database worked meanwhile if others committed,
-                    // or if this attempt reached it again right after the
-                    // previous one lost its session: when everything else
-                    // is a duplicate (settled by markers) or waits for this
-                    // suspect, nothing commits, and an event that kills its
-                    // session would otherwise run, and stall, for ever.
                     let lost_session = server == Server::Postgres && self.reached_database;
                     let again = std::mem::replace(&mut lost_before, lost_session);
-                    if lost_session && (commits > commits_before || again) {
-                        *strikes += 1;
-                        log::warn!("postgres: the connection was lost while this worker's transaction ran, others committing meanwhile ({e}; strike {strikes} of {max})");
-                        if *strikes >= max {
-                            return Flow::Struck;
-                        }
-                    }
-                    commits_before = commits;
                     outages += 1;
                     // What earlier jobs finished does not wait out this
                     // outage for its ack (Redis's own outage it would).
@@ -102,6 +80,23 @@ impl Processor {
                     }
                     if self.stage.common.shutdown.sleep(outage_backoff(outages)) {
                         return Flow::Stopped;
+                    }
+                    // The database worked if others committed while this
+                    // worker waited. Commits during the attempt proved
+                    // nothing: when the server stops, every session goes,
+                    // and another worker's commit just before the stop
+                    // made an innocent event a crash loop. And when
+                    // everything else is a duplicate (settled by markers)
+                    // or waits for this suspect, nothing commits: a session
+                    // lost again right after the previous one is a strike
+                    // too, or an event that kills its session would run,
+                    // and stall, for ever.
+                    if lost_session && (again || commits() > commits_at_loss) {
+                        *strikes += 1;
+                        log::warn!("postgres: the connection was lost while this worker's transaction ran, while the database served others ({e}; strike {strikes} of {max})");
+                        if *strikes >= max {
+                            return Flow::Struck;
+                        }
                     }
                 }
                 result => {

@@ -833,6 +833,13 @@ fn sql_undefined_table_and_syntax_errors_are_permanent() {
 
 // 8. ---------------------------------------------------------------------
 
+/// Regression (2026-12-02, found running this file in per-event mode): a
+/// session lost while another worker had committed during the attempt was
+/// a strike against the event, as if it had killed its own session. When
+/// the server stops, every session goes, and another worker's commit just
+/// before the stop made an innocent event a crash-loop dead letter (every
+/// run in per-event mode). Only commits while the worker waits to try
+/// again show that the database served others.
 #[test]
 fn postgres_outage_mid_run_is_waited_out_without_dead_letters() {
     let mut pg = PrivatePostgres::start();
