@@ -154,6 +154,7 @@ impl Processor {
         let event = event(delivery);
         fault::hit(Point::InHandler, event.event_id());
         let started = Instant::now();
+        tx.touched = false;
         let handled = catch_panic(|| stage.handler.handle(event, &mut tx));
         stage
             .common
@@ -170,7 +171,12 @@ impl Processor {
             if e.is_panic() {
                 Stats::add(&stage.common.stats.panics, 1);
             }
-            let e = ended(&mut tx, xid).unwrap_or(e);
+            // A call that sent nothing cannot have ended the transaction:
+            // no round trip to ask.
+            let e = match tx.touched {
+                true => ended(&mut tx, xid).unwrap_or(e),
+                false => e,
+            };
             if e.class() != FailureClass::Outage {
                 // The run is over (an outage runs it again, the same start).
                 take_back_start(&stage, delivery);
