@@ -203,19 +203,32 @@ impl Alerts {
             ttl: (self.interval * 3).max(Duration::from_secs(3)),
         };
         loop {
+            // The looks at Redis hold one of the page's places; the webhook
+            // calls come after it is given back: a slow receiver (three
+            // tries of up to 5 s) must not halve what the page may use.
+            let mut due = Vec::new();
             match monitor.redis_conn() {
                 Ok(mut conn) => {
                     for stream in monitor.streams() {
-                        if let Err(e) = self.round(&mut conn, &lease, monitor, stream, agent) {
-                            log::debug!(
+                        match self.round(&mut conn, &lease, monitor, stream, agent.is_some()) {
+                            Ok(post) => due.extend(post),
+                            Err(e) => log::debug!(
                                 "alert: cannot look at {}: {e}",
                                 dead_letter_stream(stream)
-                            );
+                            ),
                         }
                     }
                 }
                 // Redis down, or the page's requests hold every place.
                 Err(e) => log::debug!("alert: no Redis connection this round ({e})"),
+            }
+            if let (Some(agent), Some(url)) = (agent, &self.webhook) {
+                for due in due {
+                    if !post(&shutdown, agent, url, &due.body) {
+                        // Not delivered: the next round sends it again.
+                        self.unsent(monitor, &lease, due);
+                    }
+                }
             }
             if shutdown.sleep(self.interval) {
                 break;
@@ -229,18 +242,20 @@ impl Alerts {
     }
 
     /// One look at the dead letters of `stream`: an alert if something
-    /// changed, a webhook call if one is due.
+    /// changed; the webhook call to make, if one is due (`webhook`: there is
+    /// one). The call is recorded as made before it is: an instance taking
+    /// over while it runs must not send it again.
     fn round(
         &self,
         conn: &mut RedisConn,
         lease: &Lease,
         monitor: &Monitor,
         stream: &str,
-        agent: Option<&ureq::Agent>,
-    ) -> redis::RedisResult<()> {
+        webhook: bool,
+    ) -> redis::RedisResult<Option<Due>> {
         if !lease.hold(conn, stream)? {
             log::debug!("alert: {stream}: another instance holds the alert lease");
-            return Ok(());
+            return Ok(None);
         }
         let mut state = State::load(conn, stream)?;
         let found = look(conn, stream)?;
@@ -262,7 +277,10 @@ impl Alerts {
             let previous = state.unsent.map_or(found.count, |(_, p)| p);
             state.unsent = Some((change, previous));
         }
-        if let (Some(agent), Some(url), Some((change, _))) = (agent, &self.webhook, state.unsent) {
+        let mut due = None;
+        if !webhook {
+            state.unsent = None;
+        } else if let Some((change, _)) = state.unsent {
             let now = SystemTime::now();
             if state.may_post(now, self.min_gap) {
                 let body = serde_json::json!({
@@ -277,20 +295,50 @@ impl Alerts {
                     "latest_kind": found.latest.as_ref().map(|l| l.kind.as_str()),
                     "latest_event_id": found.latest.as_ref().and_then(|l| l.event_id.clone()),
                 });
-                // Saved before the call: an instance taking over while it
-                // runs must not send it again.
                 state.last_post = Some(millis(now));
-                let sent = state.unsent.take();
-                state.save(conn, stream)?;
-                if !post(&monitor.shutdown_handle(), agent, url, &body) {
-                    state.unsent = sent;
-                }
+                due = Some(Due {
+                    stream: stream.to_owned(),
+                    body,
+                    unsent: state.unsent.take(),
+                });
             }
-        } else if self.webhook.is_none() {
-            state.unsent = None;
         }
-        state.save(conn, stream)
+        state.save(conn, stream)?;
+        Ok(due)
     }
+
+    /// Puts back the change of a webhook call that was not delivered, so
+    /// that the next round sends it again (unless another instance took
+    /// the lease meanwhile: it has its own view).
+    fn unsent(&self, monitor: &Monitor, lease: &Lease, due: Due) {
+        let put_back = monitor
+            .redis_conn()
+            .map_err(|e| e.to_string())
+            .and_then(|mut conn| {
+                if !lease
+                    .hold(&mut conn, &due.stream)
+                    .map_err(|e| e.to_string())?
+                {
+                    return Ok(());
+                }
+                let mut state = State::load(&mut conn, &due.stream).map_err(|e| e.to_string())?;
+                state.unsent = state.unsent.or(due.unsent);
+                state
+                    .save(&mut conn, &due.stream)
+                    .map_err(|e| e.to_string())
+            });
+        if let Err(e) = put_back {
+            log::debug!("alert: {}: undelivered change not kept ({e})", due.stream);
+        }
+    }
+}
+
+/// A webhook call a round found due: the change it reports, to put back
+/// if the call fails.
+struct Due {
+    stream: String,
+    body: serde_json::Value,
+    unsent: Option<(Change, u64)>,
 }
 
 /// POSTs `body`, three tries; true when the receiver answered 2xx.
@@ -323,4 +371,73 @@ fn post(
         }
     }
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    /// Regression: the alert thread made its webhook calls while it held
+    /// one of the two places the page has at Redis, so a receiver that
+    /// hung (three tries of up to 5 s each) left the page one place for up
+    /// to 18 s. The calls now come after the look gave its place back.
+    #[test]
+    fn a_hanging_webhook_holds_no_place_of_the_page() {
+        let redis_url = std::env::var("TASKHUB_TEST_REDIS_URL")
+            .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let pg_url = std::env::var("TASKHUB_TEST_PG_URL")
+            .unwrap_or_else(|_| "postgres://postgres:taskhub@127.0.0.1:5432/postgres".into());
+        let stream = format!("alert-hang-{}", uuid::Uuid::new_v4().simple());
+        let mut conn = crate::redis::connect(&redis_url, &Tls::default()).expect("the test Redis");
+        // One dead letter: the stream is no longer empty, a call is due.
+        let letter = DeadLetter::new(
+            &stream,
+            "1-0",
+            crate::dlq::Kind::Permanent,
+            "refused",
+            vec![(b"event_id".to_vec(), b"e".to_vec())],
+        );
+        let mut add = redis::cmd("XADD");
+        add.arg(dead_letter_stream(&stream)).arg("*");
+        for (k, v) in letter.to_fields() {
+            add.arg(k).arg(v);
+        }
+        let _: String = add.query(&mut conn).unwrap();
+        // A receiver that takes the connection and never answers.
+        let receiver = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/hook", receiver.local_addr().unwrap());
+        let worker = crate::Worker::builder()
+            .redis_url(&redis_url)
+            .database_url(&pg_url)
+            .stream(&stream)
+            .group("g")
+            .build(crate::SqlHandler::default())
+            .unwrap();
+        let monitor = worker.monitor();
+        monitor.connect_for_test(&redis_url, &pg_url);
+        let alerts = Alerts::new()
+            .webhook(&url)
+            .interval(Duration::from_millis(50))
+            .start(&monitor)
+            .unwrap();
+        let (held, _) = receiver.accept().expect("the alert calls the webhook");
+        // The call is under way (its first try waits up to 5 s).
+        std::thread::sleep(Duration::from_millis(300));
+        let free = monitor.free_redis_looks();
+        worker.shutdown_handle().shutdown();
+        drop((held, receiver));
+        alerts.join().unwrap();
+        let _: () = redis::cmd("DEL")
+            .arg(dead_letter_stream(&stream))
+            .arg(format!("th:alert:lease:{}:{stream}", stream.len()))
+            .arg(format!("th:alert:state:{}:{stream}", stream.len()))
+            .query(&mut conn)
+            .unwrap();
+        assert_eq!(
+            free,
+            crate::worker::monitor::LOOKS,
+            "places free during the call"
+        );
+    }
 }

@@ -321,6 +321,29 @@ impl Monitor {
     }
 }
 
+#[cfg(test)]
+impl Monitor {
+    /// Connects the pools as `run()` would (small ones), for the tests of
+    /// what watches a worker.
+    pub(crate) fn connect_for_test(&self, redis_url: &str, database_url: &str) {
+        let client = crate::redis::RedisClient::open(redis_url, &crate::Tls::default())
+            .expect("the test Redis");
+        let redis = crate::redis::pool::redis_pool(&client, redis_url, 4).expect("a Redis pool");
+        let setup = crate::postgres::pool::Setup {
+            namespace: Default::default(),
+            statement_timeout: Duration::from_secs(5),
+        };
+        let pg = crate::postgres::pool::postgres_pool(database_url, 1, setup)
+            .expect("a PostgreSQL pool");
+        let _ = self.inner.servers.set((redis, pg));
+    }
+
+    /// How many of the looks' places at Redis are free now.
+    pub(crate) fn free_redis_looks(&self) -> usize {
+        *self.inner.looks.0.free.lock().unwrap()
+    }
+}
+
 /// A connection of `pool`, waiting for one at most [`WAIT`].
 fn checkout<M: r2d2::ManageConnection>(
     pool: &r2d2::Pool<M>,
