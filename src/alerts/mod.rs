@@ -202,6 +202,10 @@ impl Alerts {
             holder: format!("{}/{}", monitor.consumer(), uuid::Uuid::new_v4().simple()),
             ttl: (self.interval * 3).max(Duration::from_secs(3)),
         };
+        // Changes whose webhook call failed, to put back in the shared
+        // state with the next look (whoever holds the lease then sends
+        // them again).
+        let mut undelivered: Vec<Due> = Vec::new();
         loop {
             // The looks at Redis hold one of the page's places; the webhook
             // calls come after it is given back: a slow receiver (three
@@ -209,6 +213,7 @@ impl Alerts {
             let mut due = Vec::new();
             match monitor.redis_conn() {
                 Ok(mut conn) => {
+                    put_back(&mut conn, &mut undelivered);
                     for stream in monitor.streams() {
                         match self.round(&mut conn, &lease, monitor, stream, agent.is_some()) {
                             Ok(post) => due.extend(post),
@@ -225,8 +230,7 @@ impl Alerts {
             if let (Some(agent), Some(url)) = (agent, &self.webhook) {
                 for due in due {
                     if !post(&shutdown, agent, url, &due.body) {
-                        // Not delivered: the next round sends it again.
-                        self.unsent(monitor, &lease, due);
+                        undelivered.push(due);
                     }
                 }
             }
@@ -235,6 +239,7 @@ impl Alerts {
             }
         }
         if let Ok(mut conn) = monitor.redis_conn() {
+            put_back(&mut conn, &mut undelivered);
             for stream in monitor.streams() {
                 let _ = lease.release(&mut conn, stream);
             }
@@ -306,31 +311,25 @@ impl Alerts {
         state.save(conn, stream)?;
         Ok(due)
     }
+}
 
-    /// Puts back the change of a webhook call that was not delivered, so
-    /// that the next round sends it again (unless another instance took
-    /// the lease meanwhile: it has its own view).
-    fn unsent(&self, monitor: &Monitor, lease: &Lease, due: Due) {
-        let put_back = monitor
-            .redis_conn()
-            .map_err(|e| e.to_string())
-            .and_then(|mut conn| {
-                if !lease
-                    .hold(&mut conn, &due.stream)
-                    .map_err(|e| e.to_string())?
-                {
-                    return Ok(());
-                }
-                let mut state = State::load(&mut conn, &due.stream).map_err(|e| e.to_string())?;
-                state.unsent = state.unsent.or(due.unsent);
-                state
-                    .save(&mut conn, &due.stream)
-                    .map_err(|e| e.to_string())
-            });
-        if let Err(e) = put_back {
-            log::debug!("alert: {}: undelivered change not kept ({e})", due.stream);
+/// Puts the changes of webhook calls that were not delivered back in the
+/// shared state, whoever holds the lease now, so that the next round sends
+/// them again; those Redis refused stay in `undelivered` for the next try.
+fn put_back(conn: &mut RedisConn, undelivered: &mut Vec<Due>) {
+    undelivered.retain(|due| {
+        let kept = State::load(conn, &due.stream).and_then(|mut state| {
+            state.unsent = state.unsent.or(due.unsent);
+            state.save(conn, &due.stream)
+        });
+        if let Err(e) = &kept {
+            log::debug!(
+                "alert: {}: undelivered change not put back yet ({e})",
+                due.stream
+            );
         }
-    }
+        kept.is_err()
+    });
 }
 
 /// A webhook call a round found due: the change it reports, to put back
@@ -377,6 +376,46 @@ fn post(
 mod tests {
     use super::*;
     use std::net::TcpListener;
+
+    /// A change whose webhook call failed goes back in the shared state even
+    /// when another instance took the lease while the call ran (three
+    /// tries take up to 21 s, longer than a lease at intervals under 7 s):
+    /// the new holder sends it. (The first version of the change above put
+    /// it back only while holding the lease, and the change was lost.)
+    #[test]
+    fn an_undelivered_change_goes_back_whoever_holds_the_lease() {
+        let redis_url = std::env::var("TASKHUB_TEST_REDIS_URL")
+            .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let mut conn = crate::redis::connect(&redis_url, &Tls::default()).expect("the test Redis");
+        let stream = format!("alert-back-{}", uuid::Uuid::new_v4().simple());
+        let other = Lease {
+            holder: "another instance".into(),
+            ttl: Duration::from_secs(30),
+        };
+        assert!(other.hold(&mut conn, &stream).unwrap());
+        // What the round saved before its call: the change taken out.
+        let saved = State {
+            count: Some(1),
+            last_post: Some(millis(SystemTime::now())),
+            ..State::default()
+        };
+        saved.save(&mut conn, &stream).unwrap();
+        let mut undelivered = vec![Due {
+            stream: stream.clone(),
+            body: serde_json::json!({}),
+            unsent: Some((Change::NonEmpty, 0)),
+        }];
+        put_back(&mut conn, &mut undelivered);
+        let state = State::load(&mut conn, &stream).unwrap();
+        let _: () = redis::cmd("DEL")
+            .arg(format!("th:alert:lease:{}:{stream}", stream.len()))
+            .arg(format!("th:alert:state:{}:{stream}", stream.len()))
+            .query(&mut conn)
+            .unwrap();
+        assert!(undelivered.is_empty());
+        assert_eq!(state.unsent, Some((Change::NonEmpty, 0)));
+        assert_eq!(state.count, Some(1));
+    }
 
     /// Regression: the alert thread made its webhook calls while it held
     /// one of the two places the page has at Redis, so a receiver that

@@ -77,6 +77,19 @@ impl Handler for LooksFirst {
     }
 }
 
+/// Drains `stream` with one worker thread of [`LooksFirst`], reading
+/// `count` entries at a time.
+fn drain_looking_first(db: &TestDb, stream: &str, group: &str, count: usize) -> taskhub::Summary {
+    Running::of(
+        builder(&redis_url(), &db.url, stream, group)
+            .workers(1)
+            .count(count)
+            .build(LooksFirst)
+            .unwrap(),
+    )
+    .join(Duration::from_secs(60))
+}
+
 /// Whether the workers run in batch mode (`TASKHUB_MODE`, batch by
 /// default). In batch mode a failing event's batch-mates are rolled back
 /// with it and run again, so their handler runs more than once while their
@@ -1266,14 +1279,7 @@ fn a_handler_that_fails_before_writing_costs_its_batch_nothing() {
             good.push(id);
         }
     }
-    let summary = Running::of(
-        builder(&redis_url(), &db.url, &stream, &group)
-            .workers(1)
-            .count(64)
-            .build(LooksFirst)
-            .unwrap(),
-    )
-    .join(Duration::from_secs(60));
+    let summary = drain_looking_first(&db, &stream, &group, 64);
     db.assert_effects_once(&good);
     assert_eq!(summary.dead_lettered, 5, "{summary}");
     assert_eq!(db.count("SELECT count(*) FROM processed_events"), 15);
@@ -1318,14 +1324,7 @@ fn left_out_events_with_hostile_ids_take_back_only_their_own_rows() {
         }
     }
     // A batch per pair: one left out, one committed, each on its own.
-    let summary = Running::of(
-        builder(&redis_url(), &db.url, &stream, &group)
-            .workers(1)
-            .count(2)
-            .build(LooksFirst)
-            .unwrap(),
-    )
-    .join(Duration::from_secs(60));
+    let summary = drain_looking_first(&db, &stream, &group, 2);
     db.assert_effects_once(&good);
     assert_eq!(summary.dead_lettered, hostile.len() as u64, "{summary}");
     let mut recorded: Vec<String> = db
