@@ -33,18 +33,21 @@ pub(crate) struct Setup {
 }
 
 impl Setup {
-    fn apply(&self, client: &mut postgres::Client) -> Result<(), postgres::Error> {
+    /// Sets the session up; returns when the server started (see
+    /// [`PgClient::server_started`]).
+    fn apply(&self, client: &mut postgres::Client) -> Result<Option<String>, postgres::Error> {
         let sql = format!(
-            "SET statement_timeout = {}; SET default_transaction_read_only = on; {}",
+            "SET statement_timeout = {}; SET default_transaction_read_only = on; {}; \
+             SELECT pg_postmaster_start_time()::text",
             self.statement_timeout.as_millis(),
             Identity::QUERY
         );
         let messages = client.simple_query(&sql)?;
-        let row = messages.iter().find_map(|m| match m {
+        let mut rows = messages.iter().filter_map(|m| match m {
             postgres::SimpleQueryMessage::Row(row) => Some(row),
             _ => None,
         });
-        if let Some(row) = row {
+        if let Some(row) = rows.next() {
             let text = |i: usize| row.get(i).unwrap_or_default().to_owned();
             self.namespace.observe(&Identity {
                 system_identifier: text(0),
@@ -53,7 +56,7 @@ impl Setup {
                 filenode: text(3),
             });
         }
-        Ok(())
+        Ok(rows.next().and_then(|row| row.get(0)).map(str::to_owned))
     }
 }
 
@@ -70,9 +73,17 @@ pub(crate) struct PgManager {
 pub(crate) struct PgClient {
     client: postgres::Client,
     discard: bool,
+    server_started: Option<String>,
 }
 
 impl PgClient {
+    /// When the server of this session started (`pg_postmaster_start_time`):
+    /// a session lost on a server that has started again since was lost to
+    /// the restart (see `worker/fail.rs`).
+    pub fn server_started(&self) -> Option<&str> {
+        self.server_started.as_deref()
+    }
+
     /// The session is not fit for reuse (say, read-only after a failover):
     /// the pool closes it when it comes back.
     pub fn discard(&mut self) {
@@ -103,10 +114,11 @@ impl r2d2::ManageConnection for PgManager {
             Connector::Plain(m) => m.connect()?,
             Connector::Tls(m) => m.connect()?,
         };
-        self.setup.apply(&mut client)?;
+        let server_started = self.setup.apply(&mut client)?;
         Ok(PgClient {
             client,
             discard: false,
+            server_started,
         })
     }
 

@@ -60,6 +60,10 @@ impl Processor {
                 Err(e) if e.class() == FailureClass::Outage => {
                     let commits_at_loss = commits();
                     let server = server_of(&e);
+                    let lost_on = self
+                        .pg
+                        .as_ref()
+                        .and_then(|c| c.server_started().map(str::to_owned));
                     if server == Server::Postgres {
                         // A fresh connection for the next try: this one is
                         // closed, or its session is unusable (read-only).
@@ -91,7 +95,14 @@ impl Processor {
                     // lost again right after the previous one is a strike
                     // too, or an event that kills its session would run,
                     // and stall, for ever.
-                    if lost_session && (again || commits() > commits_at_loss) {
+                    // And only on the server the session was lost on: a
+                    // loss noticed late (a slow call outside the database
+                    // outlasted a restart) is followed by others committing
+                    // on the server started again.
+                    if lost_session
+                        && (again || commits() > commits_at_loss)
+                        && !self.restarted_since(lost_on.as_deref())
+                    {
                         *strikes += 1;
                         log::warn!("postgres: the connection was lost while this worker's transaction ran, while the database served others ({e}; strike {strikes} of {max})");
                         if *strikes >= max {
@@ -108,6 +119,20 @@ impl Processor {
                 }
             }
         }
+    }
+
+    /// Whether the database now answering is not the one whose session
+    /// started at `lost_on` (it started again since), or does not answer:
+    /// either way the loss was the server's. Unknown start: not restarted.
+    /// The connection it takes is the next attempt's.
+    fn restarted_since(&mut self, lost_on: Option<&str>) -> bool {
+        let Some(lost_on) = lost_on else {
+            return false;
+        };
+        if self.connection().is_err() {
+            return true;
+        }
+        self.pg.as_ref().and_then(|c| c.server_started()) != Some(lost_on)
     }
 
     /// Runs `f` with a pooled Redis connection, through outages (see

@@ -6,7 +6,7 @@
 //! unless stated otherwise) on a thread, and joins it with a bounded wait.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -896,6 +896,60 @@ fn postgres_outage_mid_run_is_waited_out_without_dead_letters() {
     // duplicate, never a second effect.
     assert!(summary.applied <= 2000, "{summary:?}");
     assert!(summary.applied + summary.duplicates >= 2000, "{summary:?}");
+    s.assert_applied_once(&events);
+}
+
+/// Regression (review of the fix above): a session lost during a slow
+/// handler call (an HTTP call, say) is noticed only at the call's next
+/// statement. When PostgreSQL restarted meanwhile, the other workers commit
+/// again while this one waits to retry, which looked like a database that
+/// served everyone but this event: a strike, and with one attempt allowed a
+/// crash-loop dead letter. A strike now also needs the server to be the one
+/// the lost session was on (started at the same time).
+#[test]
+fn a_restart_during_a_slow_handler_call_is_no_strike() {
+    let mut pg = PrivatePostgres::start();
+    let mut s = Scenario::on(&redis_url(), TestDb::on(&pg.url("postgres")), "s");
+    let mut events = s.produce(&["slow".to_owned()]);
+    let calling = Arc::new(AtomicBool::new(false));
+    let c = calling.clone();
+    let running = Running::start(
+        s.builder().until_idle(false).workers(2).max_attempts(1),
+        handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+            if event.event_id() == "slow" && !c.swap(true, Ordering::SeqCst) {
+                // Its transaction is open (the dedup row is in): the call
+                // outlasts the restart.
+                std::thread::sleep(Duration::from_secs(4));
+            }
+            insert(event, tx)
+        }),
+    );
+    assert!(
+        wait_until(Duration::from_secs(30), || calling.load(Ordering::SeqCst)),
+        "the slow call did not start"
+    );
+    pg.stop();
+    pg.start_again();
+    // Others commit while the slow call sleeps and while its worker waits
+    // to try again.
+    for n in 0..120 {
+        let ids: Vec<String> = (0..5).map(|i| format!("other-{n}-{i}")).collect();
+        events.extend(s.produce(&ids));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Everything applied, or the slow event dead-lettered.
+    let settled = || {
+        s.db.count("SELECT count(*) FROM processed_events") >= events.len() as i64
+            || !s.dead_letters().is_empty()
+    };
+    assert!(wait_until(Duration::from_secs(30), settled), "not settled");
+    let letters: Vec<String> = s.dead_letters().iter().map(|l| l.reason.clone()).collect();
+    let summary = running.stop();
+    assert!(
+        letters.is_empty(),
+        "a restart is not the event's fault: {letters:?}"
+    );
+    assert_eq!(summary.dead_lettered, 0, "{summary:?}");
     s.assert_applied_once(&events);
 }
 
