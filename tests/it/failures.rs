@@ -77,6 +77,21 @@ impl Handler for LooksFirst {
     }
 }
 
+/// Adds event `id` with `payload` to `stream`; unless [`LooksFirst`]
+/// refuses it ("bad"), its id goes to `good`.
+fn add_for_looks_first(
+    conn: &mut redis::Connection,
+    stream: &str,
+    id: &str,
+    payload: &str,
+    good: &mut Vec<String>,
+) {
+    xadd(conn, stream, &[("event_id", id), ("payload", payload)]);
+    if payload != "bad" {
+        good.push(id.to_owned());
+    }
+}
+
 /// Drains `stream` with one worker thread of [`LooksFirst`], reading
 /// `count` entries at a time.
 fn drain_looking_first(db: &TestDb, stream: &str, group: &str, count: usize) -> taskhub::Summary {
@@ -1322,16 +1337,8 @@ fn a_handler_that_fails_before_writing_costs_its_batch_nothing() {
     let mut conn = redis(&redis_url());
     let mut good = Vec::new();
     for i in 0..20 {
-        let id = format!("u-{i:02}");
         let payload = if i % 4 == 1 { "bad" } else { "good" };
-        xadd(
-            &mut conn,
-            &stream,
-            &[("event_id", &id), ("payload", payload)],
-        );
-        if payload == "good" {
-            good.push(id);
-        }
+        add_for_looks_first(&mut conn, &stream, &format!("u-{i:02}"), payload, &mut good);
     }
     let summary = drain_looking_first(&db, &stream, &group, 64);
     db.assert_effects_once(&good);
@@ -1365,16 +1372,9 @@ fn left_out_events_with_hostile_ids_take_back_only_their_own_rows() {
     ];
     let mut good = Vec::new();
     for (n, id) in hostile.iter().enumerate() {
-        for (kind, payload) in [("bad", "bad"), ("good", "good")] {
+        for kind in ["bad", "good"] {
             let id = format!("{kind}{n} {id}");
-            xadd(
-                &mut conn,
-                &stream,
-                &[("event_id", &id), ("payload", payload)],
-            );
-            if payload == "good" {
-                good.push(id);
-            }
+            add_for_looks_first(&mut conn, &stream, &id, kind, &mut good);
         }
     }
     // A batch per pair: one left out, one committed, each on its own.
