@@ -384,9 +384,7 @@ mod tests {
     /// it back only while holding the lease, and the change was lost.)
     #[test]
     fn an_undelivered_change_goes_back_whoever_holds_the_lease() {
-        let redis_url = std::env::var("TASKHUB_TEST_REDIS_URL")
-            .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-        let mut conn = crate::redis::connect(&redis_url, &Tls::default()).expect("the test Redis");
+        let mut conn = crate::redis::streams::tests::conn();
         let stream = format!("alert-back-{}", uuid::Uuid::new_v4().simple());
         let other = Lease {
             holder: "another instance".into(),
@@ -408,8 +406,8 @@ mod tests {
         put_back(&mut conn, &mut undelivered);
         let state = State::load(&mut conn, &stream).unwrap();
         let _: () = redis::cmd("DEL")
-            .arg(format!("th:alert:lease:{}:{stream}", stream.len()))
-            .arg(format!("th:alert:state:{}:{stream}", stream.len()))
+            .arg(state::lease_key(&stream))
+            .arg(state::state_key(&stream))
             .query(&mut conn)
             .unwrap();
         assert!(undelivered.is_empty());
@@ -423,12 +421,12 @@ mod tests {
     /// to 18 s. The calls now come after the look gave its place back.
     #[test]
     fn a_hanging_webhook_holds_no_place_of_the_page() {
-        let redis_url = std::env::var("TASKHUB_TEST_REDIS_URL")
-            .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-        let pg_url = std::env::var("TASKHUB_TEST_PG_URL")
-            .unwrap_or_else(|_| "postgres://postgres:taskhub@127.0.0.1:5432/postgres".into());
+        let (redis_url, pg_url) = (
+            crate::redis::streams::tests::url(),
+            crate::postgres::pool::test_url(),
+        );
         let stream = format!("alert-hang-{}", uuid::Uuid::new_v4().simple());
-        let mut conn = crate::redis::connect(&redis_url, &Tls::default()).expect("the test Redis");
+        let mut conn = crate::redis::streams::tests::conn();
         // One dead letter: the stream is no longer empty, a call is due.
         let letter = DeadLetter::new(
             &stream,
@@ -469,8 +467,8 @@ mod tests {
         alerts.join().unwrap();
         let _: () = redis::cmd("DEL")
             .arg(dead_letter_stream(&stream))
-            .arg(format!("th:alert:lease:{}:{stream}", stream.len()))
-            .arg(format!("th:alert:state:{}:{stream}", stream.len()))
+            .arg(state::lease_key(&stream))
+            .arg(state::state_key(&stream))
             .query(&mut conn)
             .unwrap();
         assert_eq!(

@@ -85,12 +85,12 @@ return 0
 ";
 
 /// The lease on alerting for the dead letters of `stream`.
-fn lease_key(stream: &str) -> String {
+pub(crate) fn lease_key(stream: &str) -> String {
     format!("th:alert:lease:{}:{stream}", stream.len())
 }
 
 /// The shared alert state of `stream`.
-fn state_key(stream: &str) -> String {
+pub(crate) fn state_key(stream: &str) -> String {
     format!("th:alert:state:{}:{stream}", stream.len())
 }
 

@@ -155,3 +155,11 @@ pub(crate) fn postgres_pool(url: &str, size: u32, setup: Setup) -> Result<PgPool
         .build(PgManager { connector, setup })
         .map_err(|e| pg_unreachable(url, e))
 }
+
+/// The tests' shared PostgreSQL server, database `postgres` (as in
+/// `tests/support/databases.rs`).
+#[cfg(test)]
+pub(crate) fn test_url() -> String {
+    std::env::var("TASKHUB_TEST_PG_URL")
+        .unwrap_or_else(|_| "postgres://postgres:taskhub@127.0.0.1:5432/postgres".into())
+}

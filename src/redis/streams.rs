@@ -653,10 +653,13 @@ pub(crate) mod tests {
 
     use super::*;
 
+    /// The test Redis.
+    pub(crate) fn url() -> String {
+        std::env::var("TASKHUB_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+    }
+
     pub(crate) fn conn() -> RedisConn {
-        let url = std::env::var("TASKHUB_TEST_REDIS_URL")
-            .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-        crate::redis::connect(&url, &crate::Tls::default()).expect("the test Redis answers")
+        crate::redis::connect(&url(), &crate::Tls::default()).expect("the test Redis answers")
     }
 
     pub(crate) fn cmd(conn: &mut RedisConn, args: &[&str]) -> redis::Value {

@@ -381,8 +381,9 @@ impl Processor {
     /// statement), the event left out, the call made again for the rest;
     /// the dedup rows of the events left out are deleted by a statement
     /// sent with the COMMIT (see [`forget`]; or the transaction rolled back
-    /// when none is left) and they take the normal failure path. Otherwise the batch is rolled back and run again
-    /// without the event ([`Batch::Redo`]); a guarded batch takes its
+    /// when none is left) and they take the normal failure path. Otherwise
+    /// the batch is rolled back and run again without the event
+    /// ([`Batch::Redo`]); a guarded batch takes its
     /// savepoint up front for a while after that. No savepoint round trip
     /// while handlers fail before they write.
     pub(crate) fn apply_batch(
@@ -902,10 +903,7 @@ mod tests {
     /// again counts nothing.
     #[test]
     fn a_start_sent_twice_for_one_delivery_counts_once() {
-        let url = std::env::var("TASKHUB_TEST_REDIS_URL")
-            .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-        let mut conn =
-            crate::redis::connect(&url, &crate::Tls::default()).expect("the test Redis answers");
+        let mut conn = crate::redis::streams::tests::conn();
         let key =
             crate::redis::keys::started("g", &format!("starts-{}", uuid::Uuid::new_v4()), "1-0");
         assert_eq!(record_start(&mut conn, &key, 2, 60).unwrap(), 1);
@@ -934,10 +932,8 @@ mod tests {
     /// `standard_conforming_strings`.
     #[test]
     fn a_literal_reads_back_as_its_text_whatever_it_holds() {
-        // The tests' shared server (tests/support/databases.rs); no table
-        // is touched.
-        let url = std::env::var("TASKHUB_TEST_PG_URL")
-            .unwrap_or_else(|_| "postgres://postgres:taskhub@127.0.0.1:5432/postgres".into());
+        // No table is touched.
+        let url = crate::postgres::pool::test_url();
         let mut conn = postgres::Client::connect(&url, postgres::NoTls).expect("the test database");
         let hostile = [
             "plain",

@@ -52,13 +52,18 @@ impl Processor {
         // Whether the previous attempt lost its session after reaching the
         // database.
         let mut lost_before = false;
-        let stats = self.stage.common.stats.clone();
-        let commits = || stats.commits.load(std::sync::atomic::Ordering::SeqCst);
+        let commits = |p: &Processor| {
+            p.stage
+                .common
+                .stats
+                .commits
+                .load(std::sync::atomic::Ordering::SeqCst)
+        };
         loop {
             self.reached_database = false;
             match apply(self) {
                 Err(e) if e.class() == FailureClass::Outage => {
-                    let commits_at_loss = commits();
+                    let commits_at_loss = commits(self);
                     let server = server_of(&e);
                     let lost_on = self
                         .pg
@@ -86,21 +91,20 @@ impl Processor {
                         return Flow::Stopped;
                     }
                     // The database worked if others committed while this
-                    // worker waited. Commits during the attempt proved
-                    // nothing: when the server stops, every session goes,
-                    // and another worker's commit just before the stop
-                    // made an innocent event a crash loop. And when
-                    // everything else is a duplicate (settled by markers)
-                    // or waits for this suspect, nothing commits: a session
-                    // lost again right after the previous one is a strike
-                    // too, or an event that kills its session would run,
-                    // and stall, for ever.
-                    // And only on the server the session was lost on: a
-                    // loss noticed late (a slow call outside the database
-                    // outlasted a restart) is followed by others committing
-                    // on the server started again.
+                    // worker waited, on the server the session was lost on.
+                    // Commits during the attempt proved nothing: when the
+                    // server stops, every session goes, and another
+                    // worker's commit just before the stop made an innocent
+                    // event a crash loop; and a loss noticed late (a slow
+                    // call outside the database outlasted a restart) is
+                    // followed by commits on the server started again.
+                    // When everything else is a duplicate (settled by
+                    // markers) or waits for this suspect, nothing commits:
+                    // a session lost again right after the previous one is
+                    // a strike too, or an event that kills its session
+                    // would run, and stall, for ever.
                     if lost_session
-                        && (again || commits() > commits_at_loss)
+                        && (again || commits(self) > commits_at_loss)
                         && !self.restarted_since(lost_on.as_deref())
                     {
                         *strikes += 1;
