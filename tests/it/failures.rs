@@ -968,6 +968,40 @@ fn a_restart_during_a_slow_handler_call_is_no_strike() {
     s.assert_applied_once(&events);
 }
 
+/// A handler call that fails before it sends anything cannot have ended
+/// the transaction itself: per-event mode no longer asks PostgreSQL whether
+/// it did (`SELECT txid_current_if_assigned()`, a round trip per such
+/// failed attempt), as batch mode already did not. Counted in the private
+/// server's statement log.
+#[test]
+fn a_call_that_failed_before_writing_costs_no_check_of_its_transaction() {
+    let pg = PrivatePostgres::start_with(&["log_statement=all"], None);
+    let mut s = Scenario::on(&redis_url(), TestDb::on(&pg.url("postgres")), "s");
+    let events = s.produce(&event_ids("untouched", 10));
+    let failed = Arc::new(Mutex::new(std::collections::HashSet::new()));
+    let f = failed.clone();
+    let summary = s.run_until_idle(
+        s.builder().mode(Mode::PerEvent),
+        handler_fn(move |event: &Event, tx: &mut Tx<'_>| {
+            if f.lock().unwrap().insert(event.event_id().to_owned()) {
+                return Err(HandlerError::retryable("refused before writing"));
+            }
+            insert(event, tx)
+        }),
+    );
+    assert_eq!(summary.retries, 10, "{summary:?}");
+    s.assert_applied_once(&events);
+    let log = std::fs::read_to_string(pg.socket_dir().join("log")).unwrap();
+    let checks = log
+        .lines()
+        .filter(|l| {
+            l.trim_end()
+                .ends_with(": SELECT txid_current_if_assigned()")
+        })
+        .count();
+    assert_eq!(checks, 0, "checks of an untouched transaction");
+}
+
 // 9. ---------------------------------------------------------------------
 
 #[test]
