@@ -35,6 +35,7 @@ use redis::{RedisError, RedisResult, Value};
 
 use crate::redis::conn::{Pipe, RedisConn};
 use crate::redis::keys::marker_tag;
+use crate::redis::script::Script;
 
 /// What the fast path learnt about a job's entries, in their order.
 #[derive(Debug, PartialEq, Eq)]
@@ -126,9 +127,8 @@ pub(crate) fn set_and_ack(
     ids: &[&str],
 ) -> RedisResult<()> {
     debug_assert!(!conn.is_cluster());
-    let mut cmd = redis::cmd("EVAL");
-    cmd.arg(MARK_AND_ACK)
-        .arg(keys.len() + 2)
+    let mut cmd = MARK_AND_ACK_SCRIPT.cmd();
+    cmd.arg(keys.len() + 2)
         .arg(stream)
         .arg(in_flight)
         .arg(keys)
@@ -137,8 +137,13 @@ pub(crate) fn set_and_ack(
     for key in keys {
         cmd.arg(marker_tag(key));
     }
-    cmd.arg(ids).query::<i64>(conn).map(drop)
+    cmd.arg(ids);
+    MARK_AND_ACK_SCRIPT.query::<i64>(&cmd, conn).map(drop)
 }
+
+/// [`MARK_AND_ACK`], called by its digest (see `script.rs`).
+static MARK_AND_ACK_SCRIPT: std::sync::LazyLock<Script> =
+    std::sync::LazyLock::new(|| Script::new(MARK_AND_ACK.to_owned()));
 
 /// The replies of [`check`]'s pipeline: one per marker, then the index's.
 fn read(keys: &[String], entries: usize, mut replies: Vec<Value>) -> Result<Seen, String> {

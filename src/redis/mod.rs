@@ -22,6 +22,7 @@ pub(crate) mod keys;
 pub(crate) mod markers;
 mod packed;
 pub(crate) mod pool;
+mod script;
 pub(crate) mod streams;
 
 pub(crate) use client::{check_slots, connect, redis_unreachable, RedisClient};
