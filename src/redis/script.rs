@@ -45,9 +45,10 @@ impl Script {
                 let mut eval = redis::cmd("EVAL");
                 eval.arg(&self.text);
                 for arg in cmd.args_iter().skip(2) {
-                    if let redis::Arg::Simple(arg) = arg {
-                        eval.arg(arg);
-                    }
+                    let redis::Arg::Simple(arg) = arg else {
+                        unreachable!("a script call has no cursor argument")
+                    };
+                    eval.arg(arg);
                 }
                 eval.query(conn)
             }
