@@ -61,6 +61,21 @@ fn the_benchmark_drains_and_verifies_in_both_modes() {
     );
     assert!(stdout.contains("applied=300"), "{stdout}");
     assert!(stdout.contains("healthy rate"), "{stdout}");
+    // The same events failing never (bench.sh's `nofail-batch`): nothing
+    // retried.
+    let stdout = bench(
+        &db,
+        &[
+            "--events",
+            "300",
+            "--fail-ratio",
+            "0.1",
+            "--fail-times",
+            "0",
+        ],
+    );
+    assert!(stdout.contains("applied=300"), "{stdout}");
+    assert!(stdout.contains(" retries=0 "), "{stdout}");
     // Steady load: 200 events/s for 2 s, each measured from its send.
     let stdout = bench(
         &db,
