@@ -12,6 +12,9 @@
 //! millisecond) while the worker runs, and the latency is measured from each
 //! event's send, in microseconds, to its commit.
 //!
+//! `--trace FILE` writes one line per committed event: the commit time and
+//! the latency, in microseconds, to see how latency moves during a run.
+//!
 //! Run: `cargo run --release --example bench -- --events 100000`.
 
 use std::collections::HashMap;
@@ -33,6 +36,8 @@ struct Args {
     /// Steady load: events per second (0: a preloaded backlog).
     rate: u64,
     duration: Duration,
+    /// Where to write each commit's time and latency.
+    trace: Option<String>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -48,6 +53,7 @@ fn parse_args() -> Result<Args, String> {
         mode: taskhub::Mode::Batch,
         rate: 0,
         duration: Duration::from_secs(30),
+        trace: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -66,6 +72,7 @@ fn parse_args() -> Result<Args, String> {
             "--sql" => args.sql = value()?,
             "--mode" => args.mode = value()?.parse()?,
             "--rate" => args.rate = value()?.parse().map_err(|e| bad(&e))?,
+            "--trace" => args.trace = Some(value()?),
             "--duration" => {
                 args.duration = humantime::parse_duration(&value()?).map_err(|e| bad(&e))?
             }
@@ -83,6 +90,8 @@ struct BenchHandler {
     /// Microseconds from XADD to commit, per event.
     latencies: Mutex<Vec<u64>>,
     last_healthy_commit: Mutex<Option<Instant>>,
+    /// `--trace`: "commit time, latency" in microseconds, a line per event.
+    trace: Option<Mutex<std::io::BufWriter<std::fs::File>>>,
 }
 
 fn entry_millis(entry_id: &str) -> u64 {
@@ -145,8 +154,13 @@ impl Handler for BenchHandler {
             .field("sent_us")
             .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
             .unwrap_or_else(|| entry_millis(event.entry_id()) * 1000);
-        let latency = now_micros().saturating_sub(sent_us);
+        let now = now_micros();
+        let latency = now.saturating_sub(sent_us);
         self.latencies.lock().unwrap().push(latency);
+        if let Some(trace) = &self.trace {
+            use std::io::Write;
+            let _ = writeln!(trace.lock().unwrap(), "{now} {latency}");
+        }
         if event.field("fail").is_none() {
             *self.last_healthy_commit.lock().unwrap() = Some(Instant::now());
         }
@@ -238,6 +252,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         fail_times: args.fail_times,
         latencies: Mutex::new(Vec::with_capacity(args.events)),
         last_healthy_commit: Mutex::default(),
+        trace: match &args.trace {
+            Some(path) => Some(Mutex::new(std::io::BufWriter::new(
+                std::fs::File::create(path).map_err(|e| format!("--trace {path}: {e}"))?,
+            ))),
+            None => None,
+        },
     });
     let worker = Worker::builder()
         .redis_url(&redis_url)
@@ -297,6 +317,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     })?;
     let elapsed = started.elapsed();
     let (cpu_after, peak_rss_kb) = usage();
+    if let Some(trace) = &handler.trace {
+        use std::io::Write;
+        trace.lock().unwrap().flush()?;
+    }
     let events = if steady {
         handler.latencies.lock().unwrap().len()
     } else {

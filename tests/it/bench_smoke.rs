@@ -76,12 +76,27 @@ fn the_benchmark_drains_and_verifies_in_both_modes() {
     );
     assert!(stdout.contains("applied=300"), "{stdout}");
     assert!(stdout.contains(" retries=0 "), "{stdout}");
-    // Steady load: 200 events/s for 2 s, each measured from its send.
+    // Steady load: 200 events/s for 2 s, each measured from its send, and
+    // traced: a line per commit.
+    let dir = TempDir::new("bench-trace");
+    let trace = dir.0.join("trace");
     let stdout = bench(
         &db,
-        &["--mode", "per-event", "--rate", "200", "--duration", "2s"],
+        &[
+            "--mode",
+            "per-event",
+            "--rate",
+            "200",
+            "--duration",
+            "2s",
+            "--trace",
+            trace.to_str().unwrap(),
+        ],
     );
     assert!(stdout.contains("applied=400"), "{stdout}");
+    let lines = std::fs::read_to_string(&trace).unwrap();
+    assert_eq!(lines.lines().count(), 400, "{lines}");
+    assert!(lines.lines().all(|l| l.split(' ').count() == 2), "{lines}");
     assert!(stdout.contains("steady load of 200 events/s"), "{stdout}");
     assert!(stdout.contains("max_ms="), "{stdout}");
 }
