@@ -229,9 +229,10 @@ for mode in per-event batch batch-custom-sql; do
     printf 'healthy events under failures, %s: %s/s vs %s/s clean = %.2fx\n' "$mode" "$failing" "$clean" \
         "$(awk "BEGIN { print $failing / $clean }")"
 done
+failing=$(healthy_rate hol-batch)
 nofail=$(healthy_rate nofail-batch)
 printf 'healthy events under failures, batch, vs the same events failing never: %s/s vs %s/s = %.2fx\n' \
-    "$(healthy_rate hol-batch)" "$nofail" "$(awk "BEGIN { print $(healthy_rate hol-batch) / $nofail }")"
+    "$failing" "$nofail" "$(awk "BEGIN { print $failing / $nofail }")"
 printf '\nsteady load, taskhub next to the database alone at the same rate (pgbench -R):\n'
 printf '%-22s %10s %27s %27s\n' run events/s "taskhub p50 / p99 / max ms" "database p50 / p99 / max ms"
 while read -r label line; do

@@ -137,8 +137,9 @@ fn bounded_on(script: &str, keys: &[&str], max_entry_bytes: usize, keep: usize) 
 /// marker's value (`m:` and 16 hex digits; inside a script a reply cannot
 /// belong to another command; a key of another type is no marker), else
 /// `-`; one HMGET of the index and one MGET of the markers for up to 500
-/// entries (a call per entry and question cost Redis a third more CPU per
-/// event under a steady load). Markers are in other hash slots than the
+/// entries, where a call per entry and question took Redis about 0.3 µs
+/// more per event (of ~12 µs in scripts) under a steady load; a marker the
+/// user may not read is no marker. Markers are in other hash slots than the
 /// stream, so on a cluster the prefix is empty and the fast path asks
 /// apart.
 ///
