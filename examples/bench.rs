@@ -7,6 +7,11 @@
 //! the drain rate of the healthy events alone, which must stay close to the
 //! clean rate because retries wait in the retry thread, not in a worker.
 //!
+//! `--poison-ratio 0.01` makes 1% of payloads carry `"poison":true`, which a
+//! CHECK constraint named `bench_poison` on `notifications` must reject (the
+//! caller adds it; `scripts/bench.sh` does on its scratch database): the
+//! built-in statement fails for them, and they are dead-lettered.
+//!
 //! `--rate R --duration S` runs a steady load instead of a backlog: a producer
 //! thread sends R events per second for S seconds (in a small pipeline each
 //! millisecond) while the worker runs, and the latency is measured from each
@@ -29,6 +34,7 @@ struct Args {
     count: usize,
     fail_ratio: f64,
     fail_times: u32,
+    poison_ratio: f64,
     backoff_base: Duration,
     payload_bytes: usize,
     sql: String,
@@ -47,6 +53,7 @@ fn parse_args() -> Result<Args, String> {
         count: 64,
         fail_ratio: 0.0,
         fail_times: 2,
+        poison_ratio: 0.0,
         backoff_base: Duration::from_secs(1),
         payload_bytes: 200,
         sql: taskhub::DEFAULT_STATEMENT.to_owned(),
@@ -65,6 +72,7 @@ fn parse_args() -> Result<Args, String> {
             "--count" => args.count = value()?.parse().map_err(|e| bad(&e))?,
             "--fail-ratio" => args.fail_ratio = value()?.parse().map_err(|e| bad(&e))?,
             "--fail-times" => args.fail_times = value()?.parse().map_err(|e| bad(&e))?,
+            "--poison-ratio" => args.poison_ratio = value()?.parse().map_err(|e| bad(&e))?,
             "--backoff-base" => {
                 args.backoff_base = humantime::parse_duration(&value()?).map_err(|e| bad(&e))?
             }
@@ -219,12 +227,30 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     } else {
         0
     };
+    let poison_every = if args.poison_ratio > 0.0 {
+        let mut db = postgres::Client::connect(&database_url, postgres::NoTls)?;
+        let found = db.query_opt(
+            "SELECT 1 FROM pg_constraint WHERE conname = 'bench_poison' \
+             AND conrelid = 'notifications'::regclass",
+            &[],
+        )?;
+        if found.is_none() {
+            return Err("--poison-ratio needs notifications to reject them: ALTER TABLE notifications \
+                 ADD CONSTRAINT bench_poison CHECK (payload NOT LIKE '%\"poison\":true%') NOT VALID"
+                .into());
+        }
+        (1.0 / args.poison_ratio).round() as usize
+    } else {
+        0
+    };
+    let poisoned = |n: usize| poison_every > 0 && n % poison_every == poison_every / 2;
     let fields = |n: usize| {
+        let poison = if poisoned(n) { "\"poison\":true," } else { "" };
         let mut fields = vec![
             ("event_id".to_owned(), format!("{run}-{n}")),
             (
                 "payload".to_owned(),
-                format!("{{\"n\":{n},\"kind\":\"bench\",\"pad\":\"{pad}\"}}"),
+                format!("{{\"n\":{n},\"kind\":\"bench\",{poison}\"pad\":\"{pad}\"}}"),
             ),
         ];
         if failing_every > 0 && n.is_multiple_of(failing_every) {
@@ -234,6 +260,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut producer = Producer::connect(&redis_url, &Tls::default(), &stream)?;
     let mut failing = 0;
+    // Of them, the ones the database rejects for good.
+    let mut rejected = 0;
     let steady = args.rate > 0;
     if !steady {
         for chunk_start in (0..args.events).step_by(1000) {
@@ -242,6 +270,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .map(fields)
                 .collect();
             failing += batch.iter().filter(|f| f.len() == 3).count();
+            let poison = (chunk_start..(chunk_start + 1000).min(args.events))
+                .filter(|n| poisoned(*n))
+                .count();
+            (failing, rejected) = (failing + poison, rejected + poison);
             producer.send_batch(&batch)?;
         }
     }
@@ -355,10 +387,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("elapsed           {:.2} s", elapsed.as_secs_f64());
     println!("rate              {rate:.0} events/s");
     if failing > 0 {
-        println!(
-            "failing events    {failing} (fail {} times, backoff base {:?})",
-            args.fail_times, args.backoff_base
-        );
+        match poison_every {
+            0 => println!(
+                "failing events    {failing} (fail {} times, backoff base {:?})",
+                args.fail_times, args.backoff_base
+            ),
+            _ => println!("failing events    {failing} (rejected by bench_poison, dead-lettered)"),
+        }
         println!(
             "healthy rate      {healthy_rate:.0} events/s (last healthy commit at {:.2} s)",
             healthy_elapsed.as_secs_f64()
@@ -415,8 +450,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             cursor = next;
         }
     }
-    if applied as usize != events {
-        return Err(format!("expected {events} effects, found {applied}").into());
+    if applied as usize != events - rejected {
+        return Err(format!("expected {} effects, found {applied}", events - rejected).into());
     }
     Ok(())
 }

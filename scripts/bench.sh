@@ -19,7 +19,8 @@
 #    --sql statement, and the head-of-line case (10% of events fail twice
 #    with a 1 s backoff) in both modes and with the custom statement (where
 #    every batch with a failing event takes its dedup row back), and in
-#    batch mode the same events with no failure;
+#    batch mode the same events with no failure, and 1% of events that the
+#    database rejects (a CHECK constraint of the scratch notifications);
 # 5. steady load, both modes: a producer at 50%, 75% and 90% of the rate
 #    that mode drained in step 4, for STEADY_SECS seconds each, with the
 #    latency from XADD to commit (p50 / p99 / max); and, as its floor, the
@@ -177,6 +178,13 @@ batch_before=$(($(pgbench_tps "$work/batch50.sql") * 50))
     # own events (the others are the built-in statement's), so this run
     # shows what failures cost apart from what such events cost.
     bench nofail-batch --mode batch --fail-ratio 0.1 --fail-times 0
+    # 1% of events the database rejects (a CHECK constraint of the scratch
+    # database's notifications): the built-in statement fails for a batch
+    # without saying which event, and they are dead-lettered.
+    psql "$BENCH_URL" -X -q -v ON_ERROR_STOP=1 -c "ALTER TABLE notifications ADD CONSTRAINT \
+        bench_poison CHECK (payload NOT LIKE '%\"poison\":true%') NOT VALID"
+    bench poison-batch --mode batch --poison-ratio 0.01
+    psql "$BENCH_URL" -X -q -v ON_ERROR_STOP=1 -c "ALTER TABLE notifications DROP CONSTRAINT bench_poison"
     # shellcheck disable=SC2016
     bench hol-batch-custom-sql --mode batch --sql 'INSERT INTO notifications (event_id, payload) VALUES ($1, $2::text)' \
         --fail-ratio 0.1 --fail-times 2 --backoff-base 1s
@@ -233,6 +241,10 @@ failing=$(healthy_rate hol-batch)
 nofail=$(healthy_rate nofail-batch)
 printf 'healthy events under failures, batch, vs the same events failing never: %s/s vs %s/s = %.2fx\n' \
     "$failing" "$nofail" "$(awk "BEGIN { print $failing / $nofail }")"
+poison=$(healthy_rate poison-batch)
+clean=$(healthy_rate batch)
+printf 'healthy events with 1%% rejected by the database, batch: %s/s vs %s/s clean = %.2fx\n' \
+    "$poison" "$clean" "$(awk "BEGIN { print $poison / $clean }")"
 printf '\nsteady load, taskhub next to the database alone at the same rate (pgbench -R):\n'
 printf '%-22s %10s %27s %27s\n' run events/s "taskhub p50 / p99 / max ms" "database p50 / p99 / max ms"
 while read -r label line; do
@@ -248,6 +260,8 @@ hol-*: 10% of events fail twice with a 1 s backoff; healthy/s is the drain
 rate of the other 90%, to compare with the clean run of the same mode.
 nofail-batch: the events of hol-batch with no failure (its tenth marked to
 fail are the handler's own events, in every read's transaction).
+poison-batch: 1% of events rejected by a CHECK constraint of notifications
+(dead-lettered); the built-in statement does not say which event failed.
 steady-*: a producer at that share of the mode's drain rate for ${STEADY_SECS} s;
 latency from XADD to commit; cpu_us includes the producer thread. The
 database alone: pgbench at the same rate of events (per-event: one statement

@@ -48,6 +48,36 @@ pub(crate) const DEDUP_BATCH_AND_DEFAULT: &str = "WITH e AS (\
      SELECT e.id, e.payload FROM e JOIN done ON done.event_id = e.id WHERE e.fold ORDER BY e.n) \
      SELECT event_id, xid FROM done";
 
+/// [`DEDUP_BATCH_AND_DEFAULT`] one event at a time, each in a subtransaction
+/// of its own, for a batch that statement rejected (it does not say for
+/// which event): the events that fail are reported (their position from 1,
+/// SQLSTATE, message) and take nothing with them, the others are applied,
+/// all in one statement. A function of the session (`pg_temp`), created
+/// once per connection: no migration, nothing left behind. A read-only
+/// transaction fails the whole call, as it fails every event.
+pub(crate) const APPLY_EACH_FUNCTION: &str = "CREATE OR REPLACE FUNCTION \
+     pg_temp.taskhub_apply_each(p_scope text, p_ids text[], p_payloads text[]) \
+     RETURNS TABLE (n int, code text, message text) LANGUAGE plpgsql AS $f$ \
+     BEGIN \
+       FOR i IN 1 .. coalesce(array_length(p_ids, 1), 0) LOOP \
+         BEGIN \
+           INSERT INTO processed_events (scope, event_id) VALUES (p_scope, p_ids[i]) \
+             ON CONFLICT DO NOTHING; \
+           IF FOUND THEN \
+             INSERT INTO notifications (event_id, payload) VALUES (p_ids[i], p_payloads[i]); \
+             n := i; code := NULL; message := NULL; RETURN NEXT; \
+           END IF; \
+         EXCEPTION \
+           WHEN read_only_sql_transaction THEN RAISE; \
+           WHEN OTHERS THEN n := i; code := SQLSTATE; message := SQLERRM; RETURN NEXT; \
+         END; \
+       END LOOP; \
+     END $f$";
+/// Calls [`APPLY_EACH_FUNCTION`]: a row per new event (`code` NULL) and per
+/// failed one.
+pub(crate) const APPLY_EACH: &str =
+    "SELECT n, code, message FROM pg_temp.taskhub_apply_each($1, $2, $3)";
+
 /// Whether [`DEFAULT_STATEMENT`], prepared on a connection, takes text for
 /// both its parameters: the fused statements pass text, which a `jsonb` or
 /// `uuid` column of `notifications` would refuse.

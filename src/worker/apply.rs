@@ -33,7 +33,7 @@
 
 use std::time::Instant;
 
-use crate::error::{FailureClass, HandlerError};
+use crate::error::{classify_postgres, FailureClass, HandlerError};
 use crate::event::Event;
 use crate::fault::{self, Point};
 use crate::handler::{catch_panic, prepare_cached as prepare, sql, Handler, Tx};
@@ -80,7 +80,25 @@ pub(crate) enum Batch {
     /// with no savepoint to go back to: these deliveries (by position)
     /// failed, the rest is to be tried again.
     Redo(Vec<(usize, HandlerError)>),
+    /// Rolled back because the built-in statement failed, for some event of
+    /// the batch it does not name (a constraint of `notifications`, say):
+    /// the caller tries the halves (see `apply_batches`).
+    Rejected(HandlerError),
 }
+
+/// The built-in statement's failure for a batch: rejected (its halves are
+/// tried apart), or an outage, left to the caller's outage handling.
+fn rejected(e: postgres::Error) -> Result<Batch, HandlerError> {
+    let e = HandlerError::from(e).for_no_event();
+    match e.class() {
+        FailureClass::Outage => Err(e),
+        _ => Ok(Batch::Rejected(e)),
+    }
+}
+
+/// How many batches of the built-in statement after one it rejected go
+/// straight to applying their events apart (see `Processor::apply_each`).
+const EACH_BATCHES: u32 = 64;
 
 /// How many guarded batches after a failure that needed a savepoint take
 /// theirs before the handler runs.
@@ -98,7 +116,7 @@ impl Processor {
                 .get()
                 .map_err(|e| HandlerError::outage(format!("no PostgreSQL connection: {e}")))?;
             self.cache.clear();
-            (self.session, self.default_folds) = (None, None);
+            (self.session, self.default_folds, self.apply_each) = (None, None, None);
             self.pg = Some(conn);
         }
         Ok(())
@@ -258,18 +276,16 @@ impl Processor {
     /// [`plain`] events (the caller checked): [`sql::DEDUP_BATCH_AND_DEFAULT`]
     /// alone, in the session of [`Processor::apply_statement`] (no entry of
     /// the batch is held long enough to need its ownership checked).
-    /// Returns, per delivery, whether it was new (the first delivery of each
-    /// new event id); `None` when the database's `notifications` does not
-    /// take text, or when the statement ran past its bound: the general
-    /// path then takes the batch.
-    fn apply_batch_statement(
-        &mut self,
-        batch: &[Delivery],
-    ) -> Result<Option<Vec<bool>>, HandlerError> {
+    /// Returns [`Batch::Applied`] (nothing left out) or [`Batch::Rejected`];
+    /// `None` when the database's `notifications` does not take text, or
+    /// when the statement ran past its bound: the general path then takes
+    /// the batch.
+    fn apply_batch_statement(&mut self, batch: &[Delivery]) -> Result<Option<Batch>, HandlerError> {
         let stage = self.stage.clone();
         let mut seen = std::collections::HashSet::new();
-        let (mut ids, mut payloads) = (Vec::new(), Vec::new());
-        for d in batch {
+        // The first copy of each event id: its id, payload and position.
+        let (mut ids, mut payloads, mut first) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, d) in batch.iter().enumerate() {
             let event = event(d);
             let Ok(payload) = sql::payload(event) else {
                 return Ok(None);
@@ -277,6 +293,7 @@ impl Processor {
             if seen.insert(event.event_id()) {
                 ids.push(event.event_id());
                 payloads.push(payload);
+                first.push(i);
             }
         }
         let for_batch = HandlerError::for_no_event;
@@ -293,6 +310,12 @@ impl Processor {
             fault::hit(Point::InHandler, event(d).event_id());
             fault::hit(Point::BeforeCommit, event(d).event_id());
         }
+        if self.each_batches > 0 && self.apply_each == Some(true) {
+            // Rejected lately: one event at a time at once, rather than
+            // the set-based statement first and again after it failed.
+            self.each_batches -= 1;
+            return self.apply_each(batch, (&ids, &payloads, &first), None);
+        }
         let started = Instant::now();
         // As in `apply_statement`: no strike here; held over a second, the
         // batch takes the general path.
@@ -302,7 +325,15 @@ impl Processor {
             Err(e) if e.code() == Some(&postgres::error::SqlState::QUERY_CANCELED) => {
                 return Ok(None); // past the bound: rolled back
             }
-            Err(e) => return Err(HandlerError::from(e).for_no_event()),
+            Err(e) => {
+                return match rejected(e)? {
+                    Batch::Rejected(e) => {
+                        self.each_batches = EACH_BATCHES;
+                        self.apply_each(batch, (&ids, &payloads, &first), Some(e))
+                    }
+                    other => Ok(Some(other)),
+                };
+            }
         };
         observe_handler(&stage, started);
         let mut inserted: std::collections::HashSet<&str> =
@@ -313,14 +344,84 @@ impl Processor {
             .iter()
             .map(|d| inserted.remove(event(d).event_id()))
             .collect();
-        if new.iter().any(|n| *n) {
-            Stats::add(&stage.common.stats.commits, 1);
+        committed_batch(&stage, batch, &new);
+        Ok(Some(Batch::Applied(new, Vec::new())))
+    }
+
+    /// After [`sql::DEDUP_BATCH_AND_DEFAULT`] rejected a batch of [`plain`]
+    /// events for one it does not name (`rejected`), or while that happened
+    /// lately (`None`): each event in a subtransaction of its own, in one
+    /// statement ([`sql::APPLY_EACH`]), so the healthy ones commit together
+    /// and only the failing ones are left out, in one round trip. (Not in a
+    /// transaction that could check ownership: the caller's batch holds no
+    /// entry long enough to need it.) Where the function cannot be created
+    /// (no TEMP privilege, say) or called, the batch stays `rejected` and
+    /// the caller tries its halves, or (`None`) the general path takes it.
+    /// `first`: the event ids, payloads and positions of the first copies.
+    fn apply_each(
+        &mut self,
+        batch: &[Delivery],
+        first: (&[&str], &[Option<&str>], &[usize]),
+        rejected: Option<HandlerError>,
+    ) -> Result<Option<Batch>, HandlerError> {
+        let stage = self.stage.clone();
+        let (ids, payloads, positions) = first;
+        let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
+            unreachable!("the caller ran a statement")
+        };
+        let outage = |e: &postgres::Error| classify_postgres(e) == FailureClass::Outage;
+        if self.apply_each.is_none() {
+            match conn.batch_execute(sql::APPLY_EACH_FUNCTION) {
+                Ok(()) => self.apply_each = Some(true),
+                Err(e) if outage(&e) => return Err(HandlerError::from(e).for_no_event()),
+                Err(e) => {
+                    log::info!("postgres: cannot create the function that applies a rejected batch's events apart ({e}); the batch's halves are tried apart instead");
+                    self.apply_each = Some(false);
+                }
+            }
         }
-        for (d, _) in batch.iter().zip(&new).filter(|(_, n)| **n) {
-            fault::hit(Point::AfterCommit, event(d).event_id());
-            committed(&stage, event(d));
+        if self.apply_each != Some(true) {
+            return Ok(rejected.map(Batch::Rejected));
         }
-        Ok(Some(new))
+        let started = Instant::now();
+        let scope = &stage.settings.scope;
+        let rows = match prepare(&mut ***conn, cache, sql::APPLY_EACH)
+            .and_then(|each| conn.query(&each, &[scope, &ids, &payloads]))
+        {
+            Ok(rows) => rows,
+            Err(e) if e.code() == Some(&postgres::error::SqlState::QUERY_CANCELED) => {
+                return Ok(None); // past the bound: rolled back
+            }
+            Err(e) if outage(&e) => return Err(HandlerError::from(e).for_no_event()),
+            Err(e) => {
+                log::debug!("postgres: applying a rejected batch's events apart failed ({e})");
+                (self.apply_each, self.each_batches) = (None, 0);
+                return Ok(rejected.map(Batch::Rejected));
+            }
+        };
+        observe_handler(&stage, started);
+        let mut new = vec![false; batch.len()];
+        let mut left_out = Vec::new();
+        for row in rows {
+            let at = usize::try_from(row.get::<_, i32>(0) - 1)
+                .ok()
+                .and_then(|k| positions.get(k).copied())
+                .ok_or_else(|| HandlerError::outage("postgres: an event out of its batch"))?;
+            match row.get::<_, Option<&str>>(1) {
+                None => new[at] = true,
+                Some(code) => {
+                    let message = row.get::<_, Option<&str>>(2).unwrap_or_default();
+                    let class = crate::error::classify_sqlstate(code);
+                    let e = HandlerError::new(class, format!("postgres {code}: {message}"), None);
+                    left_out.push((at, e.for_event(at)));
+                }
+            }
+        }
+        if !left_out.is_empty() {
+            self.each_batches = EACH_BATCHES;
+        }
+        committed_batch(&stage, batch, &new);
+        Ok(Some(Batch::Applied(new, left_out)))
     }
 
     /// Whether the default statement can be fused on this database (see
@@ -398,8 +499,8 @@ impl Processor {
         // runs guarded or not: it runs no handler code, and a failure of the
         // statement names no event either way.
         if fold.iter().all(|f| *f) && batch.iter().all(|d| !d.held_long()) {
-            if let Some(new) = self.apply_batch_statement(batch)? {
-                return Ok(Batch::Applied(new, Vec::new()));
+            if let Some(outcome) = self.apply_batch_statement(batch)? {
+                return Ok(outcome);
             }
         }
         if !(fold.contains(&true) && self.default_folds()?) {
@@ -439,7 +540,10 @@ impl Processor {
             for (d, _) in batch.iter().zip(&fold).filter(|(_, f)| **f) {
                 fault::hit(Point::InHandler, event(d).event_id());
             }
-            tx.query(&insert, &[&scope, &first, &payloads, &flags])?
+            match tx.query(&insert, &[&scope, &first, &payloads, &flags]) {
+                Ok(rows) => rows,
+                Err(e) => return rejected(e),
+            }
         } else {
             tx.query(&insert, &[&scope, &ids])?
         };
@@ -589,6 +693,18 @@ pub(crate) fn plain(handler: &dyn Handler, event: &Event) -> bool {
         .sql_effect(event)
         .is_some_and(sql::SqlHandler::is_default)
         && sql::payload(event).is_ok()
+}
+
+/// What follows a batch's commit: its count, then, for each of its new
+/// events, the handler's `committed` callback.
+fn committed_batch(stage: &Stage, batch: &[Delivery], new: &[bool]) {
+    if new.iter().any(|n| *n) {
+        Stats::add(&stage.common.stats.commits, 1);
+    }
+    for (d, _) in batch.iter().zip(new).filter(|(_, n)| **n) {
+        fault::hit(Point::AfterCommit, event(d).event_id());
+        committed(stage, event(d));
+    }
 }
 
 /// Records how long the handler's part took.

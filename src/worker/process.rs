@@ -122,6 +122,13 @@ pub(crate) struct Processor {
     /// Whether the built-in statement can be fused on this connection's
     /// database (`None`: not checked yet).
     pub(crate) default_folds: Option<bool>,
+    /// Whether this connection's session has the function that applies
+    /// the events of a rejected batch apart (`sql::APPLY_EACH_FUNCTION`;
+    /// `None`: not created yet).
+    pub(crate) apply_each: Option<bool>,
+    /// How many more batches of the built-in statement go straight to
+    /// `sql::APPLY_EACH`: set when one was rejected (see `apply.rs`).
+    pub(crate) each_batches: u32,
     /// How many more guarded batches take a savepoint before their
     /// handler runs: set when a handler failed after sending a statement
     /// and no savepoint was there to go back to (see `apply_batch`).
@@ -205,6 +212,8 @@ impl Processor {
             reached_database: false,
             session: None,
             default_folds: None,
+            apply_each: None,
+            each_batches: 0,
             savepoint_batches: 0,
             held: None,
         }
@@ -486,7 +495,9 @@ impl Processor {
     }
 
     /// A batch that fails on one known event loses that event (it takes the
-    /// normal failure path) and the rest goes on without it; a failure that
+    /// normal failure path) and the rest goes on without it; a failure of the
+    /// built-in statement (which names no event) has each half of the batch
+    /// tried apart, down to the failing event alone; another failure that
     /// names no event sends the whole batch one by one. While failures are
     /// frequent, batches run guarded (see `apply_batch`): a failing event
     /// costs a return to a savepoint, not the batch's transaction. Returns
@@ -499,25 +510,42 @@ impl Processor {
         done: &mut Finished,
     ) -> usize {
         let mut chunk = batch;
+        // The second halves of rejected batches still to try, last first.
+        let mut halves: Vec<Vec<Delivery>> = Vec::new();
         let mut failures = 0;
         let mut strikes = 0;
-        // A batch of one goes one by one, but for the one-statement form
-        // (every event `apply::plain`), which is as cheap for one event (and
-        // asked `sql_effect` already).
-        while chunk.len() > 1 || (!chunk.is_empty() && chunk.iter().all(|d| d.plain)) {
+        loop {
+            // A batch of one goes one by one, but for the one-statement form
+            // (every event `apply::plain`), which is as cheap for one event
+            // (and asked `sql_effect` already). Then the next half, if any.
+            if !(chunk.len() > 1 || (!chunk.is_empty() && chunk.iter().all(|d| d.plain))) {
+                one_by_one.append(&mut chunk);
+                match halves.pop() {
+                    Some(half) => chunk = half,
+                    None => break,
+                }
+                continue;
+            }
             self.ack_if_overdue(stream, done);
             let guarded =
                 self.failure_rate >= GUARD_ABOVE || chunk.iter().any(|d| !d.failures.is_empty());
             match self.through_outages(&mut strikes, BATCH_STRIKES, |p| {
                 p.apply_batch(&chunk, guarded)
             }) {
-                Flow::Stopped => chunk.clear(), // left pending
+                Flow::Stopped => {
+                    // Left pending.
+                    chunk.clear();
+                    halves.clear();
+                }
                 Flow::Struck => {
                     log::warn!(
                         "{stream}: the database connection was lost {strikes} times while a batch of {} ran; applying its events one by one",
                         chunk.len()
                     );
                     one_by_one.append(&mut chunk);
+                    for mut half in halves.drain(..).rev() {
+                        one_by_one.append(&mut half);
+                    }
                 }
                 Flow::Done(Ok(Batch::Applied(new, left_out))) => {
                     failures += left_out.len();
@@ -573,6 +601,23 @@ impl Processor {
                         self.not_applied(delivery, applied);
                     }
                 }
+                Flow::Done(Ok(Batch::Rejected(e))) if chunk.len() == 1 => {
+                    // The event the built-in statement failed for.
+                    let delivery = chunk.remove(0);
+                    self.failed(delivery, e.for_event(0));
+                }
+                Flow::Done(Ok(Batch::Rejected(e))) => {
+                    // The built-in statement failed for some event it does
+                    // not name: each half goes on its own, so a failing
+                    // event costs its half, and its halves..., down to
+                    // itself alone (about 2 log2(n) statements where one
+                    // by one took n, and the healthy ones commit together).
+                    log::debug!(
+                        "{stream}: a batch of {} failed ({e}); trying its halves apart",
+                        chunk.len()
+                    );
+                    halves.push(chunk.split_off(chunk.len() / 2));
+                }
                 Flow::Done(Err(e)) => {
                     // A failure of the built-in statement's events (a
                     // constraint of `notifications`, say) is not the
@@ -598,7 +643,6 @@ impl Processor {
                 }
             }
         }
-        one_by_one.append(&mut chunk);
         failures
     }
 

@@ -1,7 +1,7 @@
 //! A small smoke of the benchmark (examples/bench.rs, which scripts/bench.sh
 //! runs at full size): it drains, verifies the effect count and prints its
-//! RESULT line, in both modes, with scripted failures and under a steady
-//! load.
+//! RESULT line, in both modes, with scripted failures, with events the
+//! database rejects, and under a steady load.
 
 use std::process::Command;
 use std::time::Duration;
@@ -76,6 +76,22 @@ fn the_benchmark_drains_and_verifies_in_both_modes() {
     );
     assert!(stdout.contains("applied=300"), "{stdout}");
     assert!(stdout.contains(" retries=0 "), "{stdout}");
+    // 1% the database rejects (bench.sh's `poison-batch`), once the
+    // constraint that rejects them is there.
+    let poison = ["--events", "500", "--poison-ratio", "0.01"];
+    let mut cmd_db = db.client();
+    cmd_db
+        .batch_execute(
+            "ALTER TABLE notifications ADD CONSTRAINT bench_poison \
+             CHECK (payload NOT LIKE '%\"poison\":true%') NOT VALID",
+        )
+        .unwrap();
+    let stdout = bench(&db, &poison);
+    assert!(stdout.contains("applied=495"), "{stdout}");
+    assert!(stdout.contains("(permanent=5 "), "{stdout}");
+    cmd_db
+        .batch_execute("ALTER TABLE notifications DROP CONSTRAINT bench_poison")
+        .unwrap();
     // Steady load: 200 events/s for 2 s, each measured from its send, and
     // traced: a line per commit.
     let dir = TempDir::new("bench-trace");

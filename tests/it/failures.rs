@@ -1697,3 +1697,74 @@ fn an_entry_deleted_during_a_short_retry_wait_is_applied_from_its_kept_event() {
     db.assert_effects_once(&["kept-1".to_owned()]);
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 }
+
+/// Batch mode, the built-in statement: an event that a constraint of
+/// `notifications` rejects fails the whole set-based statement, which does
+/// not say which event it was. The batch used to go one by one: a
+/// transaction per event, and at 1% of such events the worker drained at
+/// per-event speed (`scripts/bench.sh`, poison-batch). Now such an event
+/// costs itself: the healthy events of the read commit together, and each
+/// rejected one is dead-lettered (permanent) with the database's reason.
+/// Also when the read mixes in events of the handler's own code, whose
+/// transaction the built-in statement's failure rolls back too.
+#[test]
+fn an_event_the_built_in_statement_rejects_costs_only_itself() {
+    struct Mixed(SqlHandler);
+    impl Handler for Mixed {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            insert(event, tx)
+        }
+        fn sql_effect(&self, event: &Event) -> Option<&SqlHandler> {
+            (!event.event_id().starts_with("own")).then_some(&self.0)
+        }
+    }
+    // 64 events, one read; rejected: the 11th and the 41st. In the mixed
+    // case every 16th is the handler's own.
+    for mixed in [false, true] {
+        let mut s = Scenario::new("rejects");
+        s.db.client()
+            .batch_execute(
+                "ALTER TABLE notifications ADD CONSTRAINT no_poison \
+                 CHECK (payload NOT LIKE '%poison%'); \
+                 ALTER TABLE notifications ADD COLUMN tx bigint DEFAULT txid_current()",
+            )
+            .unwrap();
+        let ids: Vec<String> = (0..64)
+            .map(|i| match i {
+                10 | 40 => format!("poison-{i:02}"),
+                i if mixed && i % 16 == 5 => format!("own-{i:02}"),
+                i => format!("ev-{i:02}"),
+            })
+            .collect();
+        s.produce(&ids);
+        let builder = s.builder().mode(Mode::Batch).workers(1).count(64);
+        let summary = s.run_until_idle(builder, Mixed(SqlHandler::default()));
+        let healthy: Vec<String> = ids
+            .iter()
+            .filter(|id| !id.starts_with("poison"))
+            .cloned()
+            .collect();
+        assert_eq!(summary.applied, 62, "mixed={mixed}: {summary}");
+        s.db.assert_effects_once(&healthy);
+        let letters = s.dead_letters();
+        let mut rejected: Vec<&str> = letters
+            .iter()
+            .filter_map(|l| l.event_id.as_deref())
+            .collect();
+        rejected.sort_unstable();
+        assert_eq!(rejected, ["poison-10", "poison-40"], "mixed={mixed}");
+        for letter in &letters {
+            assert_eq!(letter.kind, DeadLetterKind::Permanent, "{letter:?}");
+            assert!(letter.reason.contains("no_poison"), "{letter:?}");
+        }
+        assert_eq!(s.pending(), 0);
+        // One by one, each healthy event had a transaction of its own (62).
+        // (The transaction's id, not `xmin`: a subtransaction has its own.)
+        let transactions = s.db.count("SELECT count(DISTINCT tx) FROM notifications");
+        let most = if mixed { 12 } else { 1 };
+        assert!(
+            transactions <= most,
+            "mixed={mixed}: the healthy events took {transactions} transactions"
+        );
+    }
+}
