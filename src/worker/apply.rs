@@ -89,9 +89,13 @@ pub(crate) enum Batch {
 /// The built-in statement's failure for a batch: rejected (its halves are
 /// tried apart), or an outage, left to the caller's outage handling.
 fn rejected(e: postgres::Error) -> Result<Batch, HandlerError> {
+    // A statement past `--handler-timeout` (a lock wait) is not one
+    // event's: as before, one by one.
+    let canceled = e.code() == Some(&postgres::error::SqlState::QUERY_CANCELED);
     let e = HandlerError::from(e).for_no_event();
     match e.class() {
         FailureClass::Outage => Err(e),
+        _ if canceled => Err(e),
         _ => Ok(Batch::Rejected(e)),
     }
 }
@@ -99,6 +103,10 @@ fn rejected(e: postgres::Error) -> Result<Batch, HandlerError> {
 /// How many batches of the built-in statement after one it rejected go
 /// straight to applying their events apart (see `Processor::apply_each`).
 const EACH_BATCHES: u32 = 64;
+/// The most events applied apart in one call: PostgreSQL caches 64
+/// subtransaction ids per session, past which other sessions' snapshots
+/// take the slow path while the call runs.
+const EACH_MOST: usize = 64;
 
 /// How many guarded batches after a failure that needed a savepoint take
 /// theirs before the handler runs.
@@ -310,7 +318,7 @@ impl Processor {
             fault::hit(Point::InHandler, event(d).event_id());
             fault::hit(Point::BeforeCommit, event(d).event_id());
         }
-        if self.each_batches > 0 && self.apply_each == Some(true) {
+        if self.each_batches > 0 && self.apply_each == Some(true) && ids.len() <= EACH_MOST {
             // Rejected lately: one event at a time at once, rather than
             // the set-based statement first and again after it failed.
             self.each_batches -= 1;
@@ -327,6 +335,15 @@ impl Processor {
             }
             Err(e) => {
                 return match rejected(e)? {
+                    // Only while no entry is held long (a second statement
+                    // without the ownership check), and for a batch whose
+                    // subtransactions fit PostgreSQL's cache of them: else
+                    // the halves.
+                    Batch::Rejected(e)
+                        if ids.len() > EACH_MOST || batch.iter().any(|d| d.held_long()) =>
+                    {
+                        Ok(Some(Batch::Rejected(e)))
+                    }
                     Batch::Rejected(e) => {
                         self.each_batches = EACH_BATCHES;
                         self.apply_each(batch, (&ids, &payloads, &first), Some(e))
@@ -395,7 +412,11 @@ impl Processor {
             Err(e) if outage(&e) => return Err(HandlerError::from(e).for_no_event()),
             Err(e) => {
                 log::debug!("postgres: applying a rejected batch's events apart failed ({e})");
-                (self.apply_each, self.each_batches) = (None, 0);
+                // Created again only where it went missing (a DISCARD);
+                // a call that fails otherwise would fail again.
+                let missing = e.code() == Some(&postgres::error::SqlState::UNDEFINED_FUNCTION);
+                self.apply_each = if missing { None } else { Some(false) };
+                self.each_batches = 0;
                 return Ok(rejected.map(Batch::Rejected));
             }
         };

@@ -548,7 +548,9 @@ impl Processor {
                     }
                 }
                 Flow::Done(Ok(Batch::Applied(new, left_out))) => {
-                    failures += left_out.len();
+                    // (The built-in statement's failures are not the
+                    // handler's.)
+                    failures += left_out.iter().filter(|(i, _)| !chunk[*i].plain).count();
                     let mut left_out: Vec<(usize, HandlerError)> = left_out;
                     left_out.sort_by_key(|(i, _)| *i);
                     // Another copy of a failed event in this batch is no
