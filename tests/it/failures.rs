@@ -1779,3 +1779,68 @@ fn an_event_the_built_in_statement_rejects_costs_only_itself() {
         );
     }
 }
+
+/// As above, where the worker's role may not create temporary objects
+/// (`REVOKE TEMP`): the function that applies a rejected batch's events
+/// apart cannot be created, and the halves of the batch are tried apart,
+/// down to the rejected event alone.
+#[test]
+fn without_temporary_objects_a_rejected_batch_is_tried_in_halves() {
+    let mut s = Scenario::new("halves");
+    let role = unique("no_temp").to_lowercase();
+    s.db.client()
+        .batch_execute(&format!(
+            "ALTER TABLE notifications ADD CONSTRAINT no_poison \
+             CHECK (payload NOT LIKE '%poison%');
+             ALTER TABLE notifications ADD COLUMN tx bigint DEFAULT txid_current();
+             REVOKE TEMP ON DATABASE {db} FROM PUBLIC;
+             CREATE ROLE {role} LOGIN;
+             GRANT USAGE ON SCHEMA public TO {role};
+             GRANT SELECT, INSERT, DELETE ON processed_events TO {role};
+             GRANT SELECT, INSERT ON notifications TO {role};
+             GRANT USAGE ON SEQUENCE notifications_id_seq TO {role};",
+            db = s.db.name
+        ))
+        .unwrap();
+    let worker_url =
+        s.db.url
+            .replacen("postgres://postgres", &format!("postgres://{role}"), 1);
+    let ids: Vec<String> = (0..64)
+        .map(|i| match i {
+            10 | 40 => format!("poison-{i:02}"),
+            i => format!("ev-{i:02}"),
+        })
+        .collect();
+    s.produce(&ids);
+    let builder = fast_builder(&s.redis_url, &worker_url, &s.stream, &s.group)
+        .mode(Mode::Batch)
+        .workers(1)
+        .count(64);
+    let summary = s.run_until_idle(builder, SqlHandler::default());
+    assert_eq!(summary.applied, 62, "{summary}");
+    assert_eq!(summary.dead_lettered, 2, "{summary}");
+    let healthy: Vec<String> = ids
+        .iter()
+        .filter(|id| !id.starts_with("poison"))
+        .cloned()
+        .collect();
+    s.db.assert_effects_once(&healthy);
+    assert_eq!(s.pending(), 0);
+    let kept =
+        s.db.count("SELECT count(*) FROM processed_events WHERE event_id LIKE 'poison%'");
+    assert_eq!(kept, 0);
+    // Two rejected events among 64: at most 2 * log2(64) healthy halves.
+    let transactions = s.db.count("SELECT count(DISTINCT tx) FROM notifications");
+    assert!(
+        (2..=12).contains(&transactions),
+        "the healthy events took {transactions} transactions"
+    );
+    s.db.client()
+        .batch_execute(&format!(
+            "REVOKE ALL ON ALL TABLES IN SCHEMA public FROM {role}; \
+             REVOKE ALL ON ALL SEQUENCES IN SCHEMA public FROM {role}; \
+             REVOKE ALL ON SCHEMA public FROM {role};"
+        ))
+        .unwrap();
+    s.db.admin(&format!("DROP OWNED BY {role}; DROP ROLE {role}"));
+}
