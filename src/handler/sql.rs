@@ -15,9 +15,34 @@ use crate::handler::{Handler, Tx};
 /// The book's example effect: one row in `notifications` per event.
 pub const DEFAULT_STATEMENT: &str = "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)";
 
-/// The default statement in set-based form, for a whole batch.
-const DEFAULT_BATCH_STATEMENT: &str =
-    "INSERT INTO notifications (event_id, payload) SELECT * FROM unnest($1::text[], $2::text[])";
+/// The default statement in set-based form, for a whole batch: the text
+/// arrays cast to the types the default statement takes (see
+/// [`batch_statement`]).
+const DEFAULT_BATCH_STATEMENT: &str = "INSERT INTO notifications (event_id, payload) \
+     SELECT e::{0}, p::{1} FROM unnest($1::text[], $2::text[]) AS u(e, p)";
+
+/// [`DEFAULT_BATCH_STATEMENT`] for the parameter types of
+/// [`DEFAULT_STATEMENT`] as prepared on the connection (`text` and `text`
+/// for the migration's table; `jsonb` for a payload column someone made
+/// `jsonb`). Before, the text arrays went in as they were, which a `jsonb`
+/// column refuses: every batch failed and went one by one (4,130 events/s
+/// against 35,222/s).
+fn batch_statement(types: &[Type]) -> String {
+    let name = |i: usize| {
+        types.get(i).map_or_else(
+            || "text".to_owned(),
+            |ty| format!("{}.{}", quote(ty.schema()), quote(ty.name())),
+        )
+    };
+    DEFAULT_BATCH_STATEMENT
+        .replace("{0}", &name(0))
+        .replace("{1}", &name(1))
+}
+
+/// An SQL identifier, quoted.
+fn quote(identifier: &str) -> String {
+    format!("\"{}\"", identifier.replace('"', "\"\""))
+}
 
 /// The dedup insert of `processed_events` and [`DEFAULT_STATEMENT`] as one
 /// statement (see `worker/apply.rs`): the effect inserts from the dedup
@@ -224,13 +249,22 @@ impl Handler for SqlHandler {
             }
             return Ok(());
         }
+        let default = tx.prepare_cached(DEFAULT_STATEMENT)?;
+        let types = default.params();
+        let json = types.get(1).is_some_and(is_json);
         let mut ids = Vec::with_capacity(events.len());
         let mut payloads = Vec::with_capacity(events.len());
-        for event in events {
+        for (i, event) in events.iter().enumerate() {
             ids.push(event.event_id());
-            payloads.push(payload(event)?);
+            let text = payload(event).map_err(|e| e.for_event(i))?;
+            if let Some(text) = text.filter(|_| json) {
+                // As `handle` refuses it, before anything is sent.
+                serde_json::from_str::<serde_json::Value>(text)
+                    .map_err(|e| invalid(format!("payload is not JSON: {e}")).for_event(i))?;
+            }
+            payloads.push(text);
         }
-        let statement = tx.prepare_cached(DEFAULT_BATCH_STATEMENT)?;
+        let statement = tx.prepare_cached(&batch_statement(types))?;
         tx.execute(&statement, &[&ids, &payloads])?;
         Ok(())
     }

@@ -86,6 +86,13 @@ pub(crate) enum Batch {
     Rejected(HandlerError),
 }
 
+/// Whether `e` is PostgreSQL's cancel of a statement past its timeout.
+fn canceled(e: &HandlerError) -> bool {
+    let source = std::error::Error::source(e);
+    source.and_then(|s| s.downcast_ref::<postgres::Error>()?.code())
+        == Some(&postgres::error::SqlState::QUERY_CANCELED)
+}
+
 /// The built-in statement's failure for a batch: rejected (its halves are
 /// tried apart), or an outage, left to the caller's outage handling.
 fn rejected(e: postgres::Error) -> Result<Batch, HandlerError> {
@@ -644,6 +651,13 @@ impl Processor {
                 _ => {
                     if let Some(ended) = ended(&mut tx, xid) {
                         return Err(ended.for_no_event());
+                    }
+                    // The built-in statement's set-based form, run by the
+                    // handler where it cannot be fused (a `jsonb` payload
+                    // column): rejected for an event it does not name.
+                    let built_in = positions.iter().all(|i| batch[*i].plain);
+                    if named.is_none() && !outage && !canceled(&e) && built_in {
+                        return Ok(Batch::Rejected(e.for_no_event()));
                     }
                     // Name the failing event by its place in `batch`.
                     return Err(match named {

@@ -1844,3 +1844,62 @@ fn without_temporary_objects_a_rejected_batch_is_tried_in_halves() {
         .unwrap();
     s.db.admin(&format!("DROP OWNED BY {role}; DROP ROLE {role}"));
 }
+
+/// Batch mode with a `jsonb` payload column (the built-in statement runs
+/// apart from the dedup insert, in its set-based form): the batch's events
+/// used to go in as text, which `jsonb` refuses, so every batch failed and
+/// went one by one (4,130 events/s where a text column drains 35,222/s).
+/// Now one transaction takes the read; a payload that is not JSON is refused
+/// before anything is sent (invalid, as per-event mode refuses it), and one
+/// that the database rejects costs its halves, not the read.
+#[test]
+fn a_jsonb_payload_column_applies_a_batch_in_few_transactions() {
+    let s = Scenario::new("jsonb");
+    s.db.client()
+        .batch_execute(
+            "ALTER TABLE notifications ALTER COLUMN payload TYPE jsonb USING payload::jsonb;
+             ALTER TABLE notifications ADD CONSTRAINT no_poison CHECK (NOT payload ? 'poison');
+             ALTER TABLE notifications ADD COLUMN tx bigint DEFAULT txid_current();",
+        )
+        .unwrap();
+    let mut conn = redis(&s.redis_url);
+    for i in 0..64 {
+        let payload = match i {
+            20 => "not json".to_owned(),
+            45 => r#"{"poison":true}"#.to_owned(),
+            i => format!(r#"{{"n":{i}}}"#),
+        };
+        xadd(
+            &mut conn,
+            &s.stream,
+            &[("event_id", &format!("j-{i:02}")), ("payload", &payload)],
+        );
+    }
+    let builder = s.builder().mode(Mode::Batch).workers(1).count(64);
+    let summary = s.run_until_idle(builder, SqlHandler::default());
+    assert_eq!(summary.applied, 62, "{summary}");
+    let mut letters: Vec<(String, DeadLetterKind)> = s
+        .dead_letters()
+        .into_iter()
+        .map(|l| (l.event_id.unwrap_or_default(), l.kind))
+        .collect();
+    letters.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(
+        letters,
+        [
+            ("j-20".to_owned(), DeadLetterKind::Invalid),
+            ("j-45".to_owned(), DeadLetterKind::Permanent)
+        ]
+    );
+    assert_eq!(
+        s.db.count("SELECT count(*) FROM notifications WHERE payload ? 'n'"),
+        62
+    );
+    assert_eq!(s.pending(), 0);
+    // One by one: 62 transactions.
+    let transactions = s.db.count("SELECT count(DISTINCT tx) FROM notifications");
+    assert!(
+        transactions <= 8,
+        "the healthy events took {transactions} transactions"
+    );
+}
