@@ -598,6 +598,10 @@ impl Processor {
             fault::hit(Point::InHandler, e.event_id());
         }
         let mut left_out: Vec<(usize, HandlerError)> = Vec::new();
+        // Whether the handler's events are all the built-in statement's
+        // (a `jsonb` payload column keeps them from being fused): no user
+        // code of theirs to run again.
+        let built_in = positions.iter().all(|i| batch[*i].plain);
         // A savepoint costs a round trip, and only a call that failed
         // after sending a statement needs one: a call that failed before
         // (`Tx::touched`) left the transaction as it was. So a guarded
@@ -652,10 +656,15 @@ impl Processor {
                     if let Some(ended) = ended(&mut tx, xid) {
                         return Err(ended.for_no_event());
                     }
+                    // Events left out already failed for good in this
+                    // attempt: they take the failure path, the rest goes
+                    // again (run one by one, they would run again unrecorded).
+                    if !outage && !left_out.is_empty() {
+                        return Ok(Batch::Redo(left_out));
+                    }
                     // The built-in statement's set-based form, run by the
-                    // handler where it cannot be fused (a `jsonb` payload
-                    // column): rejected for an event it does not name.
-                    let built_in = positions.iter().all(|i| batch[*i].plain);
+                    // handler where it cannot be fused: rejected for an
+                    // event it does not name.
                     if named.is_none() && !outage && !canceled(&e) && built_in {
                         return Ok(Batch::Rejected(e.for_no_event()));
                     }

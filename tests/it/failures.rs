@@ -1854,52 +1854,156 @@ fn without_temporary_objects_a_rejected_batch_is_tried_in_halves() {
 /// that the database rejects costs its halves, not the read.
 #[test]
 fn a_jsonb_payload_column_applies_a_batch_in_few_transactions() {
-    let s = Scenario::new("jsonb");
+    // (column type, whether a \u0000 in a string is stored)
+    for (ty, nul_stored) in [("jsonb", false), ("json", true)] {
+        let s = Scenario::new("jsonb");
+        s.db.client()
+            .batch_execute(&format!(
+                "ALTER TABLE notifications ALTER COLUMN payload TYPE {ty} USING payload::{ty};
+                 ALTER TABLE notifications ADD CONSTRAINT no_poison \
+                   CHECK (payload::text NOT LIKE '%poison%');
+                 ALTER TABLE notifications ADD COLUMN tx bigint DEFAULT txid_current();"
+            ))
+            .unwrap();
+        let mut conn = redis(&s.redis_url);
+        for i in 0..64 {
+            let payload = match i {
+                20 => "not json".to_owned(),
+                33 => r#"{"s":"a\u0000b","n":33}"#.to_owned(),
+                45 => r#"{"poison":true}"#.to_owned(),
+                i => format!(r#"{{"n":{i}}}"#),
+            };
+            xadd(
+                &mut conn,
+                &s.stream,
+                &[("event_id", &format!("j-{i:02}")), ("payload", &payload)],
+            );
+        }
+        let builder = s.builder().mode(Mode::Batch).workers(1).count(64);
+        let summary = s.run_until_idle(builder, SqlHandler::default());
+        let applied = if nul_stored { 62 } else { 61 };
+        assert_eq!(summary.applied, applied, "{ty}: {summary}");
+        let mut letters: Vec<(String, DeadLetterKind)> = s
+            .dead_letters()
+            .into_iter()
+            .map(|l| (l.event_id.unwrap_or_default(), l.kind))
+            .collect();
+        letters.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut want = vec![("j-20".to_owned(), DeadLetterKind::Invalid)];
+        if !nul_stored {
+            want.push(("j-33".to_owned(), DeadLetterKind::Permanent));
+        }
+        want.push(("j-45".to_owned(), DeadLetterKind::Permanent));
+        assert_eq!(letters, want, "{ty}");
+        assert_eq!(
+            s.db.count("SELECT count(*) FROM notifications WHERE payload::text LIKE '%\"n\"%'"),
+            applied as i64,
+            "{ty}"
+        );
+        let kept = s.db.count(
+            "SELECT count(*) FROM processed_events WHERE event_id IN ('j-20', 'j-33', 'j-45')",
+        );
+        assert_eq!(kept, i64::from(nul_stored), "{ty}");
+        assert_eq!(s.pending(), 0);
+        // One by one: a transaction per healthy event.
+        let transactions = s.db.count("SELECT count(DISTINCT tx) FROM notifications");
+        assert!(
+            transactions <= 8,
+            "{ty}: the healthy events took {transactions} transactions"
+        );
+    }
+}
+
+/// A batch in which a handler's event failed and was left out, and which
+/// then fails as a whole (here the built-in statement's set-based form,
+/// run by the handler for a `jsonb` column, rejected by a constraint):
+/// the event left out takes its failure path once. Before, the whole batch
+/// went one by one and the left-out event's handler ran again, its failure
+/// unrecorded (found by a review).
+#[test]
+fn an_event_left_out_of_a_batch_that_then_fails_runs_once() {
+    struct Routing {
+        sql: SqlHandler,
+        calls: Mutex<HashMap<String, u32>>,
+    }
+    impl Handler for Routing {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            *self
+                .calls
+                .lock()
+                .unwrap()
+                .entry(event.event_id().to_owned())
+                .or_default() += 1;
+            if event.event_id() == "b-03" {
+                return Err(HandlerError::permanent("refused by the handler"));
+            }
+            tx.execute(
+                "INSERT INTO notifications (event_id, payload) VALUES ($1, $2::text::jsonb)",
+                &[&event.event_id(), &event.payload().unwrap_or_default()],
+            )?;
+            Ok(())
+        }
+        fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            // The built-in statement's events in its set-based form, the
+            // others one at a time.
+            type Part<'a> = Vec<(usize, &'a Event)>;
+            let (sql, own): (Part<'_>, Part<'_>) = events
+                .iter()
+                .copied()
+                .enumerate()
+                .partition(|(_, e)| e.event_id().starts_with('a'));
+            for (i, event) in own {
+                self.handle(event, tx).map_err(|e| e.for_event(i))?;
+            }
+            let (at, sql): (Vec<usize>, Vec<&Event>) = sql.into_iter().unzip();
+            self.sql
+                .handle_batch(&sql, tx)
+                .map_err(|e| match e.event_index() {
+                    Some(k) => e.for_event(at[k]),
+                    None => e,
+                })
+        }
+        fn sql_effect(&self, event: &Event) -> Option<&SqlHandler> {
+            event.event_id().starts_with('a').then_some(&self.sql)
+        }
+    }
+    let s = Scenario::new("left-out");
     s.db.client()
         .batch_execute(
             "ALTER TABLE notifications ALTER COLUMN payload TYPE jsonb USING payload::jsonb;
-             ALTER TABLE notifications ADD CONSTRAINT no_poison CHECK (NOT payload ? 'poison');
-             ALTER TABLE notifications ADD COLUMN tx bigint DEFAULT txid_current();",
+             ALTER TABLE notifications ADD CONSTRAINT no_poison \
+               CHECK (payload::text NOT LIKE '%poison%');",
         )
         .unwrap();
     let mut conn = redis(&s.redis_url);
-    for i in 0..64 {
-        let payload = match i {
-            20 => "not json".to_owned(),
-            45 => r#"{"poison":true}"#.to_owned(),
-            i => format!(r#"{{"n":{i}}}"#),
+    let ids: Vec<String> = (0..16)
+        .map(|i| format!("{}-{i:02}", if i % 4 == 3 { 'b' } else { 'a' }))
+        .collect();
+    for id in &ids {
+        let payload = match id.as_str() {
+            "a-12" => r#"{"poison":true}"#,
+            _ => r#"{"n":1}"#,
         };
         xadd(
             &mut conn,
             &s.stream,
-            &[("event_id", &format!("j-{i:02}")), ("payload", &payload)],
+            &[("event_id", id), ("payload", payload)],
         );
     }
+    let handler = Arc::new(Routing {
+        sql: SqlHandler::default(),
+        calls: Mutex::default(),
+    });
     let builder = s.builder().mode(Mode::Batch).workers(1).count(64);
-    let summary = s.run_until_idle(builder, SqlHandler::default());
-    assert_eq!(summary.applied, 62, "{summary}");
-    let mut letters: Vec<(String, DeadLetterKind)> = s
+    let summary = s.run_until_idle(builder, handler.clone());
+    assert_eq!(handler.calls.lock().unwrap().get("b-03"), Some(&1));
+    assert_eq!(summary.applied, 14, "{summary}");
+    let mut letters: Vec<String> = s
         .dead_letters()
         .into_iter()
-        .map(|l| (l.event_id.unwrap_or_default(), l.kind))
+        .filter_map(|l| l.event_id)
         .collect();
-    letters.sort_by(|a, b| a.0.cmp(&b.0));
-    assert_eq!(
-        letters,
-        [
-            ("j-20".to_owned(), DeadLetterKind::Invalid),
-            ("j-45".to_owned(), DeadLetterKind::Permanent)
-        ]
-    );
-    assert_eq!(
-        s.db.count("SELECT count(*) FROM notifications WHERE payload ? 'n'"),
-        62
-    );
+    letters.sort();
+    assert_eq!(letters, ["a-12", "b-03"]);
     assert_eq!(s.pending(), 0);
-    // One by one: 62 transactions.
-    let transactions = s.db.count("SELECT count(DISTINCT tx) FROM notifications");
-    assert!(
-        transactions <= 8,
-        "the healthy events took {transactions} transactions"
-    );
 }
