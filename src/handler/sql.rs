@@ -163,6 +163,34 @@ fn is_json(ty: &Type) -> bool {
     *ty == Type::JSON || *ty == Type::JSONB
 }
 
+/// JSON text bound to a `json` or `jsonb` parameter as it is (checked
+/// first): as a `serde_json::Value`, numbers beyond an f64 were rounded
+/// (`12345678901234567890123.5` stored as `1.2345678901234568e+22`) and a
+/// `json` column got its keys sorted and deduplicated, where a batch stores
+/// the text as sent.
+#[derive(Debug)]
+struct RawJson<'a>(&'a str);
+
+impl ToSql for RawJson<'_> {
+    fn to_sql(
+        &self,
+        ty: &Type,
+        out: &mut bytes::BytesMut,
+    ) -> Result<postgres::types::IsNull, Box<dyn std::error::Error + Sync + Send>> {
+        if *ty == Type::JSONB {
+            out.extend_from_slice(&[1]); // jsonb's binary format: version 1, then the text
+        }
+        out.extend_from_slice(self.0.as_bytes());
+        Ok(postgres::types::IsNull::No)
+    }
+
+    fn accepts(ty: &Type) -> bool {
+        is_json(ty)
+    }
+
+    postgres::types::to_sql_checked!();
+}
+
 /// Whether a JSON value holds a NUL character in a string or a key.
 fn holds_nul(value: &serde_json::Value) -> bool {
     match value {
@@ -228,24 +256,18 @@ impl Handler for SqlHandler {
         }
         let event_id = event.event_id();
         let payload_text = payload(event)?;
-        let payload_json: Option<serde_json::Value> = match types.get(1) {
-            Some(ty) if is_json(ty) => payload_text
-                .map(serde_json::from_str)
-                .transpose()
-                .map_err(|e| invalid(format!("payload is not JSON: {e}")))?,
-            _ => None,
-        };
+        if let (Some(ty), Some(text)) = (types.get(1), payload_text) {
+            if is_json(ty) {
+                serde_json::from_str::<serde_json::Value>(text)
+                    .map_err(|e| invalid(format!("payload is not JSON: {e}")))?;
+            }
+        }
+        let payload_json = payload_text.map(RawJson);
         let fields_text: Option<String> = match types.get(2) {
             Some(_) => Some(event.fields_json().map_err(invalid)?),
             None => None,
         };
-        let fields_json: Option<serde_json::Value> = match (types.get(2), &fields_text) {
-            (Some(ty), Some(text)) if is_json(ty) => Some(
-                serde_json::from_str(text)
-                    .map_err(|e| invalid(format!("fields are not JSON: {e}")))?,
-            ),
-            _ => None,
-        };
+        let fields_json = fields_text.as_deref().map(RawJson);
         let mut params: Vec<&(dyn ToSql + Sync)> = Vec::with_capacity(types.len());
         for (i, ty) in types.iter().enumerate() {
             match i {

@@ -1344,3 +1344,50 @@ fn a_jsonb_payload_column_keeps_the_built_in_statement_working() {
         );
     }
 }
+
+/// A `json` or `jsonb` payload column stores the payload as it was sent, in
+/// both modes: per event it used to go through serde_json's `Value`, which
+/// rounds a number beyond an f64 and sorts (and deduplicates) a `json`
+/// column's keys, while a batch stores the text as sent (a review finding).
+#[test]
+fn a_json_payload_is_stored_as_sent_in_both_modes() {
+    let payload = r#"{"z": 12345678901234567890123.5, "a": [1, 2], "z2": "x"}"#;
+    for ty in ["json", "jsonb"] {
+        for mode in [taskhub::Mode::PerEvent, taskhub::Mode::Batch] {
+            let db = TestDb::new();
+            db.client()
+                .batch_execute(&format!(
+                    "ALTER TABLE notifications ALTER COLUMN payload TYPE {ty} USING payload::{ty}"
+                ))
+                .unwrap();
+            let (stream, group) = (unique("s"), unique("g"));
+            let mut conn = redis(&redis_url());
+            for i in 0..3 {
+                let id = format!("p{i}");
+                xadd(
+                    &mut conn,
+                    &stream,
+                    &[("event_id", &id), ("payload", payload)],
+                );
+            }
+            let summary = run_until_idle(
+                builder(&db.url, &stream, &group).mode(mode),
+                SqlHandler::default(),
+            );
+            assert_eq!(summary.applied, 3, "{ty} {mode:?}: {summary}");
+            // json keeps the text; jsonb is PostgreSQL's own reading of it.
+            let same = db
+                .client()
+                .query_one(
+                    &format!(
+                        "SELECT count(*) FROM notifications \
+                         WHERE payload::text = ($1::text::{ty})::text"
+                    ),
+                    &[&payload],
+                )
+                .unwrap()
+                .get::<_, i64>(0);
+            assert_eq!(same, 3, "{ty} {mode:?}");
+        }
+    }
+}
