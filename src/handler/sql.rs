@@ -3,8 +3,9 @@
 //!
 //! Parameters: `$1` the event_id, `$2` the payload (NULL when absent), `$3`
 //! all fields as a JSON object. A statement may use any prefix of them. When a
-//! parameter is of type `json` or `jsonb`, the value is parsed as JSON first,
-//! and an event whose payload is not JSON is dead-lettered as invalid.
+//! parameter is of type `json` or `jsonb`, the value is checked to be JSON
+//! and bound as the text it came as (an event whose payload is not JSON is
+//! dead-lettered as invalid); `jsonb` stores PostgreSQL's reading of it.
 
 use postgres::types::{ToSql, Type};
 
