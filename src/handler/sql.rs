@@ -192,14 +192,12 @@ impl ToSql for RawJson<'_> {
     postgres::types::to_sql_checked!();
 }
 
-/// Whether a JSON value holds a NUL character in a string or a key.
-fn holds_nul(value: &serde_json::Value) -> bool {
-    match value {
-        serde_json::Value::String(s) => s.contains('\0'),
-        serde_json::Value::Array(items) => items.iter().any(holds_nul),
-        serde_json::Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || holds_nul(v)),
-        _ => false,
-    }
+/// Refuses, as invalid, a payload bound to a `json` or `jsonb` parameter
+/// that is not JSON, before anything is sent.
+fn check_json(text: &str) -> Result<(), HandlerError> {
+    serde_json::from_str::<serde_json::Value>(text)
+        .map(drop)
+        .map_err(|e| invalid(format!("payload is not JSON: {e}")))
 }
 
 /// The statement per event, naming the event that failed.
@@ -259,8 +257,7 @@ impl Handler for SqlHandler {
         let payload_text = payload(event)?;
         if let (Some(ty), Some(text)) = (types.get(1), payload_text) {
             if is_json(ty) {
-                serde_json::from_str::<serde_json::Value>(text)
-                    .map_err(|e| invalid(format!("payload is not JSON: {e}")))?;
+                check_json(text)?;
             }
         }
         let payload_json = payload_text.map(RawJson);
@@ -294,21 +291,14 @@ impl Handler for SqlHandler {
             return handle_each(self, events, tx);
         };
         let json = default.params().get(1).is_some_and(is_json);
-        let jsonb = default.params().get(1) == Some(&Type::JSONB);
         let mut ids = Vec::with_capacity(events.len());
         let mut payloads = Vec::with_capacity(events.len());
         for (i, event) in events.iter().enumerate() {
             ids.push(event.event_id());
             let text = payload(event).map_err(|e| e.for_event(i))?;
             if let Some(text) = text.filter(|_| json) {
-                // As `handle` refuses it, before anything is sent.
-                let value = serde_json::from_str::<serde_json::Value>(text)
-                    .map_err(|e| invalid(format!("payload is not JSON: {e}")).for_event(i))?;
-                if jsonb && holds_nul(&value) {
-                    // PostgreSQL refuses it (22P05) for the whole batch.
-                    let why = "payload holds \\u0000, which jsonb cannot store";
-                    return Err(HandlerError::permanent(why).for_event(i));
-                }
+                // As `handle` refuses it, naming the event.
+                check_json(text).map_err(|e| e.for_event(i))?;
             }
             payloads.push(text);
         }

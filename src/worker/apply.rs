@@ -96,13 +96,12 @@ fn canceled(e: &HandlerError) -> bool {
 /// The built-in statement's failure for a batch: rejected (its halves are
 /// tried apart), or an outage, left to the caller's outage handling.
 fn rejected(e: postgres::Error) -> Result<Batch, HandlerError> {
-    // A statement past `--handler-timeout` (a lock wait) is not one
-    // event's: as before, one by one.
-    let canceled = e.code() == Some(&postgres::error::SqlState::QUERY_CANCELED);
     let e = HandlerError::from(e).for_no_event();
     match e.class() {
         FailureClass::Outage => Err(e),
-        _ if canceled => Err(e),
+        // A statement past `--handler-timeout` (a lock wait) is not one
+        // event's: as before, one by one.
+        _ if canceled(&e) => Err(e),
         _ => Ok(Batch::Rejected(e)),
     }
 }
@@ -131,7 +130,7 @@ impl Processor {
                 .get()
                 .map_err(|e| HandlerError::outage(format!("no PostgreSQL connection: {e}")))?;
             self.cache.clear();
-            (self.session, self.default_folds, self.apply_each) = (None, None, None);
+            (self.session, self.default_folds, self.each_function) = (None, None, None);
             self.pg = Some(conn);
         }
         Ok(())
@@ -325,7 +324,7 @@ impl Processor {
             fault::hit(Point::InHandler, event(d).event_id());
             fault::hit(Point::BeforeCommit, event(d).event_id());
         }
-        if self.each_batches > 0 && self.apply_each == Some(true) && ids.len() <= EACH_MOST {
+        if self.each_batches > 0 && self.each_function == Some(true) && ids.len() <= EACH_MOST {
             // Rejected lately: one event at a time at once, rather than
             // the set-based statement first and again after it failed.
             self.each_batches -= 1;
@@ -394,17 +393,17 @@ impl Processor {
             unreachable!("the caller ran a statement")
         };
         let outage = |e: &postgres::Error| classify_postgres(e) == FailureClass::Outage;
-        if self.apply_each.is_none() {
+        if self.each_function.is_none() {
             match conn.batch_execute(sql::APPLY_EACH_FUNCTION) {
-                Ok(()) => self.apply_each = Some(true),
+                Ok(()) => self.each_function = Some(true),
                 Err(e) if outage(&e) => return Err(HandlerError::from(e).for_no_event()),
                 Err(e) => {
                     log::info!("postgres: cannot create the function that applies a rejected batch's events apart ({e}); the batch's halves are tried apart instead");
-                    self.apply_each = Some(false);
+                    self.each_function = Some(false);
                 }
             }
         }
-        if self.apply_each != Some(true) {
+        if self.each_function != Some(true) {
             return Ok(rejected.map(Batch::Rejected));
         }
         let started = Instant::now();
@@ -422,7 +421,7 @@ impl Processor {
                 // Created again only where it went missing (a DISCARD);
                 // a call that fails otherwise would fail again.
                 let missing = e.code() == Some(&postgres::error::SqlState::UNDEFINED_FUNCTION);
-                self.apply_each = if missing { None } else { Some(false) };
+                self.each_function = if missing { None } else { Some(false) };
                 self.each_batches = 0;
                 return Ok(rejected.map(Batch::Rejected));
             }
@@ -1071,6 +1070,20 @@ mod tests {
         assert_eq!(record_start(&mut conn, &key, 2, 60).unwrap(), 1);
         assert_eq!(record_start(&mut conn, &key, 3, 60).unwrap(), 2);
         let _: () = redis::cmd("DEL").arg(&key).query(&mut conn).unwrap();
+    }
+
+    /// A failure of the built-in statement is the batch's to split only
+    /// when it may be one event's: a statement cancelled past its timeout
+    /// (a lock wait) goes one by one as before, an outage to its handling.
+    #[test]
+    fn only_an_event_s_failure_rejects_a_batch() {
+        let url = crate::postgres::pool::test_url();
+        let mut conn = postgres::Client::connect(&url, postgres::NoTls).expect("the test database");
+        let division = conn.query("SELECT 1 / 0", &[]).unwrap_err();
+        assert!(matches!(rejected(division), Ok(Batch::Rejected(_))));
+        conn.batch_execute("SET statement_timeout = 10").unwrap();
+        let cancel = conn.query("SELECT pg_sleep(1)", &[]).unwrap_err();
+        assert!(rejected(cancel).is_err());
     }
 
     /// What a literal reads back as in PostgreSQL, with the session's

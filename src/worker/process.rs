@@ -125,7 +125,7 @@ pub(crate) struct Processor {
     /// Whether this connection's session has the function that applies
     /// the events of a rejected batch apart (`sql::APPLY_EACH_FUNCTION`;
     /// `None`: not created yet).
-    pub(crate) apply_each: Option<bool>,
+    pub(crate) each_function: Option<bool>,
     /// How many more batches of the built-in statement go straight to
     /// `sql::APPLY_EACH`: set when one was rejected (see `apply.rs`).
     pub(crate) each_batches: u32,
@@ -212,7 +212,7 @@ impl Processor {
             reached_database: false,
             session: None,
             default_folds: None,
-            apply_each: None,
+            each_function: None,
             each_batches: 0,
             savepoint_batches: 0,
             held: None,

@@ -2007,3 +2007,36 @@ fn an_event_left_out_of_a_batch_that_then_fails_runs_once() {
     assert_eq!(letters, ["a-12", "b-03"]);
     assert_eq!(s.pending(), 0);
 }
+
+/// A rejected event with a second copy in the same read, and a healthy
+/// event with one: the rejected event is dead-lettered once and its copy
+/// acked without an effect; the healthy event applied once, its copy a
+/// duplicate. Nothing pending, no dedup row for the rejected event.
+#[test]
+fn copies_in_a_rejected_batch_keep_one_outcome() {
+    let mut s = Scenario::new("rejects-copies");
+    s.db.client()
+        .batch_execute(
+            "ALTER TABLE notifications ADD CONSTRAINT no_poison \
+             CHECK (payload NOT LIKE '%poison%')",
+        )
+        .unwrap();
+    let mut ids: Vec<String> = (0..8).map(|i| format!("ev-{i}")).collect();
+    ids.insert(4, "poison-1".to_owned());
+    ids.push("poison-1".to_owned());
+    ids.push("ev-3".to_owned());
+    s.produce(&ids);
+    let builder = s.builder().mode(Mode::Batch).workers(1).count(64);
+    let summary = s.run_until_idle(builder, SqlHandler::default());
+    assert_eq!(summary.applied, 8, "{summary}");
+    assert_eq!(summary.dead_lettered, 1, "{summary}");
+    let healthy: Vec<String> = (0..8).map(|i| format!("ev-{i}")).collect();
+    s.db.assert_effects_once(&healthy);
+    let letters = s.dead_letters();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].event_id.as_deref(), Some("poison-1"));
+    assert_eq!(s.pending(), 0);
+    let kept =
+        s.db.count("SELECT count(*) FROM processed_events WHERE event_id = 'poison-1'");
+    assert_eq!(kept, 0);
+}
