@@ -1,5 +1,7 @@
-//! PostgreSQL: connections, TLS, the worker pool and the migrations.
+//! PostgreSQL: connections, TLS, the worker pool, the migrations, and who a
+//! waiting session waits for.
 
+pub(crate) mod blockers;
 pub(crate) mod connect;
 pub(crate) mod migrate;
 pub(crate) mod pool;

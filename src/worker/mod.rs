@@ -21,6 +21,7 @@ use crate::config::{Builder, Config, Mode};
 use crate::error::{Error, ErrorKind};
 use crate::event::Limits;
 use crate::handler::Handler;
+use crate::postgres::blockers::Watch;
 use crate::postgres::connect;
 use crate::postgres::pool::{postgres_pool, PgPool, Setup};
 use crate::redis::keys::Namespace;
@@ -198,7 +199,16 @@ impl Worker {
             config.workers as u32 + 1 + PG_ROOM,
             setup,
         )?;
-        check_schema(&pg, config, self.handler.as_ref())?;
+        let shutdown = &self.monitor.inner.shutdown;
+        match check_schema(&pg, config, self.handler.as_ref(), shutdown) {
+            // Stopped while the check waited (for a lock, say): nothing read.
+            Err(_) if shutdown.is_shutdown() => {
+                let summary = self.monitor.inner.stats.snapshot();
+                log::info!("taskhub: stopped during the start-up check; {summary}");
+                return Ok(summary);
+            }
+            result => result?,
+        }
         {
             let mut conn = redis
                 .get()
@@ -260,7 +270,15 @@ struct Parts {
     namespace: Namespace,
 }
 
-fn check_schema(pg: &PgPool, config: &Config, handler: &dyn Handler) -> Result<(), Error> {
+/// Checks that the schema is there and lets the handler check its own
+/// (`Handler::on_start`). Both take locks on their tables, which another
+/// session may hold for long: a watch says who, and cancels on a shutdown.
+fn check_schema(
+    pg: &PgPool,
+    config: &Config,
+    handler: &dyn Handler,
+    shutdown: &Shutdown,
+) -> Result<(), Error> {
     drop(
         pg.get()
             .map_err(|e| connect::pg_unreachable(&config.database_url, e))?,
@@ -269,6 +287,14 @@ fn check_schema(pg: &PgPool, config: &Config, handler: &dyn Handler) -> Result<(
     // read-only outside taskhub's transactions, and a handler may create
     // what it needs here.
     let mut conn = connect::postgres(&config.database_url)?;
+    let what = format!("the start-up check (of the {} handler)", handler.name());
+    let watch = Watch::begin(&mut conn, pg.clone(), shutdown.clone(), what);
+    let checked = check_tables(&mut conn, handler);
+    watch.end();
+    checked
+}
+
+fn check_tables(conn: &mut postgres::Client, handler: &dyn Handler) -> Result<(), Error> {
     conn.simple_query("SELECT scope, event_id FROM processed_events LIMIT 0")
         .map_err(|e| {
             Error::with_source(
@@ -277,7 +303,7 @@ fn check_schema(pg: &PgPool, config: &Config, handler: &dyn Handler) -> Result<(
                 e,
             )
         })?;
-    handler.on_start(&mut conn).map_err(|e| {
+    handler.on_start(conn).map_err(|e| {
         Error::new(
             ErrorKind::Config,
             format!("{} handler: {e}", handler.name()),

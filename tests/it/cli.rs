@@ -788,3 +788,64 @@ fn a_worker_role_with_only_row_grants_runs() {
     drop(c);
     db.admin(&format!("DROP OWNED BY {role}; DROP ROLE {role}"));
 }
+
+/// A session that holds a lock on `notifications` (a migration, a forgotten
+/// `LOCK TABLE` in an open transaction) blocks the start-up check of the
+/// statement for as long as it holds it. The worker must say so, naming the
+/// session, instead of hanging silently, start once the lock is gone, and
+/// stop at once on SIGTERM while it waits.
+#[test]
+fn a_locked_table_at_start_up_is_named_and_waited_for() {
+    let db = TestDb::new();
+    let mut r = redis(&redis_url());
+    let lock = |client: &mut postgres::Client| -> i32 {
+        client
+            .batch_execute("BEGIN; LOCK TABLE notifications IN ACCESS EXCLUSIVE MODE")
+            .unwrap();
+        client
+            .query_one("SELECT pg_backend_pid()", &[])
+            .unwrap()
+            .get(0)
+    };
+
+    // Waited for, then run.
+    let stream = unique("locked");
+    let events = |prefix: &str| (0..3).map(|i| format!("{prefix}{i}")).collect::<Vec<_>>();
+    xadd_events(&mut r, &stream, &events("e"));
+    let mut holder = db.client();
+    let pid = lock(&mut holder);
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.arg("--until-idle");
+    let mut p = Proc::spawn(cmd);
+    assert!(
+        p.wait_for(&format!("held by pid {pid}"), T),
+        "no word of the lock: {}",
+        p.stderr()
+    );
+    holder.batch_execute("COMMIT").unwrap();
+    let status = p.wait(T);
+    assert!(status.success(), "{}", p.stderr());
+    assert_eq!(parse_summary(&p.stdout())["applied"], 3, "{}", p.stdout());
+
+    // Stopped while it waits: at once, nothing applied, nothing acked.
+    let stream = unique("locked");
+    xadd_events(&mut r, &stream, &events("f"));
+    let pid = lock(&mut holder);
+    let mut p = Proc::spawn(run_on(&db.url, &stream));
+    assert!(
+        p.wait_for(&format!("held by pid {pid}"), T),
+        "{}",
+        p.stderr()
+    );
+    let asked = std::time::Instant::now();
+    p.signal("TERM");
+    let status = p.wait(T);
+    assert!(
+        asked.elapsed() < Duration::from_secs(5),
+        "SIGTERM took {:?} while the lock was held",
+        asked.elapsed()
+    );
+    assert!(status.success(), "{}", p.stderr());
+    holder.batch_execute("COMMIT").unwrap();
+    assert_eq!(db.count("SELECT count(*) FROM notifications"), 3);
+}
