@@ -9,6 +9,8 @@
 //! secrets), and cancels the step on a shutdown, so SIGTERM stops a worker
 //! that waits.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, RecvTimeoutError, Sender};
@@ -33,6 +35,7 @@ const BLOCKERS: &str = "SELECT a.wait_event_type, \
 /// A running watch; [`Watch::end`] (or dropping it) stops it.
 pub(crate) struct Watch {
     _done: Sender<()>,
+    cancelled: Arc<AtomicBool>,
 }
 
 impl Watch {
@@ -45,6 +48,8 @@ impl Watch {
         what: String,
     ) -> Watch {
         let (done, ended) = bounded::<()>(0);
+        let cancelled = Arc::new(AtomicBool::new(false));
+        let cancelling = cancelled.clone();
         let pid = client
             .query_one("SELECT pg_backend_pid()", &[])
             .map(|row| row.get::<_, i32>(0));
@@ -62,11 +67,14 @@ impl Watch {
                             _ => return,
                         }
                         if shutdown.is_shutdown() {
-                            // Its session must not outlive the stop.
+                            // Its session must not outlive the stop: again
+                            // every 100 ms until the step ends (a cancel
+                            // between two statements is lost).
+                            cancelling.store(true, Ordering::SeqCst);
                             if let Ok(mut conn) = pool.get() {
                                 let _ = conn.execute("SELECT pg_cancel_backend($1)", &[&pid]);
                             }
-                            return;
+                            continue;
                         }
                         if started.elapsed() >= word_at {
                             word_at += NEXT_WORD;
@@ -75,11 +83,17 @@ impl Watch {
                     }
                 });
         }
-        Watch { _done: done }
+        Watch {
+            _done: done,
+            cancelled,
+        }
     }
 
-    /// The step is over.
-    pub(crate) fn end(self) {}
+    /// The step is over: whether the watch cancelled it for a shutdown
+    /// (else its error, if any, is its own).
+    pub(crate) fn end(self) -> bool {
+        self.cancelled.load(Ordering::SeqCst)
+    }
 }
 
 /// What the session `pid` has been waiting for.

@@ -202,12 +202,13 @@ impl Worker {
         let shutdown = &self.monitor.inner.shutdown;
         match check_schema(&pg, config, self.handler.as_ref(), shutdown) {
             // Stopped while the check waited (for a lock, say): nothing read.
-            Err(_) if shutdown.is_shutdown() => {
+            Err(Checked::Cancelled) => {
                 let summary = self.monitor.inner.stats.snapshot();
                 log::info!("taskhub: stopped during the start-up check; {summary}");
                 return Ok(summary);
             }
-            result => result?,
+            Err(Checked::Failed(e)) => return Err(e),
+            Ok(()) => {}
         }
         {
             let mut conn = redis
@@ -278,7 +279,7 @@ fn check_schema(
     config: &Config,
     handler: &dyn Handler,
     shutdown: &Shutdown,
-) -> Result<(), Error> {
+) -> Result<(), Checked> {
     drop(
         pg.get()
             .map_err(|e| connect::pg_unreachable(&config.database_url, e))?,
@@ -290,8 +291,23 @@ fn check_schema(
     let what = format!("the start-up check (of the {} handler)", handler.name());
     let watch = Watch::begin(&mut conn, pg.clone(), shutdown.clone(), what);
     let checked = check_tables(&mut conn, handler);
-    watch.end();
-    checked
+    match (checked, watch.end()) {
+        (Err(_), true) => Err(Checked::Cancelled),
+        (checked, _) => Ok(checked?),
+    }
+}
+
+/// Why the start-up check did not pass.
+enum Checked {
+    /// The watch cancelled it for a shutdown.
+    Cancelled,
+    Failed(Error),
+}
+
+impl From<Error> for Checked {
+    fn from(e: Error) -> Checked {
+        Checked::Failed(e)
+    }
 }
 
 fn check_tables(conn: &mut postgres::Client, handler: &dyn Handler) -> Result<(), Error> {
