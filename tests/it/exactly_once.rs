@@ -683,12 +683,16 @@ fn shutdown_deadline_second_signal_and_sigint() {
     };
     // Sessions of this database that run the sleepy statement: `active`
     // while it sleeps, then `idle in transaction` until the session finds
-    // its client gone and ends, rolling back.
-    let sleepers = |state: &str| {
+    // its client gone and ends, rolling back. `since` keeps out the moment a
+    // session is `active` preparing the statement (the start-up check and
+    // each pooled connection do): only a statement running for that long is
+    // asleep.
+    let sleepers = |state: &str, since: &str| {
         db.count(&format!(
             "SELECT count(*) FROM pg_stat_activity \
              WHERE datname = current_database() AND pid <> pg_backend_pid() \
-             AND query LIKE '%pg_sleep(4)' AND state LIKE '{state}'"
+             AND query LIKE '%pg_sleep(4)' AND state LIKE '{state}' \
+             AND query_start <= now() - interval '{since}'"
         ))
     };
     // Until the entry is read and its handler sits in pg_sleep.
@@ -696,12 +700,12 @@ fn shutdown_deadline_second_signal_and_sigint() {
         assert!(wait_until(Duration::from_secs(20), || pending(
             conn, &stream, &group
         ) == 1
-            && sleepers("active") == 1));
+            && sleepers("active", "300 ms") == 1));
     };
     // Until the interrupted transaction has ended: it can commit no more.
     let wait_ended = || {
         assert!(
-            wait_until(Duration::from_secs(20), || sleepers("%") == 0),
+            wait_until(Duration::from_secs(20), || sleepers("%", "0 s") == 0),
             "the interrupted transaction is still open"
         );
     };
