@@ -169,11 +169,22 @@ impl Processor {
         let backoff = &self.stage.settings.backoff;
         let delay = backoff.delay(attempt, error.retry_after());
         let earliest = backoff.earliest(attempt, delay, error.retry_after());
-        log::debug!(
-            "{}/{}: attempt {attempt} failed ({error}); retrying in {delay:?}",
-            delivery.stream,
-            delivery.entry_id
-        );
+        let (stream, entry) = (&delivery.stream, &delivery.entry_id);
+        let max = config.max_attempts;
+        // To the millisecond: "retrying in 1s 250ms".
+        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        let after = humantime::format_duration(std::time::Duration::from_millis(ms));
+        match self.stage.common.stats.failures_shown.take(Instant::now()) {
+            Some(0) => log::warn!(
+                "{stream}/{entry}: attempt {attempt} of {max} failed ({error}); retrying in {after}"
+            ),
+            Some(hidden) => log::warn!(
+                "{stream}/{entry}: attempt {attempt} of {max} failed ({error}); retrying in {after} (and {hidden} other failed attempts since the last line like this, at debug level: RUST_LOG=taskhub=debug shows each)"
+            ),
+            None => log::debug!(
+                "{stream}/{entry}: attempt {attempt} of {max} failed ({error}); retrying in {after}"
+            ),
+        }
         Stats::add(&self.stage.common.stats.of(&delivery.stream).retries, 1);
         // On failure (the retry thread is gone at shutdown) the retry is
         // dropped, which leaves the entry pending.

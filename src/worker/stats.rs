@@ -36,6 +36,8 @@ pub(crate) struct Stats {
     pub commits: AtomicU64,
     pub panics: AtomicU64,
     pub handler_seconds: Histogram,
+    /// Which failed attempts are logged at warn level.
+    pub failures_shown: Sampled,
 }
 
 /// A copy of the counters at one moment.
@@ -241,6 +243,38 @@ impl Health {
     }
 }
 
+/// One line in a while out of many: a failed attempt is logged at warn
+/// level when none was for [`Sampled::EVERY`], and that line counts the
+/// ones not shown since (at debug level). Each failure at warn level would
+/// flood the log when a downstream fails every event; none at all would
+/// hide that the worker is only retrying.
+#[derive(Debug, Default)]
+pub(crate) struct Sampled {
+    /// When a line was last shown, and how many were not since.
+    last: std::sync::Mutex<Option<(std::time::Instant, u64)>>,
+}
+
+impl Sampled {
+    pub const EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+    /// `Some(n)`: show this one, with `n` not shown since the last shown
+    /// one; `None`: this one is not shown.
+    pub fn take(&self, now: std::time::Instant) -> Option<u64> {
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        match &mut *last {
+            Some((at, hidden)) if now.duration_since(*at) < Self::EVERY => {
+                *hidden += 1;
+                None
+            }
+            _ => {
+                let hidden = last.map_or(0, |(_, hidden)| hidden);
+                *last = Some((now, 0));
+                Some(hidden)
+            }
+        }
+    }
+}
+
 /// Upper bounds (seconds) of the handler duration histogram buckets.
 pub(crate) const DURATION_BUCKETS: [f64; 10] =
     [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0];
@@ -282,8 +316,22 @@ impl Histogram {
 
 #[cfg(test)]
 mod tests {
-    use super::{Health, Histogram, Server};
-    use std::time::Duration;
+    use super::{Health, Histogram, Sampled, Server};
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn one_failure_is_shown_per_window_with_a_count_of_the_others() {
+        let s = Sampled::default();
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        assert_eq!(s.take(t0), Some(0), "the first is shown");
+        assert_eq!(s.take(ms(1)), None);
+        assert_eq!(s.take(ms(9_999)), None);
+        assert_eq!(s.take(ms(10_000)), Some(2), "the next window's first");
+        assert_eq!(s.take(ms(10_001)), None);
+        assert_eq!(s.take(ms(60_000)), Some(1));
+        assert_eq!(s.take(ms(70_000)), Some(0), "none hidden");
+    }
 
     #[test]
     fn histogram_buckets_are_cumulative() {

@@ -849,3 +849,65 @@ fn a_locked_table_at_start_up_is_named_and_waited_for() {
     holder.batch_execute("COMMIT").unwrap();
     assert_eq!(db.count("SELECT count(*) FROM notifications"), 3);
 }
+
+/// A worker that only retries says so at the default log level: the first
+/// failed attempt at once, then at most one line in 10 s, counting the
+/// attempts not shown since (each is at debug level). It used to log every
+/// failed attempt at debug level only: a downstream failing every event
+/// left the log silent until the first dead letter, minutes later.
+#[test]
+fn failed_attempts_show_once_in_a_while_with_a_count_of_the_others() {
+    let db = TestDb::new();
+    db.client().batch_execute(ALWAYS_RETRY).unwrap();
+    let stream = unique("failing");
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.args(["--sql", "SELECT try_later($1)"])
+        .args(["--backoff-base", "10ms", "--backoff-cap", "20ms"])
+        .args(["--max-attempts", "100000"]);
+    let mut p = Proc::spawn(cmd);
+    let mut conn = redis(&redis_url());
+    for i in 0..4 {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &format!("e{i}")), ("payload", "p")],
+        );
+    }
+    assert!(
+        p.wait_for("of 100000 failed (", Duration::from_secs(20)),
+        "no failed attempt shown\n{}",
+        p.stderr()
+    );
+    assert!(
+        p.wait_for("other failed attempts since", Duration::from_secs(30)),
+        "no second line counting the others\n{}",
+        p.stderr()
+    );
+    p.signal("TERM");
+    let status = p.wait(Duration::from_secs(30));
+    assert!(status.success(), "{}", p.stderr());
+    let stderr = p.stderr();
+    let shown: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains(" failed (") && l.contains("WARN"))
+        .collect();
+    let retries = parse_summary(&p.stdout())["retries"];
+    assert!(
+        retries > 100,
+        "the backoff of 10-20 ms retries often: {retries}"
+    );
+    assert!(
+        (2..=4).contains(&shown.len()),
+        "{retries} failed attempts, {} shown:\n{stderr}",
+        shown.len()
+    );
+    assert!(shown[0].contains("try e") && shown[0].contains("retrying in"));
+    // The second line counts those not shown between the two.
+    let hidden: u64 = shown[1]
+        .split("(and ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count in {}", shown[1]));
+    assert!(hidden > 50 && hidden < retries, "{hidden} of {retries}");
+}

@@ -420,13 +420,6 @@ fn a_group_created_again_does_not_repeat_dead_letters() {
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 }
 
-/// A statement whose failure is always retryable (serialization failure).
-const ALWAYS_RETRY: &str = "
-    CREATE FUNCTION try_later(id text) RETURNS void LANGUAGE plpgsql AS $$
-    BEGIN
-        RAISE EXCEPTION 'try % later', id USING ERRCODE = '40001';
-    END $$;";
-
 #[test]
 fn an_entry_trimmed_while_it_waits_for_a_retry_is_a_trimmed_dead_letter() {
     let db = TestDb::new();

@@ -146,3 +146,11 @@ pub fn replace_db(url: &str, db: &str) -> String {
     let cut = base.rfind('/').expect("URL has a path");
     format!("{}/{db}{query}", &base[..cut])
 }
+
+/// A function whose failure is always retryable (serialization failure):
+/// `--sql 'SELECT try_later($1)'` fails every attempt.
+pub const ALWAYS_RETRY: &str = "
+    CREATE FUNCTION try_later(id text) RETURNS void LANGUAGE plpgsql AS $$
+    BEGIN
+        RAISE EXCEPTION 'try % later', id USING ERRCODE = '40001';
+    END $$;";
