@@ -164,10 +164,47 @@ pub(crate) fn started(group: &str, stream: &str, entry_id: &str) -> String {
     )
 }
 
-/// The index of the entries of `stream` that were dead-lettered.
-pub(crate) fn dead_letter_index(stream: &str) -> String {
+/// The index of the entries of `stream` that `group` dead-lettered (a
+/// hash: entry id → letter id), so that an entry delivered to the group
+/// again (the group destroyed and created again) is not dead-lettered
+/// twice, nor applied after its letter. Each group has its own: another
+/// group reading the stream applies the entry its own way. In the
+/// stream's hash slot, like the dead-letter stream.
+pub(crate) fn dead_letter_index(stream: &str, group: &str) -> String {
+    format!("{stream}:dlq:index:{}:{group}", group.len())
+}
+
+/// The index that versions before the group was in the key wrote, of
+/// every group's letters (see [`DEAD_IN`]); only read.
+pub(crate) fn dead_letter_index_of_all_groups(stream: &str) -> String {
     format!("{stream}:dlq:index")
 }
+
+/// Lua: which of the entry ids `ids[first..last]` group `group` dead-lettered,
+/// as `HMGET` of its `index` answers (a letter id, or false), also counting
+/// the entries in the index of every group's letters (`old`, see
+/// [`dead_letter_index_of_all_groups`]) whose letter in `dlq` names this
+/// group, or is gone (as those versions read it).
+pub(crate) const DEAD_IN: &str = r"
+local function dead_in(index, old, dlq, group, ids, first, last)
+    local own = redis.call('HMGET', index, unpack(ids, first, last))
+    local before = redis.call('HMGET', old, unpack(ids, first, last))
+    for i = 1, #own do
+        if not own[i] and before[i] then
+            local letter = redis.call('XRANGE', dlq, before[i], before[i])
+            local named = nil
+            if #letter == 1 then
+                local f = letter[1][2]
+                for j = 1, #f - 1, 2 do
+                    if f[j] == 'group' then named = f[j + 1] break end
+                end
+            end
+            if #letter == 0 or named == group then own[i] = before[i] end
+        end
+    end
+    return own
+end
+";
 
 /// The event ids of `group`'s entries of `stream` in flight (a hash: entry
 /// id → event id, set by the reader and again by the fast path, removed

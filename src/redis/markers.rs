@@ -34,7 +34,7 @@
 use redis::{RedisError, RedisResult, Value};
 
 use crate::redis::conn::{Pipe, RedisConn};
-use crate::redis::keys::marker_tag;
+use crate::redis::keys::{self, marker_tag};
 use crate::redis::script::Script;
 
 /// What the fast path learnt about a job's entries, in their order.
@@ -46,8 +46,9 @@ pub(crate) struct Seen {
     pub dead: Vec<bool>,
 }
 
-/// Reads the markers `keys` (one per entry) and the dead-letter index
-/// `index` for `entry_ids`, in one pipelined round trip. Fails, and marks
+/// Reads the markers `keys` (one per entry) and which of `entry_ids`
+/// `group` dead-lettered from `stream` (see `keys::DEAD_IN`), in one
+/// pipelined round trip. Fails, and marks
 /// `conn` stale, when a reply is out of place (see the module's
 /// documentation).
 ///
@@ -56,7 +57,7 @@ pub(crate) struct Seen {
 pub(crate) fn check(
     conn: &mut RedisConn,
     keys: &[String],
-    index: &str,
+    (stream, group): (&str, &str),
     entry_ids: &[&str],
     remember: (&str, &[(&str, &str)]),
 ) -> RedisResult<Seen> {
@@ -65,7 +66,14 @@ pub(crate) fn check(
     for key in keys {
         pipe.cmd("GET").arg(key);
     }
-    pipe.cmd("HMGET").arg(index).arg(entry_ids);
+    pipe.cmd("EVAL")
+        .arg(DEAD_OF_GROUP.as_str())
+        .arg(3)
+        .arg(keys::dead_letter_index(stream, group))
+        .arg(keys::dead_letter_index_of_all_groups(stream))
+        .arg(keys::dead_letter_stream(stream))
+        .arg(group)
+        .arg(entry_ids);
     let (ids_key, pairs) = remember;
     if !pairs.is_empty() {
         pipe.cmd("HSET").arg(ids_key).arg(pairs).ignore();
@@ -85,6 +93,18 @@ pub(crate) fn check(
         ))
     })
 }
+
+/// Which of the entry ids ARGV[2..] group ARGV[1] dead-lettered: its
+/// index KEYS[1], the index of every group's letters KEYS[2], their letters
+/// KEYS[3] (see `keys::DEAD_IN`). Sent as EVAL in a pipeline (a few hundred
+/// bytes; Redis keeps it compiled): this path runs for what the read did
+/// not cover.
+static DEAD_OF_GROUP: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "{}\nif #ARGV < 2 then return {{}} end\nreturn dead_in(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV, 2, #ARGV)",
+        keys::DEAD_IN
+    )
+});
 
 /// Adds to `pipe` the marker `key`, expiring after `ttl_secs`; its reply is
 /// left out.

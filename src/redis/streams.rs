@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use redis::RedisResult;
 
+use crate::redis::keys::DEAD_IN;
 use crate::redis::script::Script;
 use crate::redis::RedisConn;
 
@@ -92,7 +93,7 @@ fn bound_args(cmd: &mut redis::Cmd, keys: &[&str], max_entry_bytes: usize, keep:
 /// The read script ([`BOUND`] and [`READ_BOUNDED`]), called by its digest
 /// (see `script.rs`): it runs on every read.
 static READ: std::sync::LazyLock<Script> =
-    std::sync::LazyLock::new(|| Script::new(format!("{BOUND}{READ_BOUNDED}")));
+    std::sync::LazyLock::new(|| Script::new(format!("{BOUND}{DEAD_IN}{READ_BOUNDED}")));
 
 /// A script call whose script starts with [`BOUND`], keeping [`PREFIX`]
 /// bytes of each field of an entry over `max_entry_bytes`.
@@ -132,8 +133,10 @@ fn bounded_on(script: &str, keys: &[&str], max_entry_bytes: usize, keep: usize) 
 /// this consumer (claimed by another meanwhile) is left alone.
 ///
 /// With a prefix, the script also answers the fast path's questions for
-/// each entry (see `markers.rs`): a letter per entry, `d` when it is in the
-/// dead-letter index KEYS[3], else `m` when its event's marker holds a
+/// each entry (see `markers.rs`): a letter per entry, `d` when the group
+/// dead-lettered it (its index KEYS[3], or the index of every group's
+/// letters KEYS[4] with a letter in KEYS[5] of this group: see
+/// `keys::DEAD_IN`), else `m` when its event's marker holds a
 /// marker's value (`m:` and 16 hex digits; inside a script a reply cannot
 /// belong to another command; a key of another type is no marker), else
 /// `-`; one HMGET of the index and one MGET of the markers for up to 500
@@ -199,7 +202,7 @@ local seen = {}
 if prefix ~= '' then
     for first = 1, #read, 500 do
         local last = math.min(first + 499, #read)
-        local dead = redis.call('HMGET', KEYS[3], unpack(read, first, last))
+        local dead = dead_in(KEYS[3], KEYS[4], KEYS[5], ARGV[4], read, first, last)
         local markers, at = {}, {}
         for i = first, last do
             if events[i] then
@@ -231,7 +234,7 @@ return {cmsgpack.pack(bound(entries)), table.concat(seen), table.concat(kept)}
 pub(crate) struct ReadKeys<'a> {
     /// The in-flight ids (`keys::in_flight_ids`).
     pub in_flight: &'a str,
-    /// The dead-letter index (`keys::dead_letter_index`).
+    /// The group's dead-letter index (`keys::dead_letter_index`).
     pub dead_index: &'a str,
     /// On one server once the marker namespace is known: the namespace
     /// and the markers' prefix in it (`keys::marker_prefix`); `None` on a
@@ -273,9 +276,11 @@ pub(crate) fn read_group_bounded(
     blocked: Vec<RawEntry>,
 ) -> RedisResult<Vec<RawEntry>> {
     let mut cmd = READ.cmd();
+    let every_group = crate::redis::keys::dead_letter_index_of_all_groups(stream);
+    let dlq = crate::redis::keys::dead_letter_stream(stream);
     bound_args(
         &mut cmd,
-        &[stream, keys.in_flight, keys.dead_index],
+        &[stream, keys.in_flight, keys.dead_index, &every_group, &dlq],
         limits.max_entry_bytes,
         PREFIX,
     );
@@ -898,7 +903,7 @@ pub(crate) mod tests {
             let ns: Arc<str> = "00ff00ff00ff00ff".into();
             cmd(c, &["XGROUP", "CREATE", &stream, "g", "0", "MKSTREAM"]);
             ReadSetup {
-                index: dead_letter_index(&stream),
+                index: dead_letter_index(&stream, "g"),
                 in_flight: in_flight_ids(&stream, "g"),
                 prefix: marker_prefix(&ns, &scope),
                 stream,

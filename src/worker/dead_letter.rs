@@ -10,6 +10,7 @@
 use crossbeam_channel::Receiver;
 
 use crate::dlq::{dead_letter_stream, DeadLetter, Kind};
+use crate::redis::keys::DEAD_IN;
 use crate::redis::streams::Holder;
 use crate::worker::context::{outage_backoff, Common};
 use crate::worker::flow::InFlight;
@@ -51,18 +52,20 @@ pub(crate) struct Job {
 ///   only the current owner's counts. The delivery count is the fence: a
 ///   claim raises it, so a verdict reached before the entry changed hands,
 ///   even by the consumer that owns it again now, is refused.
-/// - Once: the index `<stream>:dlq:index` records every entry written, so
-///   an entry delivered again (its group destroyed and created again) is
-///   not dead-lettered twice.
+/// - Once: the group's index (`keys::dead_letter_index`) records every
+///   entry written, so an entry delivered again (its group destroyed and
+///   created again) is not dead-lettered twice; another group's letter of
+///   the same entry is that group's (see `keys::DEAD_IN`).
 /// - The XADD comes before the XACK: a script is not rolled back, so if the
 ///   XADD fails the entry is still pending (and is retried), never acked
 ///   and missing.
 ///
-/// KEYS: stream, dead-letter stream, index, the in-flight event ids. ARGV:
-/// group, entry id, consumer, delivery count (empty: no ownership check),
-/// then the letter's fields.
+/// KEYS: stream, dead-letter stream, the group's index, the in-flight
+/// event ids, the index of every group's letters. ARGV: group, entry id,
+/// consumer, delivery count (empty: no ownership check), then the letter's
+/// fields. Follows [`DEAD_IN`].
 const WRITE_DEAD_LETTER: &str = r"
-if redis.call('HEXISTS', KEYS[3], ARGV[2]) == 1 then
+if dead_in(KEYS[3], KEYS[5], KEYS[2], ARGV[1], ARGV, 2, 2)[1] then
     redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
     redis.call('HDEL', KEYS[4], ARGV[2])
     return 2
@@ -81,18 +84,28 @@ redis.call('HDEL', KEYS[4], ARGV[2])
 return 1
 ";
 
+/// [`DEAD_IN`] and [`WRITE_DEAD_LETTER`], the script a letter is written by.
+static WRITE_SCRIPT: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| format!("{DEAD_IN}{WRITE_DEAD_LETTER}"));
+
 /// The call of [`WRITE_DEAD_LETTER`] for one job.
 fn write_command(job: &Job) -> redis::Cmd {
     let letter = &job.letter;
     let mut eval = redis::cmd("EVAL");
-    eval.arg(WRITE_DEAD_LETTER)
-        .arg(4)
+    eval.arg(WRITE_SCRIPT.as_str())
+        .arg(5)
         .arg(&letter.stream)
         .arg(dead_letter_stream(&letter.stream))
-        .arg(crate::redis::keys::dead_letter_index(&letter.stream))
+        .arg(crate::redis::keys::dead_letter_index(
+            &letter.stream,
+            &letter.group,
+        ))
         .arg(crate::redis::keys::in_flight_ids(
             &letter.stream,
             &letter.group,
+        ))
+        .arg(crate::redis::keys::dead_letter_index_of_all_groups(
+            &letter.stream,
         ))
         .arg(&letter.group)
         .arg(&letter.original_id);
@@ -322,7 +335,7 @@ mod tests {
         let keys = [
             stream.clone(),
             dead_letter_stream(&stream),
-            crate::redis::keys::dead_letter_index(&stream),
+            crate::redis::keys::dead_letter_index(&stream, "g"),
         ];
         redis::cmd("DEL").arg(&keys).query::<()>(&mut c).unwrap();
     }

@@ -476,7 +476,6 @@ impl Processor {
             .filter(|d| d.delivery_count > 1)
             .map(|d| (d.entry_id.as_str(), event(d).event_id()))
             .collect();
-        let index = crate::redis::keys::dead_letter_index(stream);
         let scope = &self.stage.settings.scope;
         let keys: Vec<String> = ask
             .iter()
@@ -485,7 +484,13 @@ impl Processor {
         let entry_ids: Vec<&str> = ask.iter().map(|&i| valid[i].entry_id.as_str()).collect();
         // A hit counts only when its reply proves it answers its key.
         let seen = self.with_redis(|conn| {
-            crate::redis::markers::check(conn, &keys, &index, &entry_ids, (&ids_key, &pairs))
+            crate::redis::markers::check(
+                conn,
+                &keys,
+                (stream, &self.stage.settings.group),
+                &entry_ids,
+                (&ids_key, &pairs),
+            )
         })?;
         for (n, &i) in ask.iter().enumerate() {
             marked[i] = seen.marked[n];

@@ -224,7 +224,7 @@ impl Reader {
     ) -> redis::RedisResult<(Vec<RawEntry>, Instant)> {
         let claim = &self.claim;
         let in_flight = crate::redis::keys::in_flight_ids(&self.stream, &claim.group);
-        let dead_index = crate::redis::keys::dead_letter_index(&self.stream);
+        let dead_index = crate::redis::keys::dead_letter_index(&self.stream, &claim.group);
         // Known once a database connection named the namespace.
         let ns = self.namespace.get();
         let prefix = (!ns.is_empty() && !c.is_cluster())

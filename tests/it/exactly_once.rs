@@ -439,6 +439,84 @@ fn recording_handler(label: &str) -> impl Handler {
     })
 }
 
+/// A dead letter is its group's alone (regression: the dead-letter index
+/// was the stream's, so a group reading an entry another group had
+/// dead-lettered acked it unapplied, and could not dead-letter it itself).
+/// Group A rejects one event for good; group B applies all three; group C
+/// rejects it too, with a letter of its own. Then A's index is put back as
+/// the versions before this one wrote it (one index of every group's
+/// letters) and A's group is created again at 0: A still settles the entry
+/// by its old letter (no second letter, no effect), and a new group D,
+/// reading the same old index, applies it.
+#[test]
+fn a_dead_letter_is_its_groups_alone() {
+    // `bad` fails (division by zero: permanent) in the groups given this.
+    const PICKY: &str = "INSERT INTO notifications (event_id, payload) \
+        VALUES ($1, CASE WHEN $2 = 'bad' THEN (1 / 0)::text ELSE $2 END)";
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut conn = redis(&redis_url());
+    for (id, payload) in [("one-1", "ok"), ("one-2", "bad"), ("one-3", "ok")] {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", id), ("payload", payload)],
+        );
+    }
+    let run = |group: &str, sql: &str| {
+        let mut cmd = taskhub(&redis_url(), &db.url);
+        cmd.args(["run", "--stream", &stream, "--group", group])
+            .args(["--scope", group, "--until-idle", "--block-ms", "100"])
+            .args(["--sql", sql]);
+        let out = output(cmd, None, Duration::from_secs(60));
+        assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
+        parse_summary(&out.stdout)
+    };
+    let default = "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)";
+    let (ga, gb, gc, gd) = (unique("ga"), unique("gb"), unique("gc"), unique("gd"));
+    let a = run(&ga, PICKY);
+    assert_eq!((a["applied"], a["dead_lettered"]), (2, 1), "{a:?}");
+    let b = run(&gb, default);
+    assert_eq!((b["applied"], b["dead_lettered"]), (3, 0), "{b:?}");
+    let c = run(&gc, PICKY);
+    assert_eq!((c["applied"], c["dead_lettered"]), (2, 1), "{c:?}");
+    let letters = dead_letters(&mut conn, &stream);
+    let groups: Vec<&str> = letters.iter().map(|l| l.group.as_str()).collect();
+    assert_eq!(groups, [ga.as_str(), gc.as_str()]);
+    assert_eq!(db.effects("one-2"), 1, "B's effect alone");
+    for g in [&ga, &gb, &gc] {
+        assert_eq!(pending(&mut conn, &stream, g), 0);
+    }
+
+    // A's letter as the versions before wrote it: in the stream's index.
+    let own = format!("{stream}:dlq:index:{}:{ga}", ga.len());
+    let entries: Vec<(String, String)> = redis::cmd("HGETALL").arg(&own).query(&mut conn).unwrap();
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    let old = format!("{stream}:dlq:index");
+    let _: () = redis::cmd("HSET")
+        .arg(&old)
+        .arg(&entries)
+        .query(&mut conn)
+        .unwrap();
+    let _: () = redis::cmd("DEL").arg(&own).query(&mut conn).unwrap();
+    let _: () = redis::cmd("XGROUP")
+        .arg("DESTROY")
+        .arg(&stream)
+        .arg(&ga)
+        .query(&mut conn)
+        .unwrap();
+    let a = run(&ga, default);
+    assert_eq!(
+        (a["applied"], a["dead_lettered"], a["duplicates"]),
+        (0, 0, 2),
+        "A settles its dead-lettered entry by its old letter: {a:?}"
+    );
+    let d = run(&gd, default);
+    assert_eq!((d["applied"], d["dead_lettered"]), (3, 0), "{d:?}");
+    assert_eq!(dead_letters(&mut conn, &stream).len(), 2);
+    assert_eq!(db.effects("one-2"), 2, "B's and D's");
+}
+
 /// Two groups reading one stream (each event sent twice), concurrently: each
 /// group applies its own effect once per event, so every event has exactly
 /// one row per group.
