@@ -27,7 +27,7 @@ impl Processor {
             return self.dead_letter(delivery, Kind::Trimmed, reason);
         }
         log::info!(
-            "{}/{}: another consumer claimed it while this one held it; rolled back and left to the new owner",
+            "{}/{}: no longer pending for this consumer while it held it (claimed or finished by another consumer, the usual case; or removed from the pending list by XGROUP DELCONSUMER or a deleted stream, which Redis never delivers again); rolled back, left to whoever holds it",
             delivery.stream,
             delivery.entry_id
         );

@@ -427,7 +427,7 @@ impl Retrier {
                 // its runs outlasted reclaim_min_idle), or finished by one: the
                 // new owner decides its outcome, not us.
                 log::info!(
-                "{}/{}: no longer this consumer's (another consumer claimed it); leaving it to its new owner",
+                "{}/{}: no longer pending for this consumer while it waited for a retry (claimed or finished by another consumer, the usual case; or removed from the pending list by XGROUP DELCONSUMER or a deleted stream, which Redis never delivers again); left to whoever holds it",
                 retry.stream,
                 retry.entry_id
             );
