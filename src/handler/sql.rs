@@ -148,6 +148,80 @@ impl Default for SqlHandler {
     }
 }
 
+/// The rest of `sql` after any whitespace, comments (`--` to the end of
+/// the line, `/* */`, which nest) and, with `semicolons`, empty statements:
+/// where PostgreSQL's parser would find the first word.
+fn skip_blank(mut sql: &str, semicolons: bool) -> &str {
+    loop {
+        let rest = sql.trim_start_matches(|c: char| {
+            c.is_ascii_whitespace() || c == '\x0b' || (semicolons && c == ';')
+        });
+        if let Some(comment) = rest.strip_prefix("--") {
+            sql = comment.find(['\n', '\r']).map_or("", |end| &comment[end..]);
+        } else if rest.starts_with("/*") {
+            let mut depth = 0usize;
+            let mut at = 0;
+            let bytes = rest.as_bytes();
+            while at < bytes.len() {
+                if bytes[at..].starts_with(b"/*") {
+                    depth += 1;
+                    at += 2;
+                } else if bytes[at..].starts_with(b"*/") {
+                    depth -= 1;
+                    at += 2;
+                    if depth == 0 {
+                        break;
+                    }
+                } else {
+                    at += 1;
+                }
+            }
+            sql = rest.get(at..).unwrap_or("");
+        } else {
+            return rest;
+        }
+    }
+}
+
+/// The first word of `sql` (letters, digits and `_`), upper-cased, and
+/// what follows it.
+fn first_word(sql: &str) -> (String, &str) {
+    let end = sql
+        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .unwrap_or(sql.len());
+    (sql[..end].to_ascii_uppercase(), &sql[end..])
+}
+
+/// Refuses, before any event, a statement that cannot be an event's
+/// effect: an empty one (nothing but blanks, comments and `;`), which
+/// would record every event as applied with no effect, and transaction
+/// control, which would end the transaction that also records the event
+/// (a COMMIT commits the `processed_events` row whatever the effect).
+/// The statement prepared already: it is one command at most.
+fn check_statement(statement: &str) -> Result<(), String> {
+    let start = skip_blank(statement, true);
+    if start.is_empty() {
+        return Err(format!(
+            "the SQL statement is empty ({statement:?}): every event would be recorded as applied with no effect; give the statement that applies one event"
+        ));
+    }
+    let (word, rest) = first_word(start);
+    let control = match word.as_str() {
+        "BEGIN" | "COMMIT" | "END" | "ROLLBACK" | "ABORT" | "SAVEPOINT" | "RELEASE" => Some(word),
+        "START" | "PREPARE" if first_word(skip_blank(rest, false)).0 == "TRANSACTION" => {
+            Some(format!("{word} TRANSACTION"))
+        }
+        _ => None,
+    };
+    match control {
+        Some(what) => Err(format!(
+            "the SQL statement is transaction control ({what}), which taskhub does not allow: the statement runs inside taskhub's transaction, which also records the event as processed, and must not end it (a COMMIT there records the event as applied without its effect); give only the statement that applies one event: {:?}",
+            statement.trim()
+        )),
+        None => Ok(()),
+    }
+}
+
 fn invalid(why: impl std::fmt::Display) -> HandlerError {
     HandlerError::invalid(why)
 }
@@ -308,7 +382,9 @@ impl Handler for SqlHandler {
     }
 
     /// Prepares the statement once at start-up, so a typo or a missing
-    /// table is a start-up error instead of a dead letter per event.
+    /// table is a start-up error instead of a dead letter per event; an
+    /// empty statement, or transaction control (COMMIT, ROLLBACK, ...),
+    /// is refused too (see [`check_statement`]).
     fn on_start(
         &self,
         client: &mut postgres::Client,
@@ -323,6 +399,7 @@ impl Handler for SqlHandler {
                 self.statement
             )
         })?;
+        check_statement(&self.statement)?;
         let params = statement.params();
         if params.len() > 3 {
             return Err(format!(
@@ -354,5 +431,57 @@ impl Handler for SqlHandler {
 
     fn name(&self) -> &str {
         "sql"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_statement;
+
+    #[test]
+    fn empty_statements_and_transaction_control_are_refused() {
+        for sql in [
+            "",
+            ";",
+            " \n\t; ;",
+            "-- x",
+            "-- x\r\n;",
+            "/* a /* b */ c */;",
+        ] {
+            let e = check_statement(sql).unwrap_err();
+            assert!(e.contains("is empty"), "{sql:?}: {e}");
+        }
+        for sql in [
+            "COMMIT",
+            "commit and chain",
+            "End;",
+            "ABORT",
+            "ROLLBACK TO SAVEPOINT batch",
+            "rollback prepared 'x'",
+            "Begin",
+            "start transaction read write",
+            "START/* c */TRANSACTION",
+            "savepoint s",
+            "RELEASE s",
+            "PREPARE TRANSACTION 'x'",
+            "prepare -- c\n transaction 'x'",
+            "COMMIT PREPARED 'x'",
+            " ;\n/* a /* nested */ b */ -- c\n  commit",
+        ] {
+            let e = check_statement(sql).unwrap_err();
+            assert!(e.contains("transaction control"), "{sql:?}: {e}");
+        }
+        for sql in [
+            super::DEFAULT_STATEMENT,
+            "/* COMMIT */ SELECT $1::text",
+            "SELECT 'COMMIT'",
+            "PREPARE p AS SELECT 1",
+            "starting",
+            "ending",
+            "committed",
+            "WITH x AS (SELECT 1) SELECT * FROM x -- ROLLBACK",
+        ] {
+            assert_eq!(check_statement(sql), Ok(()), "{sql:?}");
+        }
     }
 }

@@ -47,6 +47,69 @@ pub(crate) fn ensure_group(
     }
 }
 
+/// Checks at start-up what every read and dead letter will need, so that a
+/// mistake is one clear error instead of a loop of failed calls: the keys
+/// taskhub keeps beside `stream` for `group` hold what it writes there (or
+/// nothing yet), and the Redis user may run scripts. `Err` says what is
+/// wrong and what to do.
+pub(crate) fn check_keys(conn: &mut RedisConn, stream: &str, group: &str) -> Result<(), String> {
+    use crate::redis::keys;
+    let expected = [
+        (
+            keys::dead_letter_stream(stream),
+            "stream",
+            "its dead letters",
+        ),
+        (
+            keys::dead_letter_index(stream, group),
+            "hash",
+            "its group's dead-letter index",
+        ),
+        (
+            keys::dead_letter_index_of_all_groups(stream),
+            "hash",
+            "its old dead-letter index",
+        ),
+        (
+            keys::in_flight_ids(stream, group),
+            "hash",
+            "its group's in-flight event ids",
+        ),
+    ];
+    let mut pipe = conn.pipe();
+    for (key, _, _) in &expected {
+        pipe.cmd("TYPE").arg(key);
+    }
+    // Scripts: EVAL, and EVALSHA (a script Redis does not know yet answers
+    // NOSCRIPT, which proves the call was allowed).
+    pipe.cmd("EVAL").arg("return 1").arg(0).ignore();
+    let types: Vec<String> = pipe.query(conn).map_err(|e| access(&e))?;
+    for ((key, want, what), found) in expected.iter().zip(types) {
+        if found != "none" && &found != want {
+            return Err(format!(
+                "key {key} holds a {found}, where taskhub keeps {what} of stream {stream} (a {want}); rename or delete that key, or read another stream"
+            ));
+        }
+    }
+    match redis::cmd("EVALSHA")
+        .arg("0000000000000000000000000000000000000000")
+        .arg(0)
+        .query::<redis::Value>(conn)
+    {
+        Err(e) if e.code() != Some("NOSCRIPT") => Err(access(&e)),
+        _ => Ok(()),
+    }
+}
+
+/// A refused start-up check, said for an operator.
+fn access(e: &redis::RedisError) -> String {
+    if e.code() == Some("NOPERM") {
+        format!("the Redis user may not run what taskhub needs ({e}); allow at least: XREADGROUP XACK XCLAIM XAUTOCLAIM XPENDING XADD XRANGE XGROUP XINFO HSET HDEL HMGET HGET GET MGET SET DEL TYPE EVAL EVALSHA SCRIPT PING INFO (see the README's ACL example)")
+    } else {
+        format!("checking the keys beside the stream: {e}")
+    }
+}
+
 /// Whether an error means the group (or the stream) is gone.
 pub(crate) fn is_nogroup(e: &redis::RedisError) -> bool {
     e.code() == Some("NOGROUP")

@@ -915,15 +915,48 @@ fn not_ours(owned: &Owned) -> Option<Applied> {
 /// The error to report when a handler that failed had ended the transaction
 /// itself: its statements after the COMMIT or ROLLBACK ran outside ours
 /// and failed (sessions are read-only outside taskhub's transactions), so
-/// its own error hides the cause. A round trip on this failure path only.
+/// its own error hides the cause. A round trip on this failure path only
+/// (two when it did end it: see [`ended_as`]).
 fn ended(tx: &mut Tx<'_>, xid: i64) -> Option<HandlerError> {
     let check = tx.prepare_cached(CURRENT_TXID).ok()?;
-    match tx.query_one(&check, &[]) {
-        Ok(row) if row.get::<_, Option<i64>>(0) != Some(xid) => Some(ended_error()),
-        _ => None, // still ours (or aborted, as a failed statement leaves it)
+    // An error: aborted, as a failed statement leaves it.
+    let current: Option<i64> = tx.query_one(&check, &[]).ok()?.get(0);
+    // Not ours: the session is outside any transaction, or in a live one
+    // of the handler's (the check ran), and can ask what became of ours.
+    (current != Some(xid)).then(|| ended_as(&mut tx.tx, "", xid))
+}
+
+/// The error of a handler that ended the transaction itself, by what
+/// became of it: a COMMIT of the handler's committed the event's
+/// `processed_events` row (the transaction of the dedup insert, `xid`,
+/// committed), a ROLLBACK took it back. Asked with `before` (SQL) in the
+/// same round trip. Ours is over, so its status tells (`txid_status`),
+/// not the rows it wrote (for a batch, many; their ids are not known
+/// here).
+fn ended_as(tx: &mut postgres::Transaction<'_>, before: &str, xid: i64) -> HandlerError {
+    let status = tx
+        .simple_query(&format!("{before}SELECT txid_status({xid})"))
+        .ok()
+        .and_then(|messages| {
+            messages.into_iter().find_map(|m| match m {
+                postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+                _ => None,
+            })
+        });
+    match status.as_deref() {
+        Some("committed") => HandlerError::permanent(
+            "the handler ended the transaction itself (it ran COMMIT): the event's processed_events row was committed with what the handler wrote before its COMMIT, so the event counts as applied and a replay will skip it; to apply it again, fix the handler, delete that row (its scope and event_id), then replay",
+        ),
+        Some(_) => ended_error(),
+        None => HandlerError::permanent(
+            "the handler ended the transaction itself (it ran COMMIT or ROLLBACK), and whether that committed the event's processed_events row could not be checked: if the row is there, the event counts as applied with what the handler wrote before its COMMIT and a replay will skip it (delete the row first to apply it again); if not, fix the handler, then replay",
+        ),
     }
 }
 
+/// [`ended_as`] when the transaction was rolled back (and what to say when
+/// nothing can be asked: a ROLLBACK TO SAVEPOINT failed in a transaction
+/// of the handler's, now aborted; see `Processor::apply_batch`).
 fn ended_error() -> HandlerError {
     HandlerError::permanent(
         "the handler ended the transaction itself (it ran COMMIT or ROLLBACK): the event is not recorded as applied, and what it committed before stays committed; fix the handler, then replay",
@@ -955,7 +988,15 @@ fn commit(tx: Tx<'_>, xid: i64, before: &str) -> Result<(), HandlerError> {
             std::mem::forget(tx);
             Ok(())
         }
-        Err(e) if is_not_ours(&e) => Err(ended_error()), // dropping tx rolls back
+        Err(e) if is_not_ours(&e) => {
+            // The handler ended ours; a transaction of its own (aborted by
+            // the check) is rolled back in the round trip that asks what
+            // became of ours. Then nothing is open: dropping `tx` would only
+            // send another ROLLBACK (see above).
+            let error = ended_as(&mut tx, "ROLLBACK; ", xid);
+            std::mem::forget(tx);
+            Err(error)
+        }
         Err(e) if e.code() == Some(&postgres::error::SqlState::IN_FAILED_SQL_TRANSACTION) => {
             Err(HandlerError::retryable(format!(
                 "a statement of the handler failed and the transaction was aborted, but the handler returned Ok; rolled back ({e})"

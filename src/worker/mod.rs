@@ -224,6 +224,8 @@ impl Worker {
                         )
                     },
                 )?;
+                streams::check_keys(&mut conn, stream, &config.group)
+                    .map_err(|why| Error::new(ErrorKind::Redis, format!("{stream}: {why}")))?;
             }
         }
         if let Ok(mut conn) = redis.get() {

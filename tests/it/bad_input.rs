@@ -13,6 +13,8 @@
 //!   for its retry: the worker keeps running, recreates its group, applies
 //!   the entries added afterwards, and drops the waiting retry of the deleted
 //!   entry instead of applying or dead-lettering it.
+//! - a key of the wrong type beside the stream, a Redis user that may not
+//!   run scripts: a start-up error saying what to fix.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -386,4 +388,68 @@ fn very_wide_invalid_entries_are_dead_lettered_whole() {
     }
     let dlq = taskhub::dlq::dead_letter_stream(&stream);
     del(&mut conn, &[&stream, &dlq]);
+}
+
+/// A key beside the stream that holds something else than taskhub keeps
+/// there (a string at `<stream>:dlq`, say) is a start-up error naming it.
+/// It used to be found at the first dead letter, as "Redis: unavailable
+/// (WRONGTYPE ...)", retried for ever: `--until-idle` never ended.
+#[test]
+fn a_key_of_the_wrong_type_beside_the_stream_is_a_start_up_error() {
+    let db = TestDb::new();
+    let stream = unique("wrongtype");
+    let mut conn = redis(&redis_url());
+    let _: () = redis::cmd("SET")
+        .arg(format!("{stream}:dlq"))
+        .arg("x")
+        .query(&mut conn)
+        .unwrap();
+    xadd(&mut conn, &stream, &[("event_id", "w-1"), ("payload", "p")]);
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.args(["--until-idle", "--sql", "SELECT 1 / 0 WHERE $1 <> $2"]);
+    let out = output(cmd, None, Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
+    assert!(
+        out.stderr.contains(&format!(
+            "key {stream}:dlq holds a string, where taskhub keeps its dead letters"
+        )),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(pending(&mut conn, &stream, &stream), 0, "nothing read");
+    let _: () = redis::cmd("DEL")
+        .arg(format!("{stream}:dlq"))
+        .query(&mut conn)
+        .unwrap();
+}
+
+/// A Redis user that may not run EVALSHA (the read and ack scripts go by
+/// their digest) is a start-up error saying what to allow. It used to log
+/// "reading failed: NoPerm" a dozen times a second, for ever.
+#[test]
+fn a_redis_user_without_scripts_is_a_start_up_error() {
+    let db = TestDb::new();
+    let server = PrivateRedis::start();
+    let mut conn = redis(&server.url());
+    redis::cmd("ACL")
+        .arg(&[
+            "SETUSER", "limited", "on", ">pw", "~*", "&*", "+@all", "-evalsha",
+        ])
+        .query::<()>(&mut conn)
+        .unwrap();
+    let url = format!("redis://limited:pw@127.0.0.1:{}", server.port);
+    let stream = unique("noperm");
+    let mut cmd = taskhub(&url, &db.url);
+    cmd.args(["run", "--stream", &stream, "--group", "g", "--until-idle"])
+        .args(["--block-ms", "100"]);
+    let out = output(cmd, None, Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("the Redis user may not run what taskhub needs")
+            && out.stderr.contains("EVALSHA"),
+        "{}",
+        out.stderr
+    );
+    assert!(!out.stderr.contains(":pw@"), "no password: {}", out.stderr);
 }

@@ -911,3 +911,122 @@ fn failed_attempts_show_once_in_a_while_with_a_count_of_the_others() {
         .unwrap_or_else(|| panic!("no count in {}", shown[1]));
     assert!(hidden > 50 && hidden < retries, "{hidden} of {retries}");
 }
+
+/// `taskhub run --until-idle` on `stream` with `sql` as `--sql` (or, with
+/// `env`, as `TASKHUB_SQL`): the output.
+fn run_with_sql(db_url: &str, stream: &str, sql: &str, env: bool) -> Out {
+    let mut cmd = run_on(db_url, stream);
+    cmd.env("RUST_LOG", "info")
+        .env_remove("TASKHUB_CONSUMER")
+        .env_remove("TASKHUB_SQL")
+        .arg("--until-idle");
+    if env {
+        cmd.env("TASKHUB_SQL", sql);
+    } else if sql.starts_with('-') {
+        // (A separate value starting with `-` reads as a flag.)
+        cmd.arg(format!("--sql={sql}"));
+    } else {
+        cmd.args(["--sql", sql]);
+    }
+    output(cmd, None, T)
+}
+
+/// Regression (a hostile tester): an empty `--sql` (or `TASKHUB_SQL=` left
+/// empty in an env file, or only `;`, blanks or comments) prepared and ran
+/// as an empty query: every event was recorded applied with no effect.
+/// Like `TASKHUB_SCOPE=`, it is a start-up error now.
+#[test]
+fn an_empty_sql_statement_fails_at_start_up_and_applies_nothing() {
+    let db = TestDb::new();
+    let stream = unique("emptysql");
+    let mut r = redis(&redis_url());
+    for i in 0..2 {
+        xadd(
+            &mut r,
+            &stream,
+            &[("event_id", &format!("e{i}")), ("payload", "p")],
+        );
+    }
+    let cases = [
+        ("", true),
+        ("", false),
+        (";", false),
+        (" \n\t ", false),
+        (" ; ;\n", true),
+        ("-- nothing to do\n", false),
+        ("/* nothing /* nested */ either */ ;", false),
+    ];
+    for (sql, env) in cases {
+        let out = run_with_sql(&db.url, &stream, sql, env);
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "{sql:?} (env {env}): {}",
+            out.stderr
+        );
+        let line = one_error_line(&out);
+        assert!(line.contains("sql handler:"), "{sql:?}: {line}");
+        assert!(line.contains("empty"), "{sql:?}: {line}");
+    }
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 0);
+    assert_eq!(xlen(&mut r, &taskhub::dlq::dead_letter_stream(&stream)), 0);
+}
+
+/// Regression (a hostile tester): `--sql COMMIT` (or END, ROLLBACK, ...)
+/// ended taskhub's transaction: the `processed_events` row committed with
+/// no effect (batch mode then acked the events as duplicates; per-event
+/// mode dead-lettered them saying they were not recorded, so a replay did
+/// nothing). Transaction control in `--sql` is a start-up error now; a
+/// statement that only mentions such a word further on still runs.
+#[test]
+fn a_sql_statement_that_ends_the_transaction_fails_at_start_up() {
+    let db = TestDb::new();
+    let stream = unique("commitsql");
+    let mut r = redis(&redis_url());
+    for i in 0..3 {
+        xadd(
+            &mut r,
+            &stream,
+            &[("event_id", &format!("e{i}")), ("payload", "p")],
+        );
+    }
+    for sql in [
+        "COMMIT",
+        "commit and chain",
+        "END",
+        "end;",
+        "  -- first a comment\n /* and /* a nested */ one */ Commit",
+        ";COMMIT",
+        "ROLLBACK",
+        "rollback to savepoint s",
+        "ABORT",
+        "BEGIN",
+        "START TRANSACTION",
+        "SAVEPOINT s",
+        "RELEASE SAVEPOINT s",
+        "release s",
+        "PREPARE TRANSACTION 'x'",
+        "prepare/**/transaction 'x'",
+        "COMMIT PREPARED 'x'",
+        "ROLLBACK PREPARED 'x'",
+    ] {
+        let out = run_with_sql(&db.url, &stream, sql, false);
+        assert_eq!(out.status.code(), Some(1), "{sql:?}: {}", out.stderr);
+        let line = one_error_line(&out);
+        assert!(line.contains("sql handler:"), "{sql:?}: {line}");
+        assert!(line.contains("transaction"), "{sql:?}: {line}");
+    }
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 0);
+    assert_eq!(xlen(&mut r, &taskhub::dlq::dead_letter_stream(&stream)), 0);
+
+    // The words further on, or as a prefix of another, are no transaction control.
+    let sql = "/* COMMIT */ INSERT INTO notifications (event_id, payload) \
+               SELECT $1, 'END' || $2 WHERE $2 <> 'ROLLBACK'";
+    let out = run_with_sql(&db.url, &stream, sql, false);
+    assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
+    assert_eq!(parse_summary(&out.stdout)["applied"], 3, "{}", out.stdout);
+    assert_eq!(
+        db.count("SELECT count(*) FROM notifications WHERE payload = 'ENDp'"),
+        3
+    );
+}

@@ -2040,3 +2040,106 @@ fn copies_in_a_rejected_batch_keep_one_outcome() {
         s.db.count("SELECT count(*) FROM processed_events WHERE event_id = 'poison-1'");
     assert_eq!(kept, 0);
 }
+
+/// Ends taskhub's transaction the way a handler calling
+/// `batch_execute("COMMIT")` would, after writing its effect, by payload:
+/// `commit` (then returns Ok), `commit-then-write` (then writes, which
+/// fails outside taskhub's transaction, and returns that error),
+/// `rollback` (then returns Ok), `restart` (ROLLBACK, then writes in a
+/// transaction of its own, and returns Ok).
+struct EndsItsTransaction;
+
+impl Handler for EndsItsTransaction {
+    fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        tx.execute(INSERT, &[&event.event_id(), &event.payload()])?;
+        match event.payload() {
+            Some("commit") => tx.batch_execute("COMMIT")?,
+            Some("commit-then-write") => {
+                tx.batch_execute("COMMIT")?;
+                tx.execute(INSERT, &[&"after-commit", &event.payload()])?;
+            }
+            Some("rollback") => tx.batch_execute("ROLLBACK")?,
+            Some("restart") => tx.batch_execute(
+                "ROLLBACK; BEGIN READ WRITE; \
+                 INSERT INTO notifications (event_id, payload) VALUES ('half', 'half')",
+            )?,
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// Regression (a hostile tester): a handler that ran COMMIT itself had its
+/// event dead-lettered with "the event is not recorded as applied ... fix
+/// the handler, then replay", although its COMMIT had committed the
+/// event's `processed_events` row (with what it wrote before): a replay
+/// then skips the event as a duplicate. The reason now says which of the
+/// two happened: committed (delete the row to apply it again) or rolled
+/// back (replay). One event per transaction: a batch's is described in
+/// the README.
+#[test]
+fn a_handler_that_ends_the_transaction_is_told_whether_its_event_committed() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("ends-how"), unique("g"));
+    let hows = ["commit", "commit-then-write", "rollback", "restart"];
+    let ids: HashMap<&str, String> = hows.iter().map(|how| (*how, unique(how))).collect();
+    for how in hows {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &ids[how]), ("payload", how)],
+        );
+    }
+    let builder = fast_builder(&redis_url(), &db.url, &stream, &group)
+        .mode(Mode::PerEvent)
+        .until_idle(true);
+    let summary = Running::start(builder, EndsItsTransaction).join(Duration::from_secs(60));
+    assert_eq!(summary.applied, 0, "{summary}");
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 4, "{letters:?}");
+    let rows = |id: &str| {
+        db.client()
+            .query_one(
+                "SELECT count(*) FROM processed_events WHERE event_id = $1",
+                &[&id],
+            )
+            .unwrap()
+            .get::<_, i64>(0)
+    };
+    for how in hows {
+        let id = &ids[how];
+        let letter = letters
+            .iter()
+            .find(|l| l.event_id.as_deref() == Some(id.as_str()))
+            .unwrap_or_else(|| panic!("no letter for {how}: {letters:?}"));
+        assert_eq!(letter.kind, DeadLetterKind::Permanent, "{how}");
+        let reason = &letter.reason;
+        assert!(reason.contains("ended the transaction"), "{how}: {reason}");
+        let committed = how.starts_with("commit");
+        assert_eq!(rows(id), i64::from(committed), "{how}");
+        assert_eq!(db.effects(id), i64::from(committed), "{how}");
+        if committed {
+            for needle in [
+                "processed_events row was committed",
+                "replay will skip it",
+                "delete that row",
+            ] {
+                assert!(reason.contains(needle), "{how}: {needle:?} not in {reason}");
+            }
+            assert!(
+                !reason.contains("not recorded as applied"),
+                "{how}: {reason}"
+            );
+        } else {
+            assert!(
+                reason.contains("not recorded as applied"),
+                "{how}: {reason}"
+            );
+            assert!(!reason.contains("was committed"), "{how}: {reason}");
+        }
+    }
+    // What the handler wrote outside taskhub's transaction did not commit.
+    assert_eq!(db.effects("after-commit"), 0);
+    assert_eq!(db.effects("half"), 0);
+}
