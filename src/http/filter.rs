@@ -12,6 +12,7 @@ use crate::http::html::{escape, param};
 use crate::net::percent_encode as encode;
 
 /// The filter of one request, and the parameters it came from.
+#[derive(Clone)]
 pub(crate) struct PageFilter {
     pub filter: Filter,
     pub kinds: Vec<Kind>,
@@ -69,6 +70,31 @@ impl PageFilter {
             until,
             field,
         })
+    }
+
+    /// The same filter with its time window written as the absolute times
+    /// it was read as (`since=2h` becomes `since=2024-05-01T10:00:00.000Z`),
+    /// so that a form carrying it means the same window when it comes back
+    /// later. Exact to the millisecond, which is what the filter compares.
+    pub fn with_times_fixed(&self) -> PageFilter {
+        let fixed = |text: &Option<String>, time: Option<SystemTime>| match time {
+            Some(t) => {
+                let absolute = crate::dlq::format_time(crate::dlq::millis(t), true);
+                // Past year 9999 there is no RFC 3339 form; such a time can
+                // only have been given as an absolute time: keep that text.
+                if absolute.ends_with(" ms") {
+                    text.clone()
+                } else {
+                    Some(absolute)
+                }
+            }
+            None => text.clone(),
+        };
+        PageFilter {
+            since: fixed(&self.since, self.filter.since),
+            until: fixed(&self.until, self.filter.until),
+            ..self.clone()
+        }
     }
 
     /// Whether any criterion is set.

@@ -11,7 +11,7 @@ use std::time::SystemTime;
 
 use crate::dlq::{self, ReplayOptions, Selection};
 use crate::http::access::{cross_site, Access, Denied};
-use crate::http::bulk::{self, Action, Bulk};
+use crate::http::bulk::{self, Action, Bulk, Confirmed};
 use crate::http::filter::PageFilter;
 use crate::http::html::{escape, html, param, params};
 use crate::http::overview::{overview_page, Rates};
@@ -199,7 +199,8 @@ impl Page {
 
 impl Page {
     /// `POST /dlq/bulk` (admin token checked): without `confirm`, the page
-    /// that shows the count and asks; with it, the action starts.
+    /// that shows the count and asks; with it (and the `upto` that page
+    /// gave), the action starts on what that page counted.
     fn bulk_action(&self, monitor: &Monitor, stream: &str, form: &[(String, String)]) -> Response {
         let bad = |why: String| html(400, "Bad request", &format!("<p>{}</p>", escape(&why)));
         let Some(action) = param(form, "action").and_then(Action::parse) else {
@@ -219,9 +220,19 @@ impl Page {
         let Ok(confirmed) = confirmed.parse::<usize>() else {
             return bad(format!("confirm {confirmed:?} is not a count"));
         };
+        // The newest dead letter the confirmation counted: nothing newer is
+        // touched.
+        let upto = match bulk::upto(form) {
+            Ok(u) => u,
+            Err(e) => return bad(e),
+        };
+        let confirmation = Confirmed {
+            count: confirmed,
+            upto,
+        };
         if let Err(e) = self
             .bulk
-            .start(monitor, stream, &filter, action, confirmed, rate)
+            .start(monitor, stream, &filter, action, confirmation, rate)
         {
             return html(
                 409,

@@ -414,15 +414,12 @@ fn the_page_filters_groups_and_acts_on_everything_a_filter_selects() {
     assert!(page.contains("6 dead letters match"), "{page}");
     assert_eq!(dead_letters(&mut r, &stream).len(), 12, "nothing done yet");
     // Without the token: refused. Confirmed for 4: only 4 go.
-    let (status, _) = post(
-        &format!("{base}/dlq/bulk"),
-        &format!(
-            "stream={}&{filter}&action=replay&confirm=4&token=nope-nope-nope",
-            encode(&stream)
-        ),
-    );
+    let confirm = |token: &str| {
+        confirmation_form(&page, &format!("token={token}")).replace("confirm=6", "confirm=4")
+    };
+    let (status, _) = post(&format!("{base}/dlq/bulk"), &confirm("nope-nope-nope"));
     assert_eq!(status, 403);
-    let (status, body) = post(&format!("{base}/dlq/bulk"), &format!("{form}&confirm=4"));
+    let (status, body) = post(&format!("{base}/dlq/bulk"), &confirm(TOKEN));
     assert_eq!(status, 303, "{body}");
     let list = || {
         ureq::get(format!("{base}/dlq?stream={}", encode(&stream)))
@@ -456,7 +453,10 @@ fn the_page_filters_groups_and_acts_on_everything_a_filter_selects() {
         status == 200 && page.contains("1 dead letters match"),
         "{page}"
     );
-    let (status, _) = post(&format!("{base}/dlq/bulk"), &format!("{form}&confirm=1"));
+    let (status, _) = post(
+        &format!("{base}/dlq/bulk"),
+        &confirmation_form(&page, &format!("token={TOKEN}")),
+    );
     assert_eq!(status, 303);
     assert!(wait_until(Duration::from_secs(20), || list()
         .contains("Last bulk delete: deleted 1")));
@@ -464,4 +464,270 @@ fn the_page_filters_groups_and_acts_on_everything_a_filter_selects() {
         .iter()
         .any(|l| l.event_id.as_deref() == Some("bad-1")));
     p.kill();
+}
+
+/// The form of a bulk confirmation page (`id="confirm-form"`) as a POST
+/// body, the way a browser would send it: its hidden fields, HTML-unescaped
+/// and encoded, then `extra` (the token, say) appended as given.
+fn confirmation_form(page: &str, extra: &str) -> String {
+    let start = page
+        .find("id=\"confirm-form\"")
+        .unwrap_or_else(|| panic!("no confirmation form: {page}"));
+    let end = start + page[start..].find("</form>").unwrap();
+    let unescape = |s: &str| {
+        s.replace("&quot;", "\"")
+            .replace("&#39;", "'")
+            .replace("&lt;", "<")
+            .replace("&gt;", ">")
+            .replace("&amp;", "&")
+    };
+    let mut fields = Vec::new();
+    for input in page[start..end].split("<input type=\"hidden\" ").skip(1) {
+        let name = input
+            .split("name=\"")
+            .nth(1)
+            .unwrap()
+            .split('"')
+            .next()
+            .unwrap();
+        let value = input
+            .split("value=\"")
+            .nth(1)
+            .unwrap()
+            .split('"')
+            .next()
+            .unwrap();
+        fields.push(format!("{}={}", encode(name), encode(&unescape(value))));
+    }
+    fields.push(extra.to_owned());
+    fields.join("&")
+}
+
+/// The `event_id`s of the dead letters of `stream`, sorted.
+fn dead_event_ids(r: &mut redis::Connection, stream: &str) -> Vec<String> {
+    let mut ids: Vec<String> = dead_letters(r, stream)
+        .into_iter()
+        .filter_map(|l| l.event_id)
+        .collect();
+    ids.sort();
+    ids
+}
+
+/// A bulk action acts on the dead letters the confirmation page counted,
+/// never on ones that arrived after it was shown (the hostile tester's
+/// repro: 10 letters previewed, 3 newer ones arrive, "delete 10" confirmed
+/// deleted the 3 new ones and kept 3 of the confirmed). When fewer are left
+/// than were confirmed, it acts on those and says so. A confirmation with a
+/// missing or malformed bound is refused.
+#[test]
+fn bulk_delete_acts_only_on_the_letters_the_confirmation_counted() {
+    let db = TestDb::new();
+    let stream = unique("page-bound");
+    let dlq = taskhub::dlq::dead_letter_stream(&stream);
+    let mut r = redis(&redis_url());
+    let produce = |r: &mut redis::Connection, event_id: &str| {
+        xadd(r, &stream, &[("event_id", event_id), ("payload", "x")]);
+    };
+    for i in 1..=10 {
+        produce(&mut r, &format!("bulk-old-{i:02}"));
+    }
+    let port = free_port();
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.args(["--sql", INT_SQL, "--http", &port.to_string()])
+        .env("TASKHUB_ADMIN_TOKEN", TOKEN);
+    let mut p = Proc::spawn(cmd);
+    let base = format!("http://127.0.0.1:{port}");
+    let bulk = format!("{base}/dlq/bulk");
+    assert!(
+        wait_until(Duration::from_secs(20), || xlen(&mut r, &dlq) == 10),
+        "{}",
+        p.stderr()
+    );
+
+    // The operator previews: 10 match.
+    let preview = format!(
+        "stream={}&action=delete&kind=permanent&token={TOKEN}",
+        encode(&stream)
+    );
+    let (status, page) = post(&bulk, &preview);
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("10 dead letters match"), "{page}");
+    let confirm = confirmation_form(&page, &format!("token={TOKEN}"));
+
+    // Three more dead letters arrive before the operator confirms.
+    for i in 1..=3 {
+        produce(&mut r, &format!("bulk-new-{i}"));
+    }
+    assert!(
+        wait_until(Duration::from_secs(20), || xlen(&mut r, &dlq) == 13),
+        "{}",
+        p.stderr()
+    );
+
+    // The operator confirms: exactly the 10 shown go, the 3 new ones stay.
+    let (status, body) = post(&bulk, &confirm);
+    assert_eq!(status, 303, "{body}");
+    let list = || {
+        ureq::get(format!("{base}/dlq?stream={}", encode(&stream)))
+            .call()
+            .unwrap()
+            .body_mut()
+            .read_to_string()
+            .unwrap()
+    };
+    assert!(
+        wait_until(Duration::from_secs(20), || list()
+            .contains("Last bulk delete: ")),
+        "{}",
+        list()
+    );
+    assert_eq!(
+        dead_event_ids(&mut r, &stream),
+        ["bulk-new-1", "bulk-new-2", "bulk-new-3"],
+        "the confirmed letters go, the later ones stay: {}",
+        list()
+    );
+    assert!(
+        list().contains("Last bulk delete: deleted 10 "),
+        "{}",
+        list()
+    );
+
+    // Preview again: the 3 newer ones.
+    let (status, page) = post(&bulk, &preview);
+    assert!(
+        status == 200 && page.contains("3 dead letters match"),
+        "{page}"
+    );
+    let confirm = confirmation_form(&page, &format!("token={TOKEN}"));
+
+    // A confirmation without the bound, or with a malformed one, is refused
+    // and changes nothing (a hostile client may post anything).
+    let without_bound = format!("{preview}&confirm=3");
+    let (status, body) = post(&bulk, &without_bound);
+    assert_eq!(status, 400, "{body}");
+    for bad in [
+        "abc",
+        "1",
+        "1-",
+        "-1",
+        "1-2-3",
+        "+1-0",
+        " 1-0",
+        "1-0x",
+        "99999999999999999999999-0",
+        "1-99999999999999999999999",
+        "18446744073709551616-0",
+    ] {
+        let (status, body) = post(&bulk, &format!("{without_bound}&upto={}", encode(bad)));
+        assert_eq!(status, 400, "upto={bad:?}: {body}");
+    }
+    for bad in ["-1", "ten", "99999999999999999999999"] {
+        let form = confirm.replace("confirm=3", &format!("confirm={}", encode(bad)));
+        let (status, body) = post(&bulk, &form);
+        assert_eq!(status, 400, "confirm={bad:?}: {body}");
+    }
+    assert_eq!(xlen(&mut r, &dlq), 3, "refused means unchanged");
+
+    // Fewer left than confirmed: one of the 3 is deleted by hand and a new
+    // one arrives; the confirmation deletes the 2 left, says that 1 had
+    // gone, and leaves the new one alone.
+    let first = dead_letters(&mut r, &stream)[0].id.clone().unwrap();
+    let (status, body) = post(&format!("{base}/dlq/delete"), &form(&stream, &first, TOKEN));
+    assert_eq!(status, 303, "{body}");
+    produce(&mut r, "bulk-late");
+    assert!(
+        wait_until(Duration::from_secs(20), || dead_event_ids(&mut r, &stream)
+            .contains(&"bulk-late".to_owned())),
+        "{}",
+        p.stderr()
+    );
+    let (status, body) = post(&bulk, &confirm);
+    assert_eq!(status, 303, "{body}");
+    assert!(
+        wait_until(Duration::from_secs(20), || list()
+            .contains("Last bulk delete: deleted 2 ")),
+        "{}",
+        list()
+    );
+    assert!(
+        list().contains("1 of the 3 confirmed had gone already"),
+        "{}",
+        list()
+    );
+    assert_eq!(dead_event_ids(&mut r, &stream), ["bulk-late"]);
+    p.signal("TERM");
+    assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+}
+
+/// A relative time window (`since=5s`) is resolved when the confirmation is
+/// shown: confirming later acts on what the operator saw, not on what the
+/// window holds by then.
+#[test]
+fn bulk_relative_since_is_fixed_when_the_confirmation_is_shown() {
+    let db = TestDb::new();
+    let stream = unique("page-since");
+    let mut r = redis(&redis_url());
+    letter(
+        &mut r,
+        &stream,
+        "recent-1",
+        taskhub::DeadLetterKind::Permanent,
+        "postgres 22P02: bad int",
+        Duration::from_secs(1),
+        "acme",
+    );
+    let port = free_port();
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.args(["--sql", INT_SQL, "--http", &port.to_string()])
+        .env("TASKHUB_ADMIN_TOKEN", TOKEN);
+    let mut p = Proc::spawn(cmd);
+    let base = format!("http://127.0.0.1:{port}");
+    assert!(wait_until(Duration::from_secs(20), || ureq::get(format!(
+        "{base}/readyz"
+    ))
+    .call()
+    .is_ok()));
+    let (status, page) = post(
+        &format!("{base}/dlq/bulk"),
+        &format!(
+            "stream={}&action=delete&since=5s&token={TOKEN}",
+            encode(&stream)
+        ),
+    );
+    assert!(
+        status == 200 && page.contains("1 dead letters match"),
+        "{page}"
+    );
+    assert!(
+        !page.contains("name=\"since\" value=\"5s\""),
+        "the window is carried as a time, not as \"5s\" again: {page}"
+    );
+    let confirm = confirmation_form(&page, &format!("token={TOKEN}"));
+    // By now the letter is older than 5 s: a window read again would miss it.
+    std::thread::sleep(Duration::from_secs(6));
+    let (status, body) = post(&format!("{base}/dlq/bulk"), &confirm);
+    assert_eq!(status, 303, "{body}");
+    let list = || {
+        ureq::get(format!("{base}/dlq?stream={}", encode(&stream)))
+            .call()
+            .unwrap()
+            .body_mut()
+            .read_to_string()
+            .unwrap()
+    };
+    assert!(
+        wait_until(Duration::from_secs(20), || list()
+            .contains("Last bulk delete: ")),
+        "{}",
+        list()
+    );
+    assert!(
+        list().contains("Last bulk delete: deleted 1 "),
+        "{}",
+        list()
+    );
+    assert!(dead_letters(&mut r, &stream).is_empty());
+    p.signal("TERM");
+    assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
 }
