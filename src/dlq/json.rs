@@ -57,7 +57,8 @@ fn rfc3339(ms: u64) -> String {
 
 /// A dead letter as one JSON object, for tools (`taskhub dlq list --json`)
 /// and pages: ids, kind, reason and its fingerprint, times in ms and RFC 3339,
-/// the attempt history, and the original fields (see [`fields_json`]).
+/// the attempt history, the original fields (see [`fields_json`]), and
+/// `incomplete`: why those are not the whole event, or null.
 pub(crate) fn letter_json(letter: &DeadLetter) -> Value {
     let history: Vec<Value> = letter
         .history
@@ -100,6 +101,7 @@ pub(crate) fn letter_json(letter: &DeadLetter) -> Value {
         "dead_at_rfc3339": rfc3339(letter.dead_at),
         "history": history,
         "fields": fields,
+        "incomplete": letter.incomplete(),
     })
 }
 

@@ -5,10 +5,19 @@
 //! original field (`f:<name>`, raw bytes; for an entry over the size limit,
 //! the name and first bytes of each field), the last reason, the kind, the
 //! attempt count and history, and the first-failure and dead-at times.
+//!
+//! Two kinds of letter may not hold the whole event: an `invalid` letter of
+//! an entry over `--max-entry-bytes` (its fields cut to their first bytes),
+//! and a `trimmed` letter of an entry deleted from its stream before the
+//! worker held its fields (it keeps the `event_id` at most). Such a letter
+//! says so in its `incomplete` field, and [`DeadLetter::incomplete`] tells
+//! it from the letter itself, so letters written before that field existed
+//! are judged the same way. Replay refuses them: the cut-down event would be
+//! applied, recorded processed, and the true one skipped for ever after.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::event::Fields;
+use crate::event::{Fields, MOST_FIELDS, PREFIX};
 
 /// One failed attempt, kept for the dead-letter history.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,6 +137,12 @@ pub use crate::redis::keys::dead_letter_stream;
 /// Prefix of original fields inside a dead letter.
 const FIELD_PREFIX: &[u8] = b"f:";
 
+/// The field that says, in words, why a letter's original fields are not
+/// the whole event (see [`DeadLetter::incomplete`]); absent when they are.
+/// Written for the readers of the raw stream and of the archive: taskhub
+/// itself judges each letter from its kind, reason and fields.
+const INCOMPLETE: &str = "incomplete";
+
 /// A letter whose entry had more fields than this keeps them all in one
 /// field, [`PACKED_FIELDS`], so that the letter still fits the arguments of
 /// the Lua script that writes it (Lua's `unpack` takes fewer than 8,000
@@ -178,6 +193,29 @@ fn unpack(packed: &[u8]) -> Result<Fields, String> {
         fields.push((k, v));
     }
     Ok(fields)
+}
+
+/// The size in bytes and the field count of an entry cut down for being
+/// over the size limit, from its `invalid` reason (see `Cut::reason` in
+/// `event.rs`: "entry is B bytes in F fields, over the limit of L bytes;
+/// the dead letter keeps the name and first 256 bytes..."); `None` for any
+/// other reason.
+fn cut_sizes(reason: &str) -> Option<(u64, u64)> {
+    let keeps = format!("; the dead letter keeps the name and first {PREFIX} bytes");
+    if !(reason.contains(", over the limit of ") && reason.contains(&keeps)) {
+        return None;
+    }
+    let words: Option<Vec<&str>> = reason
+        .strip_prefix("entry is ")
+        .map(|rest| rest.split(' ').collect());
+    match words.as_deref() {
+        Some([bytes, "bytes", "in", fields, "fields,", ..]) => Some((
+            bytes.parse().unwrap_or(u64::MAX),
+            fields.parse().unwrap_or(u64::MAX),
+        )),
+        // Cut, but its sizes are unreadable: nothing says it is whole.
+        _ => Some((u64::MAX, u64::MAX)),
+    }
 }
 
 /// `t` in milliseconds since the epoch (0 before it).
@@ -290,6 +328,9 @@ impl DeadLetter {
         put("history", history_json(&self.history));
         put("first_failed_at", self.first_failed_at.to_string());
         put("dead_at", self.dead_at.to_string());
+        if let Some(why) = self.incomplete() {
+            put(INCOMPLETE, why);
+        }
         if self.fields.len() > MAX_INLINE_FIELDS {
             out.push((PACKED_FIELDS.to_vec(), pack(&self.fields)));
             return out;
@@ -342,6 +383,53 @@ impl DeadLetter {
                     .collect(),
             },
         })
+    }
+
+    /// Why this letter's fields may not be the whole event (`None`: they
+    /// are): replaying it would apply a cut-down event, and record it
+    /// processed. Two cases:
+    ///
+    /// - an `invalid` letter of an entry over `--max-entry-bytes`, which
+    ///   keeps the name and first 256 bytes of its first 64 fields (its
+    ///   reason says so, with the entry's size and field count): incomplete
+    ///   unless those show that nothing was cut;
+    /// - a `trimmed` letter holding nothing but an `event_id`: the entry was
+    ///   deleted from its stream before the worker held its fields, and the
+    ///   letter keeps what was known of it (the id, at most). A `trimmed`
+    ///   letter written while its event was being applied holds every field
+    ///   and is complete. (One whose event had no field but its `event_id`
+    ///   is taken for incomplete too: the letter cannot tell them apart.)
+    pub fn incomplete(&self) -> Option<String> {
+        match self.kind {
+            Kind::Invalid => {
+                let (bytes, fields) = cut_sizes(&self.reason)?;
+                let kept: u64 = self
+                    .fields
+                    .iter()
+                    .map(|(k, v)| (k.len() + v.len()) as u64)
+                    .sum();
+                if kept == bytes && self.fields.len() as u64 == fields {
+                    return None;
+                }
+                Some(format!(
+                    "kept only the first {PREFIX} bytes of each field, and at most {MOST_FIELDS} fields (entry over --max-entry-bytes)"
+                ))
+            }
+            Kind::Trimmed => {
+                if self.fields.iter().any(|(k, _)| k.as_slice() != b"event_id") {
+                    return None;
+                }
+                let what = if self.fields.is_empty() {
+                    "kept no field of the event"
+                } else {
+                    "kept only its event_id"
+                };
+                Some(format!(
+                    "{what} (the entry was deleted from the stream while pending, before the worker held its fields)"
+                ))
+            }
+            _ => None,
+        }
     }
 
     /// An original field, raw.
@@ -408,5 +496,95 @@ pub(crate) mod tests {
         };
         let back = DeadLetter::from_fields(Some("5-0".into()), &letter.to_fields()).unwrap();
         assert_eq!(back, letter);
+    }
+
+    /// The letter the worker writes for `fields`, an entry over a limit of
+    /// `limit` bytes (its reason as `event.rs` words it).
+    fn oversize_letter(fields: Fields, limit: usize) -> DeadLetter {
+        let limits = crate::event::Limits {
+            max_event_id_bytes: 256,
+            max_entry_bytes: limit,
+        };
+        let parsed = crate::event::Event::parse("s".into(), "1-0".into(), fields, None, 1, limits);
+        let Err((kept, why)) = parsed else {
+            panic!("not refused as oversize")
+        };
+        DeadLetter {
+            kind: Kind::Invalid,
+            reason: why.to_string(),
+            ..sample_letter(kept)
+        }
+    }
+
+    #[test]
+    fn an_oversize_letter_cut_down_is_incomplete_one_kept_whole_is_not() {
+        let cut = oversize_letter(
+            vec![
+                (b"event_id".to_vec(), b"e".to_vec()),
+                (b"payload".to_vec(), vec![b'A'; 1_500]),
+            ],
+            1_000,
+        );
+        assert_eq!(cut.field("payload").map(<[u8]>::len), Some(PREFIX));
+        let why = cut.incomplete().expect("cut down");
+        assert!(why.contains("first 256 bytes"), "{why}");
+        // Written with the letter, and ignored when read back.
+        let fields = cut.to_fields();
+        assert!(fields
+            .iter()
+            .any(|(k, v)| k == b"incomplete" && v == why.as_bytes()));
+        let back = DeadLetter::from_fields(Some("9-0".into()), &fields).unwrap();
+        assert_eq!(back, cut);
+
+        // Over the limit, but every field short: nothing cut.
+        let whole = oversize_letter(
+            vec![
+                (b"event_id".to_vec(), b"e".to_vec()),
+                (b"a".to_vec(), vec![b'B'; 200]),
+                (b"b".to_vec(), vec![b'B'; 200]),
+            ],
+            300,
+        );
+        assert_eq!(whole.incomplete(), None);
+        assert!(!whole.to_fields().iter().any(|(k, _)| k == b"incomplete"));
+
+        // Over 64 fields: the rest were dropped.
+        let wide: Fields = (0..70)
+            .map(|i| (format!("f{i}").into_bytes(), b"x".to_vec()))
+            .chain([(b"event_id".to_vec(), b"e".to_vec())])
+            .collect();
+        assert!(oversize_letter(wide, 100).incomplete().is_some());
+
+        // Other invalid letters hold what the entry had.
+        let other = DeadLetter {
+            kind: Kind::Invalid,
+            reason: "missing field event_id".into(),
+            ..sample_letter(vec![(b"payload".to_vec(), b"p".to_vec())])
+        };
+        assert_eq!(other.incomplete(), None);
+    }
+
+    #[test]
+    fn a_trimmed_letter_with_only_its_event_id_is_incomplete() {
+        let trimmed = |fields: Fields| DeadLetter {
+            kind: Kind::Trimmed,
+            reason: crate::worker::delivery::TRIMMED.into(),
+            ..sample_letter(fields)
+        };
+        let id_only = trimmed(vec![(b"event_id".to_vec(), b"e".to_vec())]);
+        assert!(id_only
+            .incomplete()
+            .is_some_and(|w| w.contains("only its event_id")));
+        assert!(trimmed(Vec::new())
+            .incomplete()
+            .is_some_and(|w| w.contains("no field")));
+        let full = trimmed(vec![
+            (b"event_id".to_vec(), b"e".to_vec()),
+            (b"payload".to_vec(), b"p".to_vec()),
+        ]);
+        assert_eq!(full.incomplete(), None);
+        // Other kinds hold the whole event.
+        let permanent = sample_letter(vec![(b"event_id".to_vec(), b"e".to_vec())]);
+        assert_eq!(permanent.incomplete(), None);
     }
 }

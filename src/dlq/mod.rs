@@ -19,7 +19,8 @@
 //!   effect was already committed are skipped by the normal idempotency layer
 //!   when a worker reads them; the report says how many there are, checked in
 //!   `processed_events` (the arbiter) when PostgreSQL is at hand (else not
-//!   checked).
+//!   checked). A letter that does not hold the whole event (see
+//!   [`DeadLetter::incomplete`]) is not replayed: it is reported, and stays.
 //! - [`purge`](DeadLetters::purge) deletes dead letters.
 //! - [`archive`](DeadLetters::archive) moves dead letters older than a cutoff to the
 //!   `dead_letters_archive` table or to a JSONL file, in chunks: copy (commit,

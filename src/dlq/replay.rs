@@ -66,6 +66,18 @@ pub struct ReplayItem {
     pub replayed_as: Option<String>,
     /// Why it could not be replayed (it stays in the dead-letter stream).
     pub error: Option<String>,
+    /// Why its letter does not hold the whole event (see
+    /// [`DeadLetter::incomplete`]): it is not replayed, in a dry run
+    /// neither, and stays in the dead-letter stream. The way out is to
+    /// produce the event again in full, or to purge the letter.
+    pub incomplete: Option<String>,
+}
+
+impl ReplayItem {
+    /// Whether it goes (or, in a dry run, would go) back on its stream.
+    fn goes_back(&self, dry_run: bool) -> bool {
+        self.error.is_none() && self.incomplete.is_none() && (dry_run || self.replayed_as.is_some())
+    }
 }
 
 /// What a replay did (or, in a dry run, would do).
@@ -87,7 +99,7 @@ impl ReplayReport {
     pub fn replayed(&self) -> usize {
         self.items
             .iter()
-            .filter(|i| i.error.is_none() && (self.dry_run || i.replayed_as.is_some()))
+            .filter(|i| i.goes_back(self.dry_run))
             .count()
     }
 
@@ -95,8 +107,14 @@ impl ReplayReport {
     pub fn already_processed(&self) -> usize {
         self.items
             .iter()
-            .filter(|i| i.error.is_none() && i.already_processed)
+            .filter(|i| i.goes_back(self.dry_run) && i.already_processed)
             .count()
+    }
+
+    /// Entries not replayed because their letter does not hold the whole
+    /// event (they stay dead letters; see [`ReplayItem::incomplete`]).
+    pub fn incomplete(&self) -> usize {
+        self.items.iter().filter(|i| i.incomplete.is_some()).count()
     }
 
     /// Entries that could not be replayed (they stay dead letters).
@@ -219,18 +237,30 @@ pub fn replay(
             .map_err(|e| progress_error(e, &report, total))?;
         let processed = already_processed(pg.as_deref_mut(), &letters, options.scope.as_deref())
             .map_err(|e| progress_error(e, &report, total))?;
-        let items: Vec<ReplayItem> = letters
-            .iter()
-            .zip(&processed)
-            .map(|(l, &p)| ReplayItem {
+        // A letter that does not hold the whole event stays (and is
+        // reported): put back, its cut-down event would be applied and
+        // recorded processed, and the true one skipped as a duplicate ever
+        // after.
+        let mut items = Vec::with_capacity(letters.len());
+        let mut whole = Vec::with_capacity(letters.len());
+        for (l, p) in letters.into_iter().zip(processed) {
+            let item = ReplayItem {
                 id: l.id.clone().unwrap_or_default(),
                 event_id: l.event_id.clone(),
                 stream: l.stream.clone(),
                 already_processed: p,
                 replayed_as: None,
                 error: None,
-            })
-            .collect();
+                incomplete: l.incomplete(),
+            };
+            if item.incomplete.is_some() {
+                report.items.push(item);
+            } else {
+                items.push(item);
+                whole.push(l);
+            }
+        }
+        let letters = whole;
         if options.dry_run {
             report.items.extend(items);
         } else {
@@ -294,6 +324,7 @@ fn read_chunk(
                 already_processed: false,
                 replayed_as: None,
                 error: Some(format!("not a readable dead letter: {why}")),
+                incomplete: None,
             }),
         }
     }

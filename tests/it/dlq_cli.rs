@@ -43,10 +43,21 @@ fn dlq_ok(db_url: &str, stream: &str, args: &[&str]) -> Out {
 /// `taskhub run --until-idle` on `stream` (group `g`, one worker), with
 /// `sql` as the handler; returns the summary line's counters.
 fn run_worker(db_url: &str, stream: &str, sql: Option<&str>) -> BTreeMap<String, u64> {
+    run_worker_with(db_url, stream, sql, &[])
+}
+
+/// [`run_worker`] with more flags.
+fn run_worker_with(
+    db_url: &str,
+    stream: &str,
+    sql: Option<&str>,
+    more: &[&str],
+) -> BTreeMap<String, u64> {
     let mut cmd = taskhub(&redis_url(), db_url);
     cmd.args(["run", "--stream", stream, "--group", "g", "--consumer", "c"])
         .args(["--workers", "1", "--block-ms", "200", "--until-idle"])
-        .args(["--backoff-base", "10ms", "--backoff-cap", "100ms"]);
+        .args(["--backoff-base", "10ms", "--backoff-cap", "100ms"])
+        .args(more);
     if let Some(sql) = sql {
         cmd.args(["--sql", sql]);
     }
@@ -856,6 +867,277 @@ fn replay_that_cannot_add_keeps_the_dead_letter() {
         out.stdout
     );
     assert_eq!(dlq_ids(&mut conn, &stream), [id]);
+    cleanup(&mut conn, &stream);
+}
+
+/// The payload stored for `event_id` in `notifications` (one row expected).
+fn stored_payloads(db: &TestDb, event_id: &str) -> Vec<Option<String>> {
+    db.client()
+        .query(
+            "SELECT payload FROM notifications WHERE event_id = $1",
+            &[&event_id],
+        )
+        .unwrap()
+        .into_iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+/// Regression (hostile tester): an oversize `invalid` letter keeps only the
+/// first 256 bytes of each field, and replay put that cut-down event back on
+/// the stream: the worker applied it (a payload of 256 bytes instead of
+/// 1503) and recorded the event processed, so the true payload could never
+/// be applied. Now replay (and its dry run) refuses such a letter, says why,
+/// keeps it in the dead-letter stream and exits 1; a letter over the limit
+/// whose fields were all kept whole still replays; and the event produced
+/// again in full is applied whole.
+#[test]
+fn replay_refuses_an_oversize_letter_cut_down_to_256_bytes_a_field() {
+    let db = TestDb::new();
+    let stream = unique("atk_big");
+    let mut conn = redis(&redis_url());
+    let big = unique("big");
+    let payload = format!("{}END", "A".repeat(1500));
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", &big), ("payload", &payload)],
+    );
+    // Over the limit too, but every field under 256 bytes: nothing was cut,
+    // the letter holds the whole event.
+    let wide = unique("wide");
+    let quarter = "B".repeat(250);
+    xadd(
+        &mut conn,
+        &stream,
+        &[
+            ("event_id", &wide),
+            ("payload", &quarter),
+            ("a", &quarter),
+            ("b", &quarter),
+            ("c", &quarter),
+        ],
+    );
+    let summary = run_worker_with(&db.url, &stream, None, &["--max-entry-bytes", "1000"]);
+    assert_eq!(summary["invalid"], 2, "{summary:?}");
+    let ids = dlq_ids(&mut conn, &stream);
+    assert_eq!(ids.len(), 2);
+    let stream_len = xlen(&mut conn, &stream);
+
+    // Dry run: says which cannot be replayed, and why; exit 1.
+    let out = dlq(&db.url, &stream, &["replay", "--all", "--dry-run"]);
+    assert_eq!(
+        out.code(),
+        Some(1),
+        "dry run of a cut-down letter must say something is left out: {}",
+        out.stdout
+    );
+    assert!(
+        out.stdout
+            .contains(&format!("{big}: kept only the first 256 bytes"))
+            && out.stdout.contains("produce the event again in full")
+            && out.stdout.contains("would replay 1 dead letter")
+            && out.stdout.contains("1 not replayed"),
+        "{}",
+        out.stdout
+    );
+    let doc = dlq(
+        &db.url,
+        &stream,
+        &["replay", "--all", "--dry-run", "--json"],
+    )
+    .json();
+    assert_eq!(doc["replayed"], 1, "{doc}");
+    assert_eq!(doc["incomplete"], 1, "{doc}");
+
+    // The replay: the complete letter goes back, the cut one stays.
+    let out = dlq(&db.url, &stream, &["replay", "--all", "--json"]);
+    assert_eq!(out.code(), Some(1), "{}", out.stdout);
+    let doc = out.json();
+    assert_eq!(doc["replayed"], 1, "{doc}");
+    assert_eq!(doc["incomplete"], 1, "{doc}");
+    assert_eq!(doc["failed"], 0, "{doc}");
+    let items = doc["items"].as_array().unwrap();
+    let cut = items
+        .iter()
+        .find(|i| i["event_id"] == big.as_str())
+        .unwrap();
+    assert!(cut["replayed_as"].is_null(), "{doc}");
+    assert!(
+        cut["incomplete"]
+            .as_str()
+            .is_some_and(|w| w.contains("256 bytes") && w.contains("--max-entry-bytes")),
+        "{doc}"
+    );
+    let whole = items
+        .iter()
+        .find(|i| i["event_id"] == wide.as_str())
+        .unwrap();
+    assert!(whole["replayed_as"].is_string(), "{doc}");
+    assert!(whole["incomplete"].is_null(), "{doc}");
+    assert_eq!(
+        dead_letters(&mut conn, &stream)
+            .iter()
+            .map(|l| l.event_id.clone().unwrap())
+            .collect::<Vec<_>>(),
+        std::slice::from_ref(&big),
+        "the cut letter stays a dead letter"
+    );
+    assert_eq!(xlen(&mut conn, &stream), stream_len + 1, "one entry added");
+
+    // The worker applies the complete one whole, nothing of the cut one.
+    let summary = run_worker(&db.url, &stream, None);
+    assert_eq!(summary["applied"], 1, "{summary:?}");
+    assert_eq!(stored_payloads(&db, &wide), [Some(quarter.clone())]);
+    assert_eq!(db.effects(&big), 0, "the cut-down event was applied");
+
+    // Text: the line names the event and the way out.
+    let out = dlq(&db.url, &stream, &["replay", "--all"]);
+    assert_eq!(out.code(), Some(1), "{}", out.stdout);
+    assert!(
+        out.stdout.contains(&format!(
+            "{big}: kept only the first 256 bytes of each field"
+        )) && out.stdout.contains("not replayed")
+            && out.stdout.contains("or purge the letter"),
+        "{}",
+        out.stdout
+    );
+
+    // The way out: the event produced again in full is applied whole.
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", &big), ("payload", &payload)],
+    );
+    let summary = run_worker(&db.url, &stream, None);
+    assert_eq!(summary["applied"], 1, "{summary:?}");
+    assert_eq!(stored_payloads(&db, &big), [Some(payload)]);
+    cleanup(&mut conn, &stream);
+}
+
+/// Regression (hostile tester): an entry deleted from the stream (XTRIM
+/// MAXLEN 0) while it waited for a retry became a `trimmed` letter holding
+/// only its event_id, and replay put that back: the worker stored the event
+/// with a NULL payload and recorded it processed. Now replay refuses it,
+/// says why, keeps the letter and exits 1. A `trimmed` letter that holds
+/// the event's fields (one the worker had read whole) still replays.
+#[test]
+fn replay_refuses_a_trimmed_letter_that_kept_only_the_event_id() {
+    let db = TestDb::new();
+    db.client().batch_execute(ALWAYS_RETRY).unwrap();
+    let stream = unique("atk_trim");
+    let mut conn = redis(&redis_url());
+    let mut cmd = taskhub(&redis_url(), &db.url);
+    cmd.args([
+        "run",
+        "--stream",
+        &stream,
+        "--group",
+        "g",
+        "--consumer",
+        "c",
+    ])
+    .args(["--workers", "1", "--block-ms", "100"])
+    .args(["--sql", "SELECT try_later($1)"])
+    .args(["--backoff-base", "3s", "--backoff-cap", "3s"])
+    .args(["--max-retry-after", "3s", "--reclaim-min-idle", "10s"])
+    .env("RUST_LOG", "taskhub=debug");
+    let mut p = Proc::spawn(cmd);
+    let event = unique("trim");
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", &event), ("payload", "the real payload")],
+    );
+    assert!(
+        p.wait_for("retrying in", Duration::from_secs(20)),
+        "no failed attempt\n{}",
+        p.stderr()
+    );
+    let _: i64 = redis::cmd("XTRIM")
+        .arg(&stream)
+        .arg("MAXLEN")
+        .arg(0)
+        .query(&mut conn)
+        .unwrap();
+    let found = wait_until(Duration::from_secs(20), || {
+        !dead_letters(&mut conn, &stream).is_empty()
+    });
+    p.signal("TERM");
+    p.wait(T);
+    assert!(found, "no dead letter\n{}", p.stderr());
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].kind, DeadLetterKind::Trimmed);
+    assert_eq!(
+        letters[0].fields,
+        [(b"event_id".to_vec(), event.clone().into_bytes())],
+        "the letter keeps only the event_id"
+    );
+    let trimmed_id = letters[0].id.clone().unwrap();
+
+    // A trimmed letter with the whole event (written as the worker writes
+    // one for an entry deleted while it was being applied): replayable.
+    let full = unique("full");
+    let whole = put(
+        &mut conn,
+        &letter(
+            &stream,
+            &full,
+            DeadLetterKind::Trimmed,
+            "the entry was deleted from the stream (MAXLEN, XTRIM or XDEL) while it was pending, before it could be applied",
+            Duration::from_secs(1),
+            &[],
+        ),
+    );
+
+    let out = dlq(&db.url, &stream, &["replay", "--all", "--dry-run"]);
+    assert_eq!(
+        out.code(),
+        Some(1),
+        "dry run of a letter without its fields must say something is left out: {}",
+        out.stdout
+    );
+    assert!(
+        out.stdout
+            .contains(&format!("{event}: kept only its event_id"))
+            && out.stdout.contains("would replay 1 dead letter"),
+        "{}",
+        out.stdout
+    );
+
+    let out = dlq(&db.url, &stream, &["replay", "--all", "--json"]);
+    assert_eq!(out.code(), Some(1), "{}", out.stdout);
+    let doc = out.json();
+    assert_eq!(doc["replayed"], 1, "{doc}");
+    assert_eq!(doc["incomplete"], 1, "{doc}");
+    let items = doc["items"].as_array().unwrap();
+    let kept = items
+        .iter()
+        .find(|i| i["id"] == trimmed_id.as_str())
+        .unwrap();
+    assert!(kept["replayed_as"].is_null(), "{doc}");
+    assert!(
+        kept["incomplete"]
+            .as_str()
+            .is_some_and(|w| w.contains("event_id") && w.contains("deleted")),
+        "{doc}"
+    );
+    let back = items.iter().find(|i| i["id"] == whole.as_str()).unwrap();
+    assert!(back["replayed_as"].is_string(), "{doc}");
+    assert_eq!(
+        dlq_ids(&mut conn, &stream),
+        [trimmed_id],
+        "the letter stays"
+    );
+
+    let summary = run_worker(&db.url, &stream, None);
+    assert_eq!(summary["applied"], 1, "{summary:?}");
+    assert_eq!(db.effects(&event), 0, "applied without its payload");
+    assert_eq!(
+        stored_payloads(&db, &full),
+        [Some(format!(r#"{{"order":1234,"event":"{full}"}}"#))]
+    );
     cleanup(&mut conn, &stream);
 }
 

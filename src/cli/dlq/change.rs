@@ -88,8 +88,12 @@ impl Ctx {
                 progress.update(done, total)
             })
             .map_err(err)?;
-        let failed = report.failed();
-        let code = if failed > 0 || (explicit && !report.not_found.is_empty()) {
+        // Exit 1 when a letter selected was left behind (failed, or not
+        // replayed because it does not hold the whole event), as archive
+        // does for what it keeps: a script must not take the stream for
+        // drained. In a dry run too: the real run would leave it.
+        let left = report.failed() + report.incomplete();
+        let code = if left > 0 || (explicit && !report.not_found.is_empty()) {
             ExitCode::FAILURE
         } else {
             ExitCode::SUCCESS
@@ -216,6 +220,7 @@ fn replay_json(report: &dlq::ReplayReport) -> Value {
                 "already_processed": i.already_processed,
                 "replayed_as": i.replayed_as,
                 "error": i.error,
+                "incomplete": i.incomplete,
             })
         })
         .collect();
@@ -224,6 +229,7 @@ fn replay_json(report: &dlq::ReplayReport) -> Value {
         "replayed": report.replayed(),
         "already_processed": report.already_processed(),
         "failed": report.failed(),
+        "incomplete": report.incomplete(),
         "not_found": report.not_found,
         "checked_with": report.checked_with.map(|c| c.as_str()),
         "items": items,
@@ -243,10 +249,11 @@ fn replay_text(report: &dlq::ReplayReport) -> String {
                     i.id.clone(),
                     one_line(i.event_id.as_deref().unwrap_or("-"), 40),
                     one_line(&i.stream, 40),
-                    match (&i.error, i.already_processed) {
-                        (Some(e), _) => format!("cannot replay: {}", one_line(e, 60)),
-                        (None, true) => "already processed: the worker will skip it".into(),
-                        (None, false) => "would replay".into(),
+                    match (&i.error, &i.incomplete, i.already_processed) {
+                        (Some(e), _, _) => format!("cannot replay: {}", one_line(e, 60)),
+                        (None, Some(_), _) => "not replayed: incomplete event (see below)".into(),
+                        (None, None, true) => "already processed: the worker will skip it".into(),
+                        (None, None, false) => "would replay".into(),
                     },
                 ]
             })
@@ -262,6 +269,18 @@ fn replay_text(report: &dlq::ReplayReport) -> String {
             "{}: not replayed: {}\n",
             i.id,
             one_line(i.error.as_deref().unwrap_or_default(), 200)
+        ));
+    }
+    for i in &report.items {
+        let Some(why) = &i.incomplete else { continue };
+        let event = i
+            .event_id
+            .as_deref()
+            .map_or_else(|| "(no event_id)".to_owned(), |e| one_line(e, 80));
+        out.push_str(&format!(
+            "{} {event}: {}; not replayed: produce the event again in full, or purge the letter\n",
+            i.id,
+            one_line(why, 200)
         ));
     }
     let checked = match report.checked_with {
@@ -290,6 +309,22 @@ fn replay_text(report: &dlq::ReplayReport) -> String {
     let failed = report.failed();
     if failed > 0 {
         out.push_str(&format!(", {failed} failed (still dead letters)"));
+    }
+    let incomplete = report.incomplete();
+    if incomplete > 0 {
+        out.push_str(&format!(
+            ", {incomplete} not replayed: {} (still {})",
+            if incomplete == 1 {
+                "its letter does not hold the whole event"
+            } else {
+                "their letters do not hold the whole event"
+            },
+            if incomplete == 1 {
+                "a dead letter"
+            } else {
+                "dead letters"
+            }
+        ));
     }
     if !report.not_found.is_empty() {
         out.push_str(&format!(

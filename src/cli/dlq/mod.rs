@@ -20,7 +20,8 @@ Look at, replay, purge and archive the dead letters of a stream (kept in <stream
 Times (--since, --until) are a duration ago (90s, 2h, 3d) or an RFC 3339 time
 (2024-05-01T12:00:00Z, 2024-05-01T14:00:00+02:00, 2024-05-01). A dead letter's time is
 when it was dead-lettered. Exit status: 0 done, 1 failure (or, for check, dead letters
-present; for purge without --yes, nothing removed), 2 bad usage.";
+present; for purge without --yes, nothing removed; for replay, a letter selected left
+behind), 2 bad usage.";
 
 /// `taskhub dlq`.
 #[derive(Args, Debug)]
@@ -56,7 +57,14 @@ XADD and its removal from the dead-letter stream are one atomic step, and an ent
 gone (replayed or purged meanwhile) is not added twice. Events whose effect is already
 committed are skipped by the worker's idempotency layer (as duplicates); the summary says
 how many, looked up in PostgreSQL's processed_events (DATABASE_URL) under each dead letter's
-group as scope (--scope to change); not checked when PostgreSQL is unreachable.")]
+group as scope (--scope to change); not checked when PostgreSQL is unreachable.
+
+A dead letter that does not hold the whole event is not replayed (in --dry-run neither) and
+stays: an `invalid` one of an entry over --max-entry-bytes (it keeps the first 256 bytes of
+each field) and a `trimmed` one that kept only its event_id. Put back, the cut-down event
+would be applied and recorded processed. Each is listed with the reason; produce the event
+again in full, or purge the letter. Exit status 1 when any letter selected was not replayed
+(failed, incomplete, or, for ids given, not found).")]
     Replay(ReplayArgs),
     /// Delete dead letters (needs --yes; without it, says how many would go).
     Purge(PurgeArgs),

@@ -176,6 +176,12 @@ impl Ctx {
             vec!["first failed".into(), when(l.first_failed_at)],
             vec!["dead at".into(), when(l.dead_at)],
         ];
+        if let Some(why) = l.incomplete() {
+            rows.push(vec![
+                "incomplete".into(),
+                format!("{}: replay refuses it", c(&why)),
+            ]);
+        }
         if let Some(n) = l.field("replay_count") {
             rows.push(vec![
                 "replayed".into(),
