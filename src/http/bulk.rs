@@ -318,9 +318,10 @@ impl Bulk {
                 match dlq::replay(&mut conn, None, stream, &selection, &options, &mut progress) {
                     Ok(r) => {
                         let out = format!(
-                            "replayed {} (failed {}; not found {}) at {}",
+                            "replayed {} (failed {}; not whole, kept: {}; not found {}) at {}",
                             r.replayed(),
                             r.failed(),
+                            r.incomplete(),
                             r.not_found.len(),
                             humantime::format_rfc3339_seconds(SystemTime::now())
                         );

@@ -161,12 +161,20 @@ impl Page {
                 Ok(r) if !r.not_found.is_empty() => return not_found(&stream, id),
                 Ok(r) => {
                     let message = format!(
-                        "replayed {} (already processed: {}, failed: {})",
+                        "replayed {} (already processed: {}, failed: {}, not whole: {})",
                         r.replayed(),
                         r.already_processed(),
-                        r.failed()
+                        r.failed(),
+                        r.incomplete()
                     );
-                    let code = if r.failed() > 0 {
+                    let code = if r.incomplete() > 0 {
+                        for item in &r.items {
+                            if let Some(why) = &item.incomplete {
+                                log::warn!("http: {stream}/{} not replayed: {why}", item.id);
+                            }
+                        }
+                        "replay_incomplete".to_owned()
+                    } else if r.failed() > 0 {
                         for item in &r.items {
                             if let Some(e) = &item.error {
                                 log::warn!("http: replay of {stream}/{}: {e}", item.id);
@@ -315,6 +323,7 @@ pub(crate) fn message(query: &[(String, String)]) -> Option<String> {
             number("skipped")
         ),
         "replay_failed" => "The replay failed; the worker's log says why.".to_owned(),
+        "replay_incomplete" => "Not replayed: this letter does not hold the whole event (cut for size, or its entry deleted before it was read), and replayed it would be applied cut down; produce the event again in full, or delete the letter.".to_owned(),
         "deleted" => "Deleted the dead letter.".to_owned(),
         "delete_failed" => "The delete failed; the worker's log says why.".to_owned(),
         "bulk_started" => format!(

@@ -731,3 +731,54 @@ fn bulk_relative_since_is_fixed_when_the_confirmation_is_shown() {
     p.signal("TERM");
     assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
 }
+
+/// A letter that does not hold the whole event (here a `trimmed` letter
+/// that kept only its event_id) is not replayed from the page either: the
+/// page says so, and the letter stays. (The shared replay refused it
+/// already; the page used to report "replayed 0" as a success.)
+#[test]
+fn the_page_does_not_replay_a_letter_that_is_not_whole() {
+    let db = TestDb::new();
+    let (mut p, base, stream, _) = setup(&db, Some(TOKEN));
+    let mut r = redis(&redis_url());
+    let fields = vec![(b"event_id".to_vec(), b"cut-1".to_vec())];
+    let mut l = taskhub::DeadLetter::new(
+        &stream,
+        "1-0",
+        taskhub::DeadLetterKind::Trimmed,
+        "deleted from the stream before it was read",
+        fields,
+    );
+    l.event_id = Some("cut-1".into());
+    l.group = stream.clone();
+    let mut cmd = redis::cmd("XADD");
+    cmd.arg(taskhub::dlq::dead_letter_stream(&stream)).arg("*");
+    for (k, v) in l.to_fields() {
+        cmd.arg(k).arg(v);
+    }
+    let id: String = cmd.query(&mut r).unwrap();
+    let (status, body) = post(&format!("{base}/dlq/replay"), &form(&stream, &id, TOKEN));
+    assert_eq!(status, 303, "{body}");
+    assert!(
+        body.contains("replayed 0") && body.contains("not whole: 1"),
+        "{body}"
+    );
+    let page = ureq::get(format!(
+        "{base}/dlq?stream={}&msg=replay_incomplete",
+        encode(&stream)
+    ))
+    .call()
+    .unwrap()
+    .body_mut()
+    .read_to_string()
+    .unwrap();
+    assert!(page.contains("does not hold the whole event"), "{page}");
+    let ids: Vec<String> = dead_letters(&mut r, &stream)
+        .into_iter()
+        .filter_map(|l| l.id)
+        .collect();
+    assert!(ids.contains(&id), "the letter stays: {ids:?}");
+    assert!(p.stderr().contains("not replayed"), "{}", p.stderr());
+    p.signal("TERM");
+    assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+}
