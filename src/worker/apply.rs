@@ -84,6 +84,13 @@ pub(crate) enum Batch {
     /// the batch it does not name (a constraint of `notifications`, say):
     /// the caller tries the halves (see `apply_batches`).
     Rejected(HandlerError),
+    /// The handler ran COMMIT itself: it committed the dedup rows of the
+    /// batch's new events (per delivery, whether it was new) with what it
+    /// had written by then, so they count as applied, effects or not. They
+    /// are dead-lettered with [`committed_by_handler`]'s reason (where one
+    /// by one they were found applied and acked as duplicates, no word
+    /// said); the others are duplicates.
+    Ended(Vec<bool>),
 }
 
 /// Whether `e` is PostgreSQL's cancel of a statement past its timeout.
@@ -632,9 +639,7 @@ impl Processor {
                     // clears an aborted statement): the others go on.
                     if tx.touched && tx.batch_execute("ROLLBACK TO SAVEPOINT batch").is_err() {
                         // The handler ended the transaction itself.
-                        return Err(ended(&mut tx, xid)
-                            .unwrap_or_else(ended_error)
-                            .for_no_event());
+                        return batch_failed(&new, ended(&mut tx, xid).unwrap_or_else(ended_error));
                     }
                     events.remove(i);
                     left_out.push((positions.remove(i), e.for_no_event()));
@@ -643,7 +648,7 @@ impl Processor {
                     // A statement was sent and no savepoint is there: the
                     // whole transaction goes, the others run again.
                     if let Some(ended) = ended(&mut tx, xid) {
-                        return Err(ended.for_no_event());
+                        return batch_failed(&new, ended);
                     }
                     if guarded {
                         self.savepoint_batches = SAVEPOINT_BATCHES;
@@ -653,7 +658,7 @@ impl Processor {
                 }
                 _ => {
                     if let Some(ended) = ended(&mut tx, xid) {
-                        return Err(ended.for_no_event());
+                        return batch_failed(&new, ended);
                     }
                     // Events left out already failed for good in this
                     // attempt: they take the failure path, the rest goes
@@ -718,7 +723,9 @@ impl Processor {
         for i in &applied {
             fault::hit(Point::BeforeCommit, event(&batch[*i]).event_id());
         }
-        commit(tx, xid, &take_back).map_err(HandlerError::for_no_event)?;
+        if let Err(e) = commit(tx, xid, &take_back) {
+            return batch_failed(&new, e);
+        }
         Stats::add(&stage.common.stats.commits, 1);
         for i in &applied {
             let e = event(&batch[*i]);
@@ -944,13 +951,46 @@ fn ended_as(tx: &mut postgres::Transaction<'_>, before: &str, xid: i64) -> Handl
             })
         });
     match status.as_deref() {
-        Some("committed") => HandlerError::permanent(
-            "the handler ended the transaction itself (it ran COMMIT): the event's processed_events row was committed with what the handler wrote before its COMMIT, so the event counts as applied and a replay will skip it; to apply it again, fix the handler, delete that row (its scope and event_id), then replay",
-        ),
+        Some("committed") => committed_by_handler(),
         Some(_) => ended_error(),
         None => HandlerError::permanent(
             "the handler ended the transaction itself (it ran COMMIT or ROLLBACK), and whether that committed the event's processed_events row could not be checked: if the row is there, the event counts as applied with what the handler wrote before its COMMIT and a replay will skip it (delete the row first to apply it again); if not, fix the handler, then replay",
         ),
+    }
+}
+
+/// Marks the error of a handler whose own COMMIT committed taskhub's
+/// transaction (see [`Batch::Ended`]).
+#[derive(Debug)]
+struct HandlerCommitted;
+
+impl std::fmt::Display for HandlerCommitted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the handler's COMMIT committed taskhub's transaction")
+    }
+}
+
+impl std::error::Error for HandlerCommitted {}
+
+/// The error of an event whose `processed_events` row a handler's own
+/// COMMIT committed.
+pub(crate) fn committed_by_handler() -> HandlerError {
+    HandlerError::new(
+        FailureClass::Permanent,
+        "the handler ended the transaction itself (it ran COMMIT): the event's processed_events row was committed with what the handler wrote before its COMMIT, so the event counts as applied and a replay will skip it; to apply it again, fix the handler, delete that row (its scope and event_id), then replay".to_owned(),
+        Some(Box::new(HandlerCommitted)),
+    )
+}
+
+/// How a batch ends on `e`, a failure of the whole batch: [`Batch::Ended`]
+/// when the handler's COMMIT committed it (`new`: which deliveries were
+/// new), else the error, for no event.
+fn batch_failed(new: &[bool], e: HandlerError) -> Result<Batch, HandlerError> {
+    let committed = std::error::Error::source(&e).is_some_and(|c| c.is::<HandlerCommitted>());
+    if committed {
+        Ok(Batch::Ended(new.to_vec()))
+    } else {
+        Err(e.for_no_event())
     }
 }
 

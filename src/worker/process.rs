@@ -608,6 +608,26 @@ impl Processor {
                         self.not_applied(delivery, applied);
                     }
                 }
+                Flow::Done(Ok(Batch::Ended(new))) => {
+                    // The handler's COMMIT committed the new events' rows:
+                    // applied as far as the database knows, whatever their
+                    // effects. Said with a dead letter each, not acked as
+                    // duplicates in silence.
+                    failures += chunk.len();
+                    log::error!(
+                        "{stream}: the handler ran COMMIT itself in a batch of {}: its new events are recorded applied with what it wrote before; dead-lettered to say so",
+                        chunk.len()
+                    );
+                    for (delivery, new) in std::mem::take(&mut chunk).into_iter().zip(new) {
+                        if new {
+                            self.failed(delivery, crate::worker::apply::committed_by_handler());
+                        } else {
+                            let counters = self.stage.common.stats.of(&delivery.stream);
+                            Stats::add(&counters.duplicates, 1);
+                            done.push(delivery, true);
+                        }
+                    }
+                }
                 Flow::Done(Ok(Batch::Rejected(e))) if chunk.len() == 1 => {
                     // The event the built-in statement failed for.
                     let delivery = chunk.remove(0);

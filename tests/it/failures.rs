@@ -2143,3 +2143,49 @@ fn a_handler_that_ends_the_transaction_is_told_whether_its_event_committed() {
     assert_eq!(db.effects("after-commit"), 0);
     assert_eq!(db.effects("half"), 0);
 }
+
+/// The same in batch mode (regression, a hostile tester): a handler's
+/// COMMIT in the middle of a batch committed the dedup rows of every new
+/// event of the batch, then the next event's statement failed (the session
+/// is read-only outside taskhub's transactions), and one by one each event
+/// found its row and was acked as a duplicate: `applied=0 duplicates=4`,
+/// no letter, no word, two events with no effect. Now each new event of
+/// such a batch is dead-lettered with the reason that says its row was
+/// committed.
+#[test]
+fn a_handler_commit_in_a_batch_dead_letters_its_events_with_the_reason() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("ends-batch"), unique("g"));
+    let ids: Vec<String> = ["ok", "commit", "ok", "ok"]
+        .iter()
+        .map(|how| unique(how))
+        .collect();
+    for (id, how) in ids.iter().zip(["ok", "commit", "ok", "ok"]) {
+        xadd(&mut conn, &stream, &[("event_id", id), ("payload", how)]);
+    }
+    let builder = fast_builder(&redis_url(), &db.url, &stream, &group)
+        .mode(Mode::Batch)
+        .workers(1)
+        .until_idle(true);
+    let summary = Running::start(builder, EndsItsTransaction).join(Duration::from_secs(60));
+    assert_eq!(
+        (summary.applied, summary.duplicates, summary.dead_lettered),
+        (0, 0, 4),
+        "{summary}"
+    );
+    let letters = dead_letters(&mut conn, &stream);
+    for id in &ids {
+        let letter = letters
+            .iter()
+            .find(|l| l.event_id.as_deref() == Some(id.as_str()))
+            .unwrap_or_else(|| panic!("no letter for {id}: {letters:?}"));
+        assert_eq!(letter.kind, DeadLetterKind::Permanent);
+        assert!(
+            letter.reason.contains("processed_events row was committed"),
+            "{}",
+            letter.reason
+        );
+    }
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
