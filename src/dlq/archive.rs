@@ -34,7 +34,9 @@ pub enum ArchiveTarget<'a> {
 pub struct ArchiveReport {
     /// Entries selected (older than the cutoff and matching the filter).
     pub selected: usize,
-    /// Entries copied, verified and removed from the dead-letter stream.
+    /// Entries copied, verified and removed from the dead-letter stream by
+    /// this run: an entry that another run removed first (after both
+    /// copied it) is counted by that run only.
     pub archived: usize,
     /// Entries left in the dead-letter stream, with why.
     pub kept: Vec<(String, String)>,
@@ -153,8 +155,15 @@ pub fn archive(
                 .arg(&to_delete)
                 .query(conn)
                 .map_err(redis_error(&dlq))?;
-            log::debug!("{dlq}: archived {} (removed {deleted})", to_delete.len());
-            report.archived += to_delete.len();
+            // Another archive of this stream running at the same time may
+            // have copied and removed some of these already: the letters
+            // this run archived are the ones its XDEL removed, so that
+            // concurrent runs' reports add up to the letters archived.
+            log::debug!(
+                "{dlq}: copied {}, removed {deleted} (the rest by another run)",
+                to_delete.len()
+            );
+            report.archived += deleted as usize;
         }
         done += ids.len();
         progress(done, total);

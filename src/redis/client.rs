@@ -49,7 +49,7 @@ impl RedisClient {
                 c.set_read_timeout(Some(REDIS_COMMAND_TIMEOUT))?;
                 Ok(c)
             })
-            .map_err(|e| crate::redis::redis_unreachable(url, e))?;
+            .map_err(|e| connect_failed(url, e))?;
         let cluster = match redis::cmd("INFO").arg("cluster").query::<String>(&mut conn) {
             Ok(info) => info.contains("cluster_enabled:1"),
             // INFO (@dangerous) may be refused to an ACL user; CLUSTER INFO
@@ -187,7 +187,7 @@ fn cluster_client(url: &str, nodes: &[&str], tls: &Tls) -> Result<RedisClient, E
     // Connect once, so that a wrong address fails now with its cause.
     let mut conn = client
         .get_connection()
-        .map_err(|e| crate::redis::redis_unreachable(url, e))?;
+        .map_err(|e| connect_failed(url, e))?;
     redis::cmd("PING")
         .query::<()>(&mut conn)
         .map_err(|e| crate::redis::redis_unreachable(url, e))?;
@@ -243,6 +243,61 @@ pub(crate) fn is_tls_url(url: &str) -> bool {
     scheme.eq_ignore_ascii_case("rediss") || scheme.eq_ignore_ascii_case("valkeys")
 }
 
+/// A failed connection to `url` (one URL or the comma-separated seeds of a
+/// cluster), said as [`redis_unreachable`] does, except for a `rediss://`
+/// URL whose server never answered the TLS handshake: a Redis without TLS
+/// on that port takes the ClientHello for the start of a command and waits
+/// for its end, and the read times out with only "Resource temporarily
+/// unavailable (os error 11)" to show for it.
+fn connect_failed(url: &str, e: redis::RedisError) -> Error {
+    let nodes: Vec<&str> = url
+        .split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .collect();
+    if !nodes.first().is_some_and(|u| is_tls_url(u)) || !is_read_timeout(&e) {
+        return redis_unreachable(url, e);
+    }
+    let mut addrs: Vec<String> = nodes.iter().filter_map(|u| host_port(u)).collect();
+    let mut seen = std::collections::HashSet::new();
+    addrs.retain(|a| seen.insert(a.clone()));
+    if addrs.is_empty() {
+        return redis_unreachable(url, e);
+    }
+    let addrs = addrs.join(", ");
+    Error::new(
+        ErrorKind::Redis,
+        format!(
+            "cannot connect to Redis at {}: the TLS handshake with {addrs} got no answer \
+             within {}; the server may not speak TLS on that port (without TLS, use a \
+             redis:// URL)",
+            redact(url),
+            humantime::format_duration(CONNECT_TIMEOUT),
+        ),
+    )
+}
+
+/// Whether `e` is a read that timed out (`EAGAIN`, the socket's read
+/// timeout), not a TCP connection that could not be made (`ETIMEDOUT`).
+/// Found in the text: redis-rs keeps the I/O error to itself, and a cluster
+/// client reports its nodes' errors as text only.
+fn is_read_timeout(e: &redis::RedisError) -> bool {
+    e.is_io_error()
+        && e.to_string()
+            .contains(&std::io::Error::from_raw_os_error(libc::EAGAIN).to_string())
+}
+
+/// The `host:port` of a Redis URL (6379 when it names no port), without
+/// its user and password.
+fn host_port(url: &str) -> Option<String> {
+    let parsed = url::Url::parse(url).ok()?;
+    let port = parsed.port().unwrap_or(6379);
+    match parsed.host()? {
+        url::Host::Ipv6(ip) => Some(format!("[{ip}]:{port}")),
+        host => Some(format!("{host}:{port}")),
+    }
+}
+
 pub(crate) fn redis_unreachable(url: &str, e: redis::RedisError) -> Error {
     Error::with_source(
         ErrorKind::Redis,
@@ -253,7 +308,7 @@ pub(crate) fn redis_unreachable(url: &str, e: redis::RedisError) -> Error {
 
 #[cfg(test)]
 mod tests {
-    use super::{check_slots, node_addresses, with_address};
+    use super::{check_slots, host_port, is_read_timeout, node_addresses, with_address};
 
     #[test]
     fn seeds_keep_everything_but_the_address() {
@@ -273,6 +328,22 @@ d4 :0@0 slave,noaddr - 0 0 0 disconnected
 ";
         let found: Vec<String> = node_addresses(nodes).collect();
         assert_eq!(found, ["127.0.0.1:7000", "127.0.0.1:7001"]);
+    }
+
+    #[test]
+    fn a_silent_tls_handshake_names_the_address_only() {
+        assert_eq!(
+            host_port("rediss://u:s3cret@redis-a:7000/0").as_deref(),
+            Some("redis-a:7000")
+        );
+        assert_eq!(
+            host_port("rediss://:s3cret@[::1]").as_deref(),
+            Some("[::1]:6379")
+        );
+        let eagain = std::io::Error::from_raw_os_error(libc::EAGAIN);
+        assert!(is_read_timeout(&eagain.into()));
+        let etimedout = std::io::Error::from_raw_os_error(libc::ETIMEDOUT);
+        assert!(!is_read_timeout(&etimedout.into()));
     }
 
     #[test]

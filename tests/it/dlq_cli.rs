@@ -1629,3 +1629,72 @@ fn check_exits_0_when_empty_and_1_with_a_one_line_summary() {
     );
     cleanup(&mut conn, &stream);
 }
+
+// ---------------------------------------------------------------------------
+// Concurrent archives
+// ---------------------------------------------------------------------------
+
+/// Three archives of one stream at once: each reads the same letters and
+/// copies many of the same ones (the table keeps one row each), but only one
+/// run's XDEL removes a letter. Each run reports what it removed, so the
+/// reports add up to the letters archived; every letter is archived once and
+/// none is left.
+#[test]
+fn concurrent_archives_report_each_letter_once() {
+    const N: usize = 3000;
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut conn = redis(&redis_url());
+    let fields = letter(
+        &stream,
+        "conc",
+        DeadLetterKind::Exhausted,
+        "HTTP 500",
+        Duration::from_secs(3 * H),
+        &[],
+    )
+    .to_fields();
+    let mut pipe = redis::pipe();
+    for _ in 0..N {
+        let cmd = pipe
+            .cmd("XADD")
+            .arg(taskhub::dlq::dead_letter_stream(&stream))
+            .arg("*");
+        for (k, v) in &fields {
+            cmd.arg(k).arg(v);
+        }
+        cmd.ignore();
+    }
+    pipe.query::<()>(&mut conn).unwrap();
+    let mut ids = dlq_ids(&mut conn, &stream);
+    assert_eq!(ids.len(), N);
+    ids.sort();
+
+    let reports: Vec<Value> = std::thread::scope(|s| {
+        let runs: Vec<_> = (0..3)
+            .map(|_| {
+                s.spawn(|| {
+                    dlq_ok(
+                        &db.url,
+                        &stream,
+                        &["archive", "--older-than", "1h", "--chunk", "250", "--json"],
+                    )
+                    .json()
+                })
+            })
+            .collect();
+        runs.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    let counts: Vec<u64> = reports
+        .iter()
+        .map(|doc| doc["archived"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        counts.iter().sum::<u64>(),
+        N as u64,
+        "each letter reported by one run only: {counts:?}"
+    );
+    assert!(dlq_ids(&mut conn, &stream).is_empty(), "none left");
+    assert_eq!(archived_ids(&db, &stream), ids, "one row each");
+    cleanup(&mut conn, &stream);
+}

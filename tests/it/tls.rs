@@ -707,3 +707,39 @@ fn scram_over_tls_is_bound_to_the_channel() {
     );
     assert!(!stderr.contains("wrong-pass-93"), "{stderr}");
 }
+
+/// `rediss://` aimed at a Redis without TLS: the server takes the
+/// ClientHello for the start of a command and waits for its end, so the
+/// handshake gets no answer. The start-up error says so, naming the server's
+/// `host:port`, and suggests `redis://`, without the password; for one
+/// server and for the seeds of a cluster alike.
+#[test]
+fn rediss_to_a_redis_without_tls_says_the_tls_handshake_got_no_answer() {
+    let plain = PrivateRedis::start();
+    let addr = format!("127.0.0.1:{}", plain.port);
+    let password = "plain-port-pass-5c1e";
+    let db = TestDb::new();
+    let stream = unique("{tls_plain}");
+    for url in [
+        format!("rediss://{ACL_USER}:{password}@{addr}"),
+        format!("rediss://{ACL_USER}:{password}@{addr},rediss://{ACL_USER}:{password}@{addr}"),
+    ] {
+        let mut cmd = taskhub_tls(&url, &db.url, None);
+        cmd.args(["run", "--stream", &stream, "--until-idle"]);
+        let out = output(cmd, None, Duration::from_secs(60));
+        assert_eq!(out.code(), Some(1), "{url}: {}", out.stderr);
+        let errors = error_lines(&out.stderr);
+        assert_eq!(errors.len(), 1, "one error line: {}", out.stderr);
+        let line = errors[0];
+        for needle in [
+            format!("TLS handshake with {addr}"),
+            "no answer".to_owned(),
+            "may not speak TLS".to_owned(),
+            "redis://".to_owned(),
+        ] {
+            assert!(line.contains(&needle), "{needle:?} in {line}");
+        }
+        assert!(!line.contains("os error"), "{line}");
+        assert!(!out.stderr.contains(password), "{}", out.stderr);
+    }
+}
