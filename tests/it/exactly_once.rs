@@ -1427,6 +1427,52 @@ fn a_jsonb_payload_column_keeps_the_built_in_statement_working() {
     }
 }
 
+/// A `jsonb` payload nested deeper than our JSON parser goes (128 levels)
+/// is PostgreSQL's to read: applied in both modes (it was dead-lettered as
+/// "payload is not JSON: recursion limit exceeded", found by a hostile
+/// test), while one that is not JSON is still refused before it is sent.
+#[test]
+fn a_deeply_nested_json_payload_is_applied() {
+    let deep = format!("{}1{}", "[".repeat(200), "]".repeat(200));
+    for mode in [taskhub::Mode::PerEvent, taskhub::Mode::Batch] {
+        let db = TestDb::new();
+        db.client()
+            .batch_execute(
+                "ALTER TABLE notifications ALTER COLUMN payload TYPE jsonb USING payload::jsonb",
+            )
+            .unwrap();
+        let (stream, group) = (unique("s"), unique("g"));
+        let mut conn = redis(&redis_url());
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", "deep"), ("payload", &deep)],
+        );
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", "bad"), ("payload", "[[1]")],
+        );
+        let summary = run_until_idle(
+            builder(&db.url, &stream, &group).mode(mode),
+            SqlHandler::default(),
+        );
+        assert_eq!(
+            (summary.applied, summary.dead_lettered),
+            (1, 1),
+            "{mode:?}: {summary}"
+        );
+        assert_eq!(db.effects("deep"), 1, "{mode:?}");
+        let letters = dead_letters(&mut conn, &stream);
+        assert_eq!(letters[0].event_id.as_deref(), Some("bad"));
+        assert!(
+            letters[0].reason.contains("not JSON"),
+            "{}",
+            letters[0].reason
+        );
+    }
+}
+
 /// A `json` or `jsonb` payload column stores the payload as it was sent, in
 /// both modes: per event it used to go through serde_json's `Value`, which
 /// rounds a number beyond an f64 and sorts (and deduplicates) a `json`
