@@ -244,7 +244,8 @@ impl Builder {
         marker_ttl: Duration
     );
     setter!(
-        /// How long a graceful shutdown may take. Defaults to 30 s.
+        /// How long a graceful shutdown may take; must be positive.
+        /// Defaults to 30 s.
         shutdown_timeout: Duration
     );
     setter!(
@@ -364,6 +365,13 @@ impl Builder {
                 c.block
             ));
         }
+        if c.shutdown_timeout.is_zero() {
+            return err(
+                "shutdown timeout must be positive: it is how long a graceful stop may take, \
+                 and a zero one fails every stop"
+                    .into(),
+            );
+        }
         if c.marker_ttl < Duration::from_secs(1) {
             return err("marker TTL must be at least 1 s".into());
         }
@@ -391,10 +399,13 @@ impl Builder {
         }
         let longest_wait = c.backoff_cap.max(c.max_retry_after);
         if c.reclaim_min_idle <= longest_wait {
+            // Say which settings make up the figure, so the user knows what
+            // to change (`taskhub run`: --backoff-cap, --max-retry-after).
             return err(format!(
-                "reclaim min-idle ({:?}) must exceed the longest retry wait ({:?}), or entries \
-                 waiting for a retry would be taken over by other consumers",
-                c.reclaim_min_idle, longest_wait
+                "reclaim min-idle ({:?}) must exceed the longest retry wait ({:?}: the larger of \
+                 the backoff cap, {:?}, and the max retry-after, {:?}), or entries waiting for a \
+                 retry would be taken over by other consumers; raise the min-idle or lower those",
+                c.reclaim_min_idle, longest_wait, c.backoff_cap, c.max_retry_after
             ));
         }
         if c.max_event_id_bytes == 0 || c.max_event_id_bytes > 2048 {
@@ -435,6 +446,11 @@ mod tests {
                 "backoff",
             ),
             (b().reclaim_min_idle(Duration::from_secs(1)), "min-idle"),
+            (
+                b().reclaim_min_idle(Duration::from_secs(60)),
+                "max retry-after",
+            ),
+            (b().shutdown_timeout(Duration::ZERO), "shutdown timeout"),
             (b().stream("s"), "twice"),
             (b().start_id("7"), "start id"),
         ] {

@@ -79,7 +79,12 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);
     let mut cli = cli;
-    if let Err(message) = cli.servers.read_files() {
+    let uses_database = match &cli.command {
+        Command::Migrate | Command::Run(_) | Command::Prune(_) => true,
+        Command::Dlq(args) => args.uses_database(),
+        _ => false,
+    };
+    if let Err(message) = cli.servers.read_files(uses_database) {
         eprintln!("taskhub: error: {message}");
         return ExitCode::FAILURE;
     }

@@ -28,6 +28,22 @@ pub struct ConsumersArgs {
 
 pub fn consumers(servers: &Servers, args: ConsumersArgs) -> Result<(), String> {
     if let Some(name) = &args.remove {
+        // XGROUP DELCONSUMER answers 0 for a consumer that does not exist
+        // as for one without pending entries: look first, so a typo is not
+        // reported as done.
+        let known = taskhub::consumers(
+            &servers.redis_url,
+            &servers.redis_tls(),
+            &args.stream,
+            &args.group,
+        )
+        .map_err(|e| report(&e))?;
+        if !known.iter().any(|c| &c.name == name) {
+            return Err(format!(
+                "no consumer {name} in group {} of stream {}",
+                args.group, args.stream
+            ));
+        }
         taskhub::remove_consumer(
             &servers.redis_url,
             &servers.redis_tls(),

@@ -256,6 +256,7 @@ fn build_worker(
     if !headers.is_empty() && args.http_url.is_none() {
         return Err("--http-header needs --http-url".into());
     }
+    check_durations(args)?;
     let mut builder = Worker::builder()
         .redis_url(&servers.redis_url)
         .redis_tls(servers.redis_tls())
@@ -295,7 +296,9 @@ fn build_worker(
                 .map_err(|e| report(&e))?
                 .retry_budget(budget);
             for (name, value) in &headers {
-                handler = handler.header(name, value).map_err(|e| report(&e))?;
+                handler = handler
+                    .header(name, value)
+                    .map_err(|e| format!("--http-header {name}: {}", report(&e)))?;
             }
             builder.build(handler)
         }
@@ -313,6 +316,55 @@ fn build_worker(
         }
     }
     .map_err(|e| report(&e))
+}
+
+/// The duration flags' checks that the library makes too, with the flags
+/// named: `--shutdown-timeout` must be positive, and `--reclaim-min-idle`
+/// must exceed the longest retry wait, saying which flag that wait comes
+/// from. (With the SQL handler and no `--backoff-cap`, the library checks
+/// against its default cap.)
+fn check_durations(args: &RunArgs) -> Result<(), String> {
+    let show = |d: Duration| humantime::format_duration(d).to_string();
+    if args.shutdown_timeout.is_zero() {
+        return Err(format!(
+            "--shutdown-timeout must be positive, not {}: it is how long a graceful stop may \
+             take, and a zero one fails every stop",
+            show(args.shutdown_timeout)
+        ));
+    }
+    let cap = match &args.http_url {
+        Some(_) => Some(args.backoff_cap.unwrap_or(HTTP_BUDGET.cap)),
+        None => args.backoff_cap,
+    };
+    let retry_after = args.max_retry_after;
+    let (longest, from, other) = match cap {
+        Some(cap) if cap > retry_after => (
+            cap,
+            "--backoff-cap",
+            format!("--max-retry-after is {}", show(retry_after)),
+        ),
+        Some(cap) => (
+            retry_after,
+            "--max-retry-after",
+            format!("--backoff-cap is {}", show(cap)),
+        ),
+        None => (
+            retry_after,
+            "--max-retry-after",
+            "--backoff-cap at its default".to_owned(),
+        ),
+    };
+    let min_idle = args.reclaim_min_idle;
+    if min_idle >= Duration::from_secs(2) && min_idle <= longest {
+        return Err(format!(
+            "--reclaim-min-idle ({}) must exceed the longest retry wait ({}, from {from}; \
+             {other}), or entries waiting for a retry would be taken over by other consumers: \
+             raise --reclaim-min-idle or lower {from}",
+            show(min_idle),
+            show(longest)
+        ));
+    }
+    Ok(())
 }
 
 fn stop_and_join(

@@ -26,10 +26,12 @@ pub struct Servers {
     /// PostgreSQL URL (TLS: `?sslmode=require`, or
     /// `?sslmode=verify-full&sslrootcert=/path/ca.pem`; a client
     /// certificate: `&sslcert=/path/client.pem&sslkey=/path/client.key`).
+    /// Neither given (nor DATABASE_URL_FILE): [`DEFAULT_DATABASE_URL`], and
+    /// said so at start (see [`Servers::read_files`]).
     #[arg(
         long,
         env = "DATABASE_URL",
-        default_value = "postgres://postgres:taskhub@127.0.0.1:5432/taskhub",
+        default_value = "",
         global = true,
         help_heading = CONNECTIONS,
         hide_env_values = true,
@@ -80,6 +82,24 @@ pub struct Servers {
     pub redis_client_key: Option<PathBuf>,
 }
 
+/// The database used when no URL is given (DATABASE_URL, --database-url,
+/// DATABASE_URL_FILE): the one of the README's local set-up. A command that
+/// uses it says so at start.
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres:taskhub@127.0.0.1:5432/taskhub";
+
+/// What may be said of [`DEFAULT_DATABASE_URL`]: host, port, database and
+/// user, never the password.
+fn default_database() -> String {
+    let url = url::Url::parse(DEFAULT_DATABASE_URL).expect("the default URL parses");
+    format!(
+        "host {}, port {}, database {}, user {}",
+        url.host_str().unwrap_or_default(),
+        url.port().unwrap_or(5432),
+        url.path().trim_start_matches('/'),
+        url.username()
+    )
+}
+
 /// A path flag. An empty value (`TASKHUB_REDIS_CA_FILE=` in an env file)
 /// is taken, and means "not set" (see [`tls`]).
 pub fn path(value: &str) -> Result<PathBuf, String> {
@@ -116,8 +136,20 @@ impl Servers {
         )
     }
 
-    /// Replaces the URLs by the contents of the URL files, when given.
-    pub fn read_files(&mut self) -> Result<(), String> {
+    /// Replaces the URLs by the contents of the URL files, when given; with
+    /// no database URL at all, takes [`DEFAULT_DATABASE_URL`] and, for a
+    /// command that uses the database, logs which one that is.
+    pub fn read_files(&mut self, uses_database: bool) -> Result<(), String> {
+        if self.database_url_file.is_none() && self.database_url.is_empty() {
+            self.database_url = DEFAULT_DATABASE_URL.to_owned();
+            if uses_database {
+                log::info!(
+                    "database: DATABASE_URL is not set, so the default is used: {} (set \
+                     DATABASE_URL, --database-url or DATABASE_URL_FILE for another)",
+                    default_database()
+                );
+            }
+        }
         for (file, url) in [
             (&self.redis_url_file, &mut self.redis_url),
             (&self.database_url_file, &mut self.database_url),
@@ -129,5 +161,19 @@ impl Servers {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_database_is_said_without_its_password() {
+        let said = default_database();
+        assert_eq!(
+            said,
+            "host 127.0.0.1, port 5432, database taskhub, user postgres"
+        );
     }
 }

@@ -28,6 +28,29 @@ use crate::tls::Tls;
 /// any size, and a request that can never be sent must not be retried).
 const MAX_FIELDS_HEADER: usize = 8 * 1024;
 
+/// Headers [`HttpHandler::header`] refuses (in any case): the ones the
+/// handler writes itself (a second copy would be sent beside its own), and
+/// the ones that frame the request or the connection, which the HTTP client
+/// writes (`Content-Length` beside `Transfer-Encoding` is the shape of
+/// request smuggling). `User-Agent`, `Accept` and `Accept-Encoding` may be
+/// given: the client then leaves its own out.
+const RESERVED_HEADERS: [&str; 14] = [
+    "Idempotency-Key",
+    "X-Taskhub-Fields",
+    "X-Taskhub-Stream",
+    "X-Taskhub-Entry-Id",
+    "Host",
+    "Content-Length",
+    "Transfer-Encoding",
+    "Connection",
+    "Keep-Alive",
+    "Proxy-Connection",
+    "Upgrade",
+    "TE",
+    "Trailer",
+    "Expect",
+];
+
 /// The retry budget of [`HttpHandler`] by default: 8 attempts, waits from
 /// 1 s doubling up to 60 s (about 2 minutes in all before an event is
 /// dead-lettered as exhausted), enough to ride out a deploy or a rate
@@ -98,6 +121,15 @@ impl HttpHandler {
                 .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
         if !name_ok {
             return Err(Error::config(format!("bad HTTP header name {name:?}")));
+        }
+        if RESERVED_HEADERS
+            .iter()
+            .any(|r| r.eq_ignore_ascii_case(name))
+        {
+            return Err(Error::config(format!(
+                "HTTP header {name} cannot be set: taskhub or its HTTP client writes it on every \
+                 request, and a second one would make the request ambiguous"
+            )));
         }
         if !value
             .bytes()
@@ -265,7 +297,16 @@ impl Handler for HttpHandler {
         for (name, value) in &self.headers {
             request = request.header(name, value);
         }
-        let sent = request.content_type("application/octet-stream").send(body);
+        // The payload's type, unless `--http-header` gave one: then that
+        // one alone (both went, and the receiver took either).
+        if !self
+            .headers
+            .iter()
+            .any(|(name, _)| name.eq_ignore_ascii_case("content-type"))
+        {
+            request = request.content_type("application/octet-stream");
+        }
+        let sent = request.send(body);
         let response = match sent {
             Ok(r) => r,
             Err(e) => {
@@ -362,6 +403,18 @@ mod tests {
                 .header("X-Key", "a\nb")
                 .is_err()
         );
+        for name in [
+            "content-length",
+            "Transfer-Encoding",
+            "HOST",
+            "idempotency-key",
+        ] {
+            let e = HttpHandler::new("http://h/", Duration::from_secs(1), &Tls::default())
+                .unwrap()
+                .header(name, "x")
+                .unwrap_err();
+            assert!(e.to_string().contains(name), "{e}");
+        }
         let debug = format!(
             "{:?}",
             HttpHandler::new(

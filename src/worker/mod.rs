@@ -292,7 +292,7 @@ fn check_schema(
     let mut conn = connect::postgres(&config.database_url)?;
     let what = format!("the start-up check (of the {} handler)", handler.name());
     let watch = Watch::begin(&mut conn, pg.clone(), shutdown.clone(), what);
-    let checked = check_tables(&mut conn, handler);
+    let checked = check_tables(&mut conn, handler, &config.database_url);
     match (checked, watch.end()) {
         (Err(_), true) => Err(Checked::Cancelled),
         (checked, _) => Ok(checked?),
@@ -312,12 +312,22 @@ impl From<Error> for Checked {
     }
 }
 
-fn check_tables(conn: &mut postgres::Client, handler: &dyn Handler) -> Result<(), Error> {
+fn check_tables(
+    conn: &mut postgres::Client,
+    handler: &dyn Handler,
+    database_url: &str,
+) -> Result<(), Error> {
     conn.simple_query("SELECT scope, event_id FROM processed_events LIMIT 0")
         .map_err(|e| {
+            // Named (host:port/dbname, never the password), so a run
+            // against another database than the migrated one shows.
             Error::with_source(
                 ErrorKind::Postgres,
-                "table processed_events is missing or unreadable; run `taskhub migrate` first",
+                format!(
+                    "table processed_events is missing or unreadable in {}; run `taskhub \
+                     migrate` on that database first",
+                    crate::redact::redact(database_url)
+                ),
                 e,
             )
         })?;

@@ -1030,3 +1030,232 @@ fn a_sql_statement_that_ends_the_transaction_fails_at_start_up() {
         3
     );
 }
+
+// ---------------------------------------------------------------------------
+// Regressions found by a hostile tester: values that meant nothing useful,
+// messages that did not say what to change, a default that was silent
+// ---------------------------------------------------------------------------
+
+/// Regression: `--shutdown-timeout 0s` was accepted, and then every stop
+/// failed with "did not finish within 0ns" (exit 1). Refused at start-up
+/// now, like `--backoff-base 0ms`, naming the flag.
+#[test]
+fn a_zero_shutdown_timeout_is_refused_at_start_up() {
+    for value in ["0s", "0ms"] {
+        let out = run_with(&["--shutdown-timeout", value]);
+        assert_eq!(out.status.code(), Some(1), "{value}: {}", out.stderr);
+        let line = one_error_line(&out);
+        assert!(line.contains("--shutdown-timeout"), "{value}: {line}");
+        assert!(out.took < Duration::from_secs(15));
+    }
+}
+
+/// Regression: `--reclaim-min-idle 2s` was refused with "must exceed the
+/// longest retry wait (120s)", without the flags behind that figure. The
+/// message names the flag the figure comes from, and the other one.
+#[test]
+fn a_short_reclaim_min_idle_names_the_flags_behind_the_longest_wait() {
+    // The default --max-retry-after (2m) is the longest wait.
+    let out = run_with(&["--reclaim-min-idle", "2s"]);
+    assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
+    let line = one_error_line(&out);
+    for needle in ["--reclaim-min-idle", "--max-retry-after", "--backoff-cap"] {
+        assert!(line.contains(needle), "{needle}: {line}");
+    }
+    // A --backoff-cap above it: the cap is the longest wait.
+    let out = run_with(&["--backoff-cap", "3m", "--reclaim-min-idle", "150s"]);
+    assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
+    let line = one_error_line(&out);
+    assert!(line.contains("from --backoff-cap"), "{line}");
+    // With --http-url, whose retry budget (cap 60s) is the handler's own.
+    let out = run_with(&[
+        "--http-url",
+        "http://127.0.0.1:1/hook",
+        "--max-retry-after",
+        "10s",
+        "--reclaim-min-idle",
+        "30s",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
+    let line = one_error_line(&out);
+    assert!(line.contains("from --backoff-cap"), "{line}");
+    assert!(line.contains("--max-retry-after"), "{line}");
+}
+
+/// A dead letter of `stream` (group `g`) for `event_id`, as the worker
+/// writes it.
+fn put_dead_letter(conn: &mut redis::Connection, stream: &str, event_id: &str) {
+    let fields = vec![
+        (b"event_id".to_vec(), event_id.as_bytes().to_vec()),
+        (b"payload".to_vec(), b"p".to_vec()),
+    ];
+    let mut letter = taskhub::DeadLetter::new(
+        stream,
+        "1-0",
+        taskhub::DeadLetterKind::Exhausted,
+        "boom",
+        fields,
+    );
+    letter.group = "g".into();
+    letter.consumer = "c".into();
+    letter.event_id = Some(event_id.into());
+    let mut cmd = redis::cmd("XADD");
+    cmd.arg(taskhub::dlq::dead_letter_stream(stream)).arg("*");
+    for (k, v) in letter.to_fields() {
+        cmd.arg(k).arg(v);
+    }
+    let _: String = cmd.query(conn).unwrap();
+}
+
+/// Regression: `dlq replay --limit 0` said "nothing replayed" and exited 0,
+/// where `list --limit 0` means all. On replay and purge, leaving --limit
+/// out already means every match, so 0 is refused (a usage error, nothing
+/// touched) with a message saying so; list keeps 0 = all.
+#[test]
+fn dlq_replay_and_purge_refuse_a_zero_limit() {
+    let db = TestDb::new();
+    let stream = unique("dlq-limit0");
+    let mut r = redis(&redis_url());
+    put_dead_letter(&mut r, &stream, "e1");
+    let dlq = |args: &[&str]| {
+        let mut cmd = th(&db.url);
+        cmd.args(["dlq", "--stream", &stream]).args(args);
+        output(cmd, None, T)
+    };
+    for args in [
+        &["replay", "--kind", "exhausted", "--limit", "0"][..],
+        &["replay", "--all", "--limit", "0", "--dry-run"],
+        &["purge", "--kind", "exhausted", "--limit", "0", "--yes"],
+    ] {
+        let out = dlq(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", out.stderr);
+        assert!(
+            out.stderr.contains("--limit") && out.stderr.contains("leave --limit out"),
+            "{args:?}: {}",
+            out.stderr
+        );
+        assert!(!out.stdout.contains("replayed"), "{args:?}: {}", out.stdout);
+        assert_eq!(xlen(&mut r, &taskhub::dlq::dead_letter_stream(&stream)), 1);
+    }
+    // list: 0 is all, as documented.
+    let out = dlq(&["list", "--limit", "0"]);
+    assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
+    assert!(out.stdout.contains("e1"), "{}", out.stdout);
+    // Without --limit, replay takes every match.
+    let out = dlq(&["replay", "--kind", "exhausted"]);
+    assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
+    assert_eq!(xlen(&mut r, &taskhub::dlq::dead_letter_stream(&stream)), 0);
+    assert_eq!(xlen(&mut r, &stream), 1);
+}
+
+/// Regression: `consumers --remove nobody` said "removed consumer nobody"
+/// for a consumer the group never had. It says there is no such consumer
+/// and exits 1; one that exists with nothing pending is still removed.
+#[test]
+fn removing_a_consumer_that_does_not_exist_is_an_error() {
+    let (stream, group) = (unique("cons-none"), unique("g"));
+    let mut r = redis(&redis_url());
+    redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&stream)
+        .arg(&group)
+        .arg("$")
+        .arg("MKSTREAM")
+        .query::<()>(&mut r)
+        .unwrap();
+    redis::cmd("XGROUP")
+        .arg("CREATECONSUMER")
+        .arg(&stream)
+        .arg(&group)
+        .arg("left")
+        .query::<i64>(&mut r)
+        .unwrap();
+    let remove = |name: &str| {
+        let mut cmd = th("postgres://postgres@127.0.0.1:1/none");
+        cmd.args(["consumers", "--stream", &stream, "--group", &group])
+            .args(["--remove", name]);
+        output(cmd, None, T)
+    };
+    let out = remove("nobody");
+    assert_eq!(out.status.code(), Some(1), "{}\n{}", out.stdout, out.stderr);
+    assert!(!out.stdout.contains("removed"), "{}", out.stdout);
+    let line = one_error_line(&out);
+    assert!(
+        line.contains(&format!(
+            "no consumer nobody in group {group} of stream {stream}"
+        )),
+        "{line}"
+    );
+    let out = remove("left");
+    assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
+    assert!(
+        out.stdout.contains("removed consumer left"),
+        "{}",
+        out.stdout
+    );
+    let out = remove("left");
+    assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
+}
+
+/// Regression: with DATABASE_URL unset, a built-in default database was
+/// used without a word. It is logged at start (host, port, database, user;
+/// never the password), and only when it is the default.
+#[test]
+fn the_default_database_is_logged_when_database_url_is_unset() {
+    // --workers 0 fails validation before any connection: the shared
+    // `taskhub` database the default points to is never touched.
+    let mut cmd = th("unused");
+    cmd.env_remove("DATABASE_URL")
+        .env_remove("DATABASE_URL_FILE")
+        .args(["run", "--stream", &unique("s"), "--workers", "0"]);
+    let out = output(cmd, None, T);
+    assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
+    let line = out
+        .stderr
+        .lines()
+        .find(|l| l.contains("DATABASE_URL is not set"))
+        .unwrap_or_else(|| panic!("no default database line:\n{}", out.stderr));
+    for needle in [
+        "host 127.0.0.1",
+        "port 5432",
+        "database taskhub",
+        "user postgres",
+    ] {
+        assert!(line.contains(needle), "{needle}: {line}");
+    }
+    assert!(!line.contains(":taskhub@"), "password shown: {line}");
+
+    // Given a URL, no such line.
+    let out = run_with(&["--workers", "0"]);
+    assert!(
+        !out.stderr.contains("DATABASE_URL is not set"),
+        "{}",
+        out.stderr
+    );
+}
+
+/// Regression: "processed_events is missing ... run `taskhub migrate`" did
+/// not say in which database, so a run against the (silent) default looked
+/// like a migrate that had not worked. The error names host:port/dbname.
+#[test]
+fn a_missing_schema_names_the_database() {
+    let db = EmptyDb::new();
+    let mut cmd = th(&db.url);
+    cmd.args(["run", "--stream", &unique("s"), "--group", "g"])
+        .args(["--block-ms", "200", "--until-idle"]);
+    let out = output(cmd, None, T);
+    assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
+    let line = one_error_line(&out);
+    let url = url::Url::parse(&db.url).unwrap();
+    let shown = format!(
+        "{}:{}/{}",
+        url.host_str().unwrap(),
+        url.port().unwrap_or(5432),
+        db.name
+    );
+    assert!(line.contains("processed_events"), "{line}");
+    assert!(line.contains(&shown), "{shown}: {line}");
+    if let Some(password) = url.password() {
+        assert!(!line.contains(&format!(":{password}@")), "{line}");
+    }
+}

@@ -223,3 +223,85 @@ fn a_failing_downstream_gets_the_http_retry_budget() {
     assert_eq!(dead[0].attempts, 8);
     assert!(dead[0].reason.contains("HTTP 503"), "{}", dead[0].reason);
 }
+
+/// Regression (a hostile tester): `--http-header` took headers taskhub or
+/// its HTTP client set themselves: `Content-Length: 5` went out beside the
+/// client's own framing (with `Transfer-Encoding: chunked`, the
+/// request-smuggling shape), `Idempotency-Key: x` and `Host` were sent
+/// twice. They are refused at start-up, in any case, naming the header;
+/// headers that replace the client's defaults (User-Agent, Accept) and
+/// authentication headers still go out.
+#[test]
+fn reserved_http_headers_are_refused_at_start_up() {
+    let seen: Arc<Mutex<Vec<(String, String, Vec<String>)>>> = Arc::default();
+    let log = seen.clone();
+    let addr = crate::support::downstream::start(move |request| {
+        log.lock().unwrap().push((
+            request.header("Authorization"),
+            request.header("User-Agent"),
+            request.headers_named("Content-Type"),
+        ));
+        Answer::status(200)
+    });
+    let url = format!("http://{addr}/hook");
+    let db = TestDb::new();
+    let mut r = redis(&redis_url());
+    for header in [
+        "Content-Length: 5",
+        "transfer-encoding: chunked",
+        "HOST: evil.example",
+        "Connection: close",
+        "Idempotency-Key: x",
+        "X-Taskhub-Fields: {}",
+        "x-taskhub-stream: s",
+        "X-Taskhub-Entry-Id: 1-0",
+        "Upgrade: websocket",
+        "TE: trailers",
+        "Trailer: X-Sig",
+        "Expect: 100-continue",
+    ] {
+        let stream = unique("http-hdr");
+        xadd(&mut r, &stream, &[("event_id", "h1"), ("payload", "p")]);
+        let mut p = run_http(&url, &stream, &db, &["--http-header", header]);
+        let status = p.wait(Duration::from_secs(30));
+        assert_eq!(status.code(), Some(1), "{header}: {}", p.stderr());
+        let name = header.split(':').next().unwrap();
+        let stderr = p.stderr();
+        let line = stderr
+            .lines()
+            .find(|l| l.starts_with("taskhub: error:"))
+            .unwrap_or_else(|| panic!("{header}: no error line:\n{stderr}"));
+        assert!(line.contains("--http-header"), "{header}: {line}");
+        assert!(line.contains(name), "{header}: {line}");
+    }
+    assert!(seen.lock().unwrap().is_empty(), "nothing was sent");
+
+    // Allowed: authentication, and the client's overridable defaults.
+    let stream = unique("http-hdr-ok");
+    xadd(&mut r, &stream, &[("event_id", "ok1"), ("payload", "p")]);
+    let mut p = run_http(
+        &url,
+        &stream,
+        &db,
+        &[
+            "--http-header",
+            "Authorization: Bearer abc",
+            "--http-header",
+            "User-Agent: mine/1",
+            "--http-header",
+            "Accept: application/json",
+            "--http-header",
+            "Content-Type: application/json",
+        ],
+    );
+    assert!(p.wait(Duration::from_secs(30)).success(), "{}", p.stderr());
+    // A Content-Type given replaces taskhub's own (both went out before).
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [(
+            "Bearer abc".to_owned(),
+            "mine/1".to_owned(),
+            vec!["application/json".to_owned()]
+        )]
+    );
+}

@@ -30,6 +30,15 @@ impl Received {
             .map(|(_, v)| v.clone())
             .unwrap_or_default()
     }
+
+    /// Every value of header `name` (any case), in the order sent.
+    pub fn headers_named(&self, name: &str) -> Vec<String> {
+        self.headers
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.clone())
+            .collect()
+    }
 }
 
 /// What to answer: a status, extra headers, and how long to wait first.

@@ -36,6 +36,14 @@ pub struct DlqArgs {
     command: DlqCommand,
 }
 
+impl DlqArgs {
+    /// Whether the command connects to PostgreSQL: replay (to check what
+    /// was processed) and archive (`--to postgres`).
+    pub fn uses_database(&self) -> bool {
+        matches!(self.command, DlqCommand::Replay(_) | DlqCommand::Archive(_))
+    }
+}
+
 #[derive(Subcommand, Debug)]
 enum DlqCommand {
     /// Count dead letters by kind and by reason (numbers and ids masked), with the oldest and newest age.
@@ -168,8 +176,8 @@ struct ReplayArgs {
     ids: Vec<String>,
     #[command(flatten)]
     filter: FilterArgs,
-    /// With filter flags: only the newest N that match.
-    #[arg(long, value_name = "N")]
+    /// With filter flags: only the newest N that match (leave it out for all).
+    #[arg(long, value_name = "N", value_parser = nonzero_limit)]
     limit: Option<usize>,
     /// Replay every dead letter of the stream.
     #[arg(long)]
@@ -191,8 +199,8 @@ struct PurgeArgs {
     ids: Vec<String>,
     #[command(flatten)]
     filter: FilterArgs,
-    /// With filter flags: only the newest N that match.
-    #[arg(long, value_name = "N")]
+    /// With filter flags: only the newest N that match (leave it out for all).
+    #[arg(long, value_name = "N", value_parser = nonzero_limit)]
     limit: Option<usize>,
     /// Delete every dead letter of the stream.
     #[arg(long)]
@@ -213,6 +221,20 @@ struct ArchiveArgs {
     /// Entries copied, verified and removed per step.
     #[arg(long, value_name = "N", default_value_t = 500)]
     chunk: usize,
+}
+
+/// `--limit` of replay and purge. Leaving it out takes every match, so 0
+/// would only select nothing (and `list --limit 0` means all): refused.
+fn nonzero_limit(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err(
+            "0 would select nothing; leave --limit out for every dead letter that matches \
+             (on list, --limit 0 means all)"
+                .into(),
+        ),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn positive(s: &str) -> Result<f64, String> {
