@@ -233,7 +233,9 @@ fn a_failing_downstream_gets_the_http_retry_budget() {
 /// authentication headers still go out.
 #[test]
 fn reserved_http_headers_are_refused_at_start_up() {
-    let seen: Arc<Mutex<Vec<(String, String, Vec<String>)>>> = Arc::default();
+    // Authorization, User-Agent and every Content-Type of each request.
+    type Seen = Vec<(String, String, Vec<String>)>;
+    let seen: Arc<Mutex<Seen>> = Arc::default();
     let log = seen.clone();
     let addr = crate::support::downstream::start(move |request| {
         log.lock().unwrap().push((
