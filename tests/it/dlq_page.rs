@@ -43,6 +43,16 @@ fn encode(s: &str) -> String {
         .collect()
 }
 
+/// The dead-letter page of `stream`, as text.
+fn list_page(base: &str, stream: &str) -> String {
+    ureq::get(format!("{base}/dlq?stream={}", encode(stream)))
+        .call()
+        .unwrap()
+        .body_mut()
+        .read_to_string()
+        .unwrap()
+}
+
 /// The body of a replay or delete POST for dead letter `id`.
 fn form(stream: &str, id: &str, token: &str) -> String {
     format!(
@@ -421,14 +431,7 @@ fn the_page_filters_groups_and_acts_on_everything_a_filter_selects() {
     assert_eq!(status, 403);
     let (status, body) = post(&format!("{base}/dlq/bulk"), &confirm(TOKEN));
     assert_eq!(status, 303, "{body}");
-    let list = || {
-        ureq::get(format!("{base}/dlq?stream={}", encode(&stream)))
-            .call()
-            .unwrap()
-            .body_mut()
-            .read_to_string()
-            .unwrap()
-    };
+    let list = || list_page(&base, &stream);
     assert!(
         wait_until(Duration::from_secs(20), || list()
             .contains("Last bulk replay: replayed 4")),
@@ -567,14 +570,7 @@ fn bulk_delete_acts_only_on_the_letters_the_confirmation_counted() {
     // The operator confirms: exactly the 10 shown go, the 3 new ones stay.
     let (status, body) = post(&bulk, &confirm);
     assert_eq!(status, 303, "{body}");
-    let list = || {
-        ureq::get(format!("{base}/dlq?stream={}", encode(&stream)))
-            .call()
-            .unwrap()
-            .body_mut()
-            .read_to_string()
-            .unwrap()
-    };
+    let list = || list_page(&base, &stream);
     assert!(
         wait_until(Duration::from_secs(20), || list()
             .contains("Last bulk delete: ")),
@@ -708,14 +704,7 @@ fn bulk_relative_since_is_fixed_when_the_confirmation_is_shown() {
     std::thread::sleep(Duration::from_secs(6));
     let (status, body) = post(&format!("{base}/dlq/bulk"), &confirm);
     assert_eq!(status, 303, "{body}");
-    let list = || {
-        ureq::get(format!("{base}/dlq?stream={}", encode(&stream)))
-            .call()
-            .unwrap()
-            .body_mut()
-            .read_to_string()
-            .unwrap()
-    };
+    let list = || list_page(&base, &stream);
     assert!(
         wait_until(Duration::from_secs(20), || list()
             .contains("Last bulk delete: ")),

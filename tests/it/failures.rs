@@ -2043,34 +2043,6 @@ fn copies_in_a_rejected_batch_keep_one_outcome() {
     assert_eq!(kept, 0);
 }
 
-/// Ends taskhub's transaction the way a handler calling
-/// `batch_execute("COMMIT")` would, after writing its effect, by payload:
-/// `commit` (then returns Ok), `commit-then-write` (then writes, which
-/// fails outside taskhub's transaction, and returns that error),
-/// `rollback` (then returns Ok), `restart` (ROLLBACK, then writes in a
-/// transaction of its own, and returns Ok).
-struct EndsItsTransaction;
-
-impl Handler for EndsItsTransaction {
-    fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-        tx.execute(INSERT, &[&event.event_id(), &event.payload()])?;
-        match event.payload() {
-            Some("commit") => tx.batch_execute("COMMIT")?,
-            Some("commit-then-write") => {
-                tx.batch_execute("COMMIT")?;
-                tx.execute(INSERT, &[&"after-commit", &event.payload()])?;
-            }
-            Some("rollback") => tx.batch_execute("ROLLBACK")?,
-            Some("restart") => tx.batch_execute(
-                "ROLLBACK; BEGIN READ WRITE; \
-                 INSERT INTO notifications (event_id, payload) VALUES ('half', 'half')",
-            )?,
-            _ => {}
-        }
-        Ok(())
-    }
-}
-
 /// Regression (a hostile tester): a handler that ran COMMIT itself had its
 /// event dead-lettered with "the event is not recorded as applied ... fix
 /// the handler, then replay", although its COMMIT had committed the
@@ -2096,7 +2068,7 @@ fn a_handler_that_ends_the_transaction_is_told_whether_its_event_committed() {
     let builder = fast_builder(&redis_url(), &db.url, &stream, &group)
         .mode(Mode::PerEvent)
         .until_idle(true);
-    let summary = Running::start(builder, EndsItsTransaction).join(Duration::from_secs(60));
+    let summary = Running::start(builder, EndsTransaction).join(Duration::from_secs(60));
     assert_eq!(summary.applied, 0, "{summary}");
     let letters = dead_letters(&mut conn, &stream);
     assert_eq!(letters.len(), 4, "{letters:?}");
@@ -2170,7 +2142,7 @@ fn a_handler_commit_in_a_batch_dead_letters_its_events_with_the_reason() {
         .mode(Mode::Batch)
         .workers(1)
         .until_idle(true);
-    let summary = Running::start(builder, EndsItsTransaction).join(Duration::from_secs(60));
+    let summary = Running::start(builder, EndsTransaction).join(Duration::from_secs(60));
     assert_eq!(
         (summary.applied, summary.duplicates, summary.dead_lettered),
         (0, 0, 4),

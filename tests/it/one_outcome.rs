@@ -514,31 +514,6 @@ fn an_event_that_kills_its_backend_ends_as_a_crash_loop() {
     }
 }
 
-/// Ends the transaction itself for payload `rollback` (and `commit`, and
-/// `restart`, which then writes in a transaction of its own), the
-/// way a handler calling `batch_execute("ROLLBACK")` would.
-struct EndsTransaction;
-
-impl Handler for EndsTransaction {
-    fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-        tx.execute(
-            "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)",
-            &[&event.event_id(), &event.payload()],
-        )?;
-        match event.payload() {
-            Some("rollback") => tx.batch_execute("ROLLBACK")?,
-            Some("commit") => tx.batch_execute("COMMIT")?,
-            // Half an effect in a transaction of its own.
-            Some("restart") => tx.batch_execute(
-                "ROLLBACK; BEGIN READ WRITE; \
-                 INSERT INTO notifications (event_id, payload) VALUES ('half', 'half')",
-            )?,
-            _ => {}
-        }
-        Ok(())
-    }
-}
-
 #[test]
 fn a_handler_that_ends_the_transaction_fails_its_event() {
     let db = TestDb::new();

@@ -94,3 +94,36 @@ impl Drop for Running {
         }
     }
 }
+
+/// Ends taskhub's transaction the way a handler calling
+/// `batch_execute("COMMIT")` would, after writing its effect, by payload:
+/// `commit` (then returns Ok), `commit-then-write` (then writes, which
+/// fails outside taskhub's transaction, and returns that error),
+/// `rollback` (then returns Ok), `restart` (ROLLBACK, then writes in a
+/// transaction of its own, and returns Ok).
+pub struct EndsTransaction;
+
+impl taskhub::Handler for EndsTransaction {
+    fn handle(
+        &self,
+        event: &taskhub::Event,
+        tx: &mut taskhub::Tx<'_>,
+    ) -> Result<(), taskhub::HandlerError> {
+        const INSERT: &str = "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)";
+        tx.execute(INSERT, &[&event.event_id(), &event.payload()])?;
+        match event.payload() {
+            Some("commit") => tx.batch_execute("COMMIT")?,
+            Some("commit-then-write") => {
+                tx.batch_execute("COMMIT")?;
+                tx.execute(INSERT, &[&"after-commit", &event.payload()])?;
+            }
+            Some("rollback") => tx.batch_execute("ROLLBACK")?,
+            Some("restart") => tx.batch_execute(
+                "ROLLBACK; BEGIN READ WRITE; \
+                 INSERT INTO notifications (event_id, payload) VALUES ('half', 'half')",
+            )?,
+            _ => {}
+        }
+        Ok(())
+    }
+}
