@@ -14,10 +14,12 @@
 //! - The start set of a redelivered entry (one member per delivery; a new
 //!   name since it was a counter),
 //!   `th:d:<len>:<group>:<len>:<stream>:<entry_id>` (see `process.rs`).
-//! - The index of dead-lettered entries, the hash `<stream>:dlq:index`
-//!   (entry id → dead-letter id), in the stream's hash slot: an entry
-//!   delivered again after its group was created again is recognised as
-//!   dead-lettered already.
+//! - The index of a group's dead-lettered entries, the hash
+//!   `<stream>:dlq:index:<len>:<group>` (entry id → dead-letter id), in the
+//!   stream's hash slot: an entry delivered again after its group was
+//!   created again is recognised as dead-lettered already. (Earlier
+//!   versions kept one index of every group's, `<stream>:dlq:index`; it is
+//!   still read, see [`DEAD_IN`].)
 //!
 //! Keys written by earlier versions (`processed:<scope>:<event_id>`) are
 //! not read: they could not say which database they speak for. They expire
@@ -184,25 +186,34 @@ pub(crate) fn dead_letter_index_of_all_groups(stream: &str) -> String {
 /// as `HMGET` of its `index` answers (a letter id, or false), also counting
 /// the entries in the index of every group's letters (`old`, see
 /// [`dead_letter_index_of_all_groups`]) whose letter in `dlq` names this
-/// group, or is gone (as those versions read it).
+/// group. (One whose letter is gone counts for no group: it may be any
+/// group's, and a group that never dead-lettered it would drop it unread.)
+/// 500 ids a call: Lua's `unpack` takes fewer than 8,000.
 pub(crate) const DEAD_IN: &str = r"
 local function dead_in(index, old, dlq, group, ids, first, last)
-    local own = redis.call('HMGET', index, unpack(ids, first, last))
-    local before = redis.call('HMGET', old, unpack(ids, first, last))
-    for i = 1, #own do
-        if not own[i] and before[i] then
-            local letter = redis.call('XRANGE', dlq, before[i], before[i])
-            local named = nil
-            if #letter == 1 then
-                local f = letter[1][2]
-                for j = 1, #f - 1, 2 do
-                    if f[j] == 'group' then named = f[j + 1] break end
+    local dead = {}
+    for from = first, last, 500 do
+        local to = math.min(from + 499, last)
+        local own = redis.call('HMGET', index, unpack(ids, from, to))
+        local before = redis.call('HMGET', old, unpack(ids, from, to))
+        for i = 1, #own do
+            local letter_id = own[i]
+            if not letter_id and before[i] then
+                local letter = redis.call('XRANGE', dlq, before[i], before[i])
+                if #letter == 1 then
+                    local f = letter[1][2]
+                    for j = 1, #f - 1, 2 do
+                        if f[j] == 'group' then
+                            if f[j + 1] == group then letter_id = before[i] end
+                            break
+                        end
+                    end
                 end
             end
-            if #letter == 0 or named == group then own[i] = before[i] end
+            dead[#dead + 1] = letter_id
         end
     end
-    return own
+    return dead
 end
 ";
 

@@ -289,4 +289,59 @@ mod tests {
         let odd = Value::Array(vec![Value::Nil, Value::Int(1)]);
         assert!(read(&k, 2, vec![Value::Nil, Value::Nil, odd]).is_err());
     }
+
+    /// Against the test Redis: the group's index and the old one of every
+    /// group, for more entries than Lua's `unpack` takes at once (a
+    /// review: 8,100 failed with "too many results to unpack", and the
+    /// entries stayed pending for ever); an old-index entry counts for the
+    /// group its letter names only.
+    #[test]
+    fn the_dead_letter_lookup_takes_many_entries_and_old_letters_by_group() {
+        let mut c = crate::redis::streams::tests::conn();
+        let stream = format!("{{dead-in-{}}}", uuid::Uuid::new_v4());
+        let dlq = keys::dead_letter_stream(&stream);
+        let cmd = |c: &mut RedisConn, args: &[&str]| {
+            redis::cmd(args[0])
+                .arg(&args[1..])
+                .query::<Value>(c)
+                .unwrap()
+        };
+        let letter = |c: &mut RedisConn, group: &str| -> String {
+            redis::cmd("XADD")
+                .arg(&dlq)
+                .arg("*")
+                .arg("group")
+                .arg(group)
+                .query(c)
+                .unwrap()
+        };
+        let (a_letter, b_letter) = (letter(&mut c, "a"), letter(&mut c, "b"));
+        let ids: Vec<String> = (0..9_000).map(|i| format!("{}-0", i + 1)).collect();
+        // Group a's own index: entry 1; the old index: entry 2 (a's letter),
+        // entry 3 (b's letter), entry 4 (a letter gone).
+        let own = keys::dead_letter_index(&stream, "a");
+        let old = keys::dead_letter_index_of_all_groups(&stream);
+        cmd(&mut c, &["HSET", &own, "1-0", &a_letter]);
+        cmd(
+            &mut c,
+            &[
+                "HSET", &old, "2-0", &a_letter, "3-0", &b_letter, "4-0", "9-9",
+            ],
+        );
+        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        let keys = vec![keys::marker("00ff", "s", "e"); refs.len()];
+        let seen = check(&mut c, &keys, (&stream, "a"), &refs, ("unused", &[])).unwrap();
+        let dead: Vec<usize> = (0..refs.len()).filter(|i| seen.dead[*i]).collect();
+        assert_eq!(dead, [0, 1], "entries 1 and 2 are a's");
+        let seen = check(
+            &mut c,
+            &keys[..4],
+            (&stream, "b"),
+            &refs[..4],
+            ("unused", &[]),
+        )
+        .unwrap();
+        assert_eq!(seen.dead, [false, false, true, false], "entry 3 is b's");
+        cmd(&mut c, &["DEL", &own, &old, &dlq]);
+    }
 }

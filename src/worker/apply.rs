@@ -85,12 +85,21 @@ pub(crate) enum Batch {
     /// the caller tries the halves (see `apply_batches`).
     Rejected(HandlerError),
     /// The handler ran COMMIT itself: it committed the dedup rows of the
-    /// batch's new events (per delivery, whether it was new) with what it
-    /// had written by then, so they count as applied, effects or not. They
-    /// are dead-lettered with [`committed_by_handler`]'s reason (where one
-    /// by one they were found applied and acked as duplicates, no word
-    /// said); the others are duplicates.
-    Ended(Vec<bool>),
+    /// batch's new events with what it had written by then, so they count
+    /// as applied, effects or not (one by one they were found applied and
+    /// acked as duplicates, no word said). Per delivery, what it is now.
+    Ended(Vec<Ended>),
+}
+
+/// What an event of a batch whose handler ran COMMIT itself is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ended {
+    /// Applied before: a duplicate.
+    Duplicate,
+    /// The built-in statement's, applied in full by the dedup insert.
+    Applied,
+    /// The handler's: dead-lettered with [`committed_by_handler`]'s reason.
+    Handlers,
 }
 
 /// Whether `e` is PostgreSQL's cancel of a statement past its timeout.
@@ -639,7 +648,12 @@ impl Processor {
                     // clears an aborted statement): the others go on.
                     if tx.touched && tx.batch_execute("ROLLBACK TO SAVEPOINT batch").is_err() {
                         // The handler ended the transaction itself.
-                        return batch_failed(&new, ended(&mut tx, xid).unwrap_or_else(ended_error));
+                        return batch_failed(
+                            &stage,
+                            batch,
+                            (&new, &fold),
+                            ended(&mut tx, xid).unwrap_or_else(ended_error),
+                        );
                     }
                     events.remove(i);
                     left_out.push((positions.remove(i), e.for_no_event()));
@@ -648,7 +662,7 @@ impl Processor {
                     // A statement was sent and no savepoint is there: the
                     // whole transaction goes, the others run again.
                     if let Some(ended) = ended(&mut tx, xid) {
-                        return batch_failed(&new, ended);
+                        return batch_failed(&stage, batch, (&new, &fold), ended);
                     }
                     if guarded {
                         self.savepoint_batches = SAVEPOINT_BATCHES;
@@ -658,7 +672,7 @@ impl Processor {
                 }
                 _ => {
                     if let Some(ended) = ended(&mut tx, xid) {
-                        return batch_failed(&new, ended);
+                        return batch_failed(&stage, batch, (&new, &fold), ended);
                     }
                     // Events left out already failed for good in this
                     // attempt: they take the failure path, the rest goes
@@ -724,7 +738,7 @@ impl Processor {
             fault::hit(Point::BeforeCommit, event(&batch[*i]).event_id());
         }
         if let Err(e) = commit(tx, xid, &take_back) {
-            return batch_failed(&new, e);
+            return batch_failed(&stage, batch, (&new, &fold), e);
         }
         Stats::add(&stage.common.stats.commits, 1);
         for i in &applied {
@@ -923,14 +937,45 @@ fn not_ours(owned: &Owned) -> Option<Applied> {
 /// itself: its statements after the COMMIT or ROLLBACK ran outside ours
 /// and failed (sessions are read-only outside taskhub's transactions), so
 /// its own error hides the cause. A round trip on this failure path only
-/// (two when it did end it: see [`ended_as`]).
+/// (two when it did end it, or when the transaction is aborted).
 fn ended(tx: &mut Tx<'_>, xid: i64) -> Option<HandlerError> {
-    let check = tx.prepare_cached(CURRENT_TXID).ok()?;
-    // An error: aborted, as a failed statement leaves it.
-    let current: Option<i64> = tx.query_one(&check, &[]).ok()?.get(0);
-    // Not ours: the session is outside any transaction, or in a live one
-    // of the handler's (the check ran), and can ask what became of ours.
-    (current != Some(xid)).then(|| ended_as(&mut tx.tx, "", xid))
+    let current = tx
+        .prepare_cached(CURRENT_TXID)
+        .and_then(|check| tx.query_one(&check, &[]));
+    match current {
+        // Not ours: the session is outside any transaction, or in a live one
+        // of the handler's (the check ran), and can ask what became of ours.
+        Ok(row) => {
+            (row.get::<_, Option<i64>>(0) != Some(xid)).then(|| ended_as(&mut tx.tx, "", xid))
+        }
+        // Aborted: ours, by a failed statement (the usual case), or one the
+        // handler began after a COMMIT of ours, which committed the dedup
+        // rows (found by a review: then every event of a batch was acked
+        // as a duplicate). Rolled back to ask, with a new transaction left
+        // for the caller's own ROLLBACK, which would warn otherwise: one
+        // more round trip on this failure path.
+        Err(_) => (txid_status(&mut tx.tx, "ROLLBACK; ", xid, "; BEGIN").as_deref()
+            == Some("committed"))
+        .then(committed_by_handler),
+    }
+}
+
+/// What became of transaction `xid` (`committed`, `aborted`, `in
+/// progress`), asked between `before` and `after` (SQL) in one round trip;
+/// `None` when that failed.
+fn txid_status(
+    tx: &mut postgres::Transaction<'_>,
+    before: &str,
+    xid: i64,
+    after: &str,
+) -> Option<String> {
+    let messages = tx
+        .simple_query(&format!("{before}SELECT txid_status({xid}){after}"))
+        .ok()?;
+    messages.into_iter().find_map(|m| match m {
+        postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+        _ => None,
+    })
 }
 
 /// The error of a handler that ended the transaction itself, by what
@@ -941,16 +986,7 @@ fn ended(tx: &mut Tx<'_>, xid: i64) -> Option<HandlerError> {
 /// not the rows it wrote (for a batch, many; their ids are not known
 /// here).
 fn ended_as(tx: &mut postgres::Transaction<'_>, before: &str, xid: i64) -> HandlerError {
-    let status = tx
-        .simple_query(&format!("{before}SELECT txid_status({xid})"))
-        .ok()
-        .and_then(|messages| {
-            messages.into_iter().find_map(|m| match m {
-                postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
-                _ => None,
-            })
-        });
-    match status.as_deref() {
+    match txid_status(tx, before, xid, "").as_deref() {
         Some("committed") => committed_by_handler(),
         Some(_) => ended_error(),
         None => HandlerError::permanent(
@@ -985,13 +1021,30 @@ pub(crate) fn committed_by_handler() -> HandlerError {
 /// How a batch ends on `e`, a failure of the whole batch: [`Batch::Ended`]
 /// when the handler's COMMIT committed it (`new`: which deliveries were
 /// new), else the error, for no event.
-fn batch_failed(new: &[bool], e: HandlerError) -> Result<Batch, HandlerError> {
-    let committed = std::error::Error::source(&e).is_some_and(|c| c.is::<HandlerCommitted>());
-    if committed {
-        Ok(Batch::Ended(new.to_vec()))
-    } else {
-        Err(e.for_no_event())
+fn batch_failed(
+    stage: &Stage,
+    batch: &[Delivery],
+    (new, fold): (&[bool], &[bool]),
+    e: HandlerError,
+) -> Result<Batch, HandlerError> {
+    let by_handler = std::error::Error::source(&e).is_some_and(|c| c.is::<HandlerCommitted>());
+    if !by_handler {
+        return Err(e.for_no_event());
     }
+    // The built-in statement's new events were applied in full by the
+    // dedup insert, and that COMMIT committed them (a review: they were
+    // dead-lettered with the handler's).
+    let outcomes = (0..batch.len())
+        .map(|i| match (new[i], fold[i]) {
+            (false, _) => Ended::Duplicate,
+            (true, true) => {
+                committed(stage, event(&batch[i]));
+                Ended::Applied
+            }
+            (true, false) => Ended::Handlers,
+        })
+        .collect();
+    Ok(Batch::Ended(outcomes))
 }
 
 /// [`ended_as`] when the transaction was rolled back (and what to say when

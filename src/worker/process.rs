@@ -37,7 +37,7 @@ use crate::handler::StatementCache;
 use crate::postgres::pool::PgConn;
 use crate::postgres::pool::PgPool;
 use crate::redis::keys::Namespace;
-use crate::worker::apply::{Applied, Batch, Session};
+use crate::worker::apply::{Applied, Batch, Ended, Session};
 use crate::worker::context::Common;
 use crate::worker::dead_letter;
 use crate::worker::delivery::{Delivery, Job, TRIMMED};
@@ -608,23 +608,31 @@ impl Processor {
                         self.not_applied(delivery, applied);
                     }
                 }
-                Flow::Done(Ok(Batch::Ended(new))) => {
+                Flow::Done(Ok(Batch::Ended(outcomes))) => {
                     // The handler's COMMIT committed the new events' rows:
                     // applied as far as the database knows, whatever their
-                    // effects. Said with a dead letter each, not acked as
-                    // duplicates in silence.
+                    // effects. Said with a dead letter each of the
+                    // handler's, not acked as duplicates in silence.
                     failures += chunk.len();
                     log::error!(
                         "{stream}: the handler ran COMMIT itself in a batch of {}: its new events are recorded applied with what it wrote before; dead-lettered to say so",
                         chunk.len()
                     );
-                    for (delivery, new) in std::mem::take(&mut chunk).into_iter().zip(new) {
-                        if new {
-                            self.failed(delivery, crate::worker::apply::committed_by_handler());
-                        } else {
-                            let counters = self.stage.common.stats.of(&delivery.stream);
-                            Stats::add(&counters.duplicates, 1);
-                            done.push(delivery, true);
+                    for (delivery, outcome) in std::mem::take(&mut chunk).into_iter().zip(outcomes)
+                    {
+                        let counters = self.stage.common.stats.of(&delivery.stream);
+                        match outcome {
+                            Ended::Handlers => {
+                                self.failed(delivery, crate::worker::apply::committed_by_handler())
+                            }
+                            Ended::Applied => {
+                                Stats::add(&counters.applied, 1);
+                                done.push(delivery, true);
+                            }
+                            Ended::Duplicate => {
+                                Stats::add(&counters.duplicates, 1);
+                                done.push(delivery, true);
+                            }
                         }
                     }
                 }

@@ -99,7 +99,9 @@ impl Drop for Running {
 /// `batch_execute("COMMIT")` would, after writing its effect, by payload:
 /// `commit` (then returns Ok), `commit-then-write` (then writes, which
 /// fails outside taskhub's transaction, and returns that error),
-/// `rollback` (then returns Ok), `restart` (ROLLBACK, then writes in a
+/// `commit-begin` (then begins a transaction of its own, read-only, where
+/// its write fails), `commit-begin-fail` (then begins one READ WRITE where
+/// a statement fails), `rollback` (then returns Ok), `restart` (ROLLBACK, then writes in a
 /// transaction of its own, and returns Ok).
 pub struct EndsTransaction;
 
@@ -116,6 +118,15 @@ impl taskhub::Handler for EndsTransaction {
             Some("commit-then-write") => {
                 tx.batch_execute("COMMIT")?;
                 tx.execute(INSERT, &[&"after-commit", &event.payload()])?;
+            }
+            Some("commit-begin") => {
+                // Its own transaction is read-only: the write fails.
+                tx.batch_execute("COMMIT; BEGIN")?;
+                tx.execute(INSERT, &[&"after-commit", &event.payload()])?;
+            }
+            Some("commit-begin-fail") => {
+                tx.batch_execute("COMMIT; BEGIN READ WRITE")?;
+                tx.execute("SELECT 1 / 0", &[])?;
             }
             Some("rollback") => tx.batch_execute("ROLLBACK")?,
             Some("restart") => tx.batch_execute(
