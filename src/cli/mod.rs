@@ -68,6 +68,16 @@ pub fn duration(s: &str) -> Result<std::time::Duration, String> {
         .map_err(|e| format!("{e} (expected a duration such as 20ms, 1s or 5m)"))
 }
 
+/// Parses a count of things done per step (`--chunk`, `--batch`): 0 would
+/// do nothing, step after step.
+pub fn per_step(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("0 would do nothing at each step; give at least 1".to_owned()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{e} (expected a whole number of at least 1)")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

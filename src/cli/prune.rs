@@ -20,7 +20,7 @@ pub struct PruneArgs {
     #[arg(long, default_value = "24h", value_parser = super::duration, env = "TASKHUB_MARKER_TTL")]
     pub marker_ttl: Duration,
     /// Rows deleted per transaction.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, value_parser = super::per_step)]
     pub batch: usize,
 }
 

@@ -1162,6 +1162,41 @@ fn dlq_replay_and_purge_refuse_a_zero_limit() {
     assert_eq!(xlen(&mut r, &stream), 1);
 }
 
+/// `dlq archive --chunk 0` and `prune --batch 0` are usage errors: 0 per
+/// step does nothing (the archive of a letter with `--chunk 0` exited 0,
+/// the letter not archived).
+#[test]
+fn zero_per_step_is_refused() {
+    let db = TestDb::new();
+    let stream = unique("chunk0");
+    let mut r = redis(&redis_url());
+    put_dead_letter(&mut r, &stream, "e1");
+    for args in [
+        &[
+            "dlq",
+            "--stream",
+            &stream,
+            "archive",
+            "--older-than",
+            "0s",
+            "--chunk",
+            "0",
+        ][..],
+        &["prune", "--older-than", "7d", "--batch", "0"],
+    ] {
+        let mut cmd = th(&db.url);
+        cmd.args(args);
+        let out = output(cmd, None, T);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", out.stderr);
+        assert!(
+            out.stderr.contains("0 would do nothing"),
+            "{args:?}: {}",
+            out.stderr
+        );
+    }
+    assert_eq!(xlen(&mut r, &taskhub::dlq::dead_letter_stream(&stream)), 1);
+}
+
 /// Regression: `consumers --remove nobody` said "removed consumer nobody"
 /// for a consumer the group never had. It says there is no such consumer
 /// and exits 1; one that exists with nothing pending is still removed.

@@ -219,7 +219,7 @@ struct ArchiveArgs {
     #[arg(long, value_name = "postgres|FILE", default_value = "postgres")]
     to: String,
     /// Entries copied, verified and removed per step.
-    #[arg(long, value_name = "N", default_value_t = 500)]
+    #[arg(long, value_name = "N", default_value_t = 500, value_parser = crate::cli::per_step)]
     chunk: usize,
 }
 
