@@ -62,13 +62,42 @@ pub(crate) fn postgres(url: &str) -> Result<postgres::Client, Error> {
     connect_pg(&config, tls).map_err(|e| pg_unreachable(url, e))
 }
 
+/// How long a server that accepted the connection may take to answer the
+/// start-up handshake (authentication, the session's parameters).
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connects, within the connect timeout and [`ANSWER_TIMEOUT`] more. The
+/// crate's connect timeout covers the TCP connection only: a server that
+/// accepts it and never answers (a port that is not PostgreSQL's, a proxy
+/// with no backend) held the start for ever, past SIGTERM (found by a
+/// hostile test). So the connect runs on a thread of its own, which is
+/// left behind when the server never answers.
 pub(crate) fn connect_pg(
     config: &postgres::Config,
     tls: Option<MakeRustlsConnect>,
-) -> Result<postgres::Client, postgres::Error> {
-    match tls {
-        Some(tls) => config.connect(tls),
-        None => config.connect(postgres::NoTls),
+) -> Result<postgres::Client, Box<dyn std::error::Error + Send + Sync>> {
+    let wait = config
+        .get_connect_timeout()
+        .copied()
+        .unwrap_or(CONNECT_TIMEOUT)
+        + ANSWER_TIMEOUT;
+    let (sent, answer) = crossbeam_channel::bounded(1);
+    let config = config.clone();
+    std::thread::Builder::new()
+        .name("taskhub-pg-connect".into())
+        .spawn(move || {
+            let _ = sent.send(match tls {
+                Some(tls) => config.connect(tls),
+                None => config.connect(postgres::NoTls),
+            });
+        })?;
+    match answer.recv_timeout(wait) {
+        Ok(connected) => Ok(connected?),
+        Err(_) => Err(format!(
+            "the server took the connection but did not answer within {}s: is PostgreSQL listening on that port?",
+            wait.as_secs()
+        )
+        .into()),
     }
 }
 

@@ -1282,3 +1282,35 @@ fn the_default_database_is_logged_when_database_url_is_unset() {
         out.stderr
     );
 }
+
+/// A server that takes the connection and never answers (a port that is
+/// not PostgreSQL's, a proxy with no backend) is a start-up error naming
+/// it, for `migrate` and `run`: it held them for ever, past a first
+/// SIGTERM (found by a hostile test).
+#[test]
+fn a_database_port_that_never_answers_is_a_start_up_error() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in listener.incoming() {
+            held.push(conn); // taken, never answered
+        }
+    });
+    let url = format!("postgres://postgres:pw@{addr}/x");
+    for args in [
+        &["migrate"][..],
+        &["run", "--stream", &unique("silent"), "--group", "g"],
+    ] {
+        let mut cmd = th(&url);
+        cmd.args(args);
+        let out = output(cmd, None, Duration::from_secs(60));
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", out.stderr);
+        let line = one_error_line(&out);
+        assert!(
+            line.contains(&addr.to_string()) && line.contains("did not answer"),
+            "{args:?}: {line}"
+        );
+        assert!(!line.contains("pw"), "{line}");
+    }
+}
