@@ -160,17 +160,24 @@ fn read_secret(path: &std::path::Path) -> Result<String, String> {
 
 /// `Name: value` lines as (name, value) pairs; blank lines and `#` comments
 /// skipped.
+/// The `Name: value` pairs of `--http-header` lines. A line without a
+/// colon is refused by its number, never shown: it is most likely a value
+/// (a token wrapped onto a line of its own, `Name=value`), a secret (a
+/// hostile test found it echoed in the error).
 fn header_lines(lines: &[String]) -> Result<Vec<(String, String)>, String> {
     lines
         .iter()
         .map(|l| l.trim())
         .filter(|l| !l.is_empty() && !l.starts_with('#'))
-        .map(|l| {
+        .enumerate()
+        .map(|(i, l)| {
             l.split_once(':')
                 .map(|(n, v)| (n.trim().to_owned(), v.trim().to_owned()))
                 .ok_or_else(|| {
-                    let name = l.split_whitespace().next().unwrap_or_default();
-                    format!("--http-header {name}...: expected 'Name: value'")
+                    format!(
+                        "--http-header: header {} has no ':' (expected 'Name: value', one per line; not shown, as it may hold a secret)",
+                        i + 1
+                    )
                 })
         })
         .collect()

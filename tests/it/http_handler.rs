@@ -307,3 +307,43 @@ fn reserved_http_headers_are_refused_at_start_up() {
         )]
     );
 }
+
+/// A `--http-header` line without a colon is refused by its number, and
+/// nothing of it is shown: it was echoed (its first word), which in the
+/// usual mistakes is the secret (a token wrapped onto a line of its own,
+/// `X-Api-Key=value`; found by a hostile test).
+#[test]
+fn a_malformed_http_header_line_is_not_shown() {
+    let db = TestDb::new();
+    let dir = TempDir::new("hdr");
+    for (lines, file) in [
+        ("Authorization: Bearer abc\neyJSECRET1", false),
+        ("X-Api-Key: abc\n  continued-SECRET2", true),
+        ("X-Api-Key=SECRET3-equals-form", true),
+    ] {
+        let stream = unique("http-hdr-bad");
+        let mut cmd = taskhub(&redis_url(), &db.url);
+        cmd.args([
+            "run",
+            "--stream",
+            &stream,
+            "--http-url",
+            "http://127.0.0.1:9/x",
+        ]);
+        if file {
+            let path = dir.0.join("headers");
+            std::fs::write(&path, lines).unwrap();
+            cmd.arg("--http-header-file").arg(&path);
+        } else {
+            cmd.args(["--http-header", lines]);
+        }
+        let out = output(cmd, None, Duration::from_secs(30));
+        assert_eq!(out.status.code(), Some(1), "{lines:?}: {}", out.stderr);
+        assert!(
+            out.stderr.contains("has no ':'"),
+            "{lines:?}: {}",
+            out.stderr
+        );
+        assert!(!out.stderr.contains("SECRET"), "{lines:?}: {}", out.stderr);
+    }
+}
