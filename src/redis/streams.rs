@@ -97,6 +97,26 @@ pub(crate) fn check_keys(conn: &mut RedisConn, stream: &str, group: &str) -> Res
             ));
         }
     }
+    // The keys taskhub keeps for every stream, `th:*`: the duplicate
+    // markers and the start counts of redelivered entries (a user without
+    // them passed this check, then left every redelivered entry pending
+    // for ever, found by a hostile test). One of each form is asked for;
+    // in a cluster they may be on other nodes, each asked on its own.
+    for key in [
+        keys::started(group, stream, "0-0"),
+        keys::marker("0000000000000000", group, "probe"),
+    ] {
+        redis::cmd("EXISTS")
+            .arg(&key)
+            .query::<i64>(conn)
+            .map_err(|e| {
+                if e.code() == Some("NOPERM") {
+                    format!("the Redis user may not use the keys th:* ({e}), where taskhub keeps its duplicate markers and the start counts of redelivered entries; allow them (~th:*) beside the stream's keys")
+                } else {
+                    access(&e)
+                }
+            })?;
+    }
     // Scripts: EVAL, and EVALSHA (a script Redis does not know yet answers
     // NOSCRIPT, which proves the call was allowed).
     redis::cmd("EVAL")

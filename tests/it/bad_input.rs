@@ -453,3 +453,37 @@ fn a_redis_user_without_scripts_is_a_start_up_error() {
     );
     assert!(!out.stderr.contains(":pw@"), "no password: {}", out.stderr);
 }
+
+/// A Redis user that may use the stream's keys but not taskhub's own
+/// (`th:*`: the duplicate markers, the start counts of redelivered
+/// entries) is a start-up error saying so. It passed the start-up check,
+/// then every redelivered entry stayed pending for ever and `--until-idle`
+/// never ended (found by a hostile test).
+#[test]
+fn a_redis_user_without_taskhubs_own_keys_is_a_start_up_error() {
+    let db = TestDb::new();
+    let server = PrivateRedis::start();
+    let stream = unique("nomarkers");
+    let mut conn = redis(&server.url());
+    for (user, patterns) in [("streams", &[""][..]), ("starts", &["~th:d:*"])] {
+        let mut acl = redis::cmd("ACL");
+        acl.arg(&["SETUSER", user, "on", ">pw", "&*", "+@all"])
+            .arg(format!("~{stream}*"));
+        for p in patterns.iter().filter(|p| !p.is_empty()) {
+            acl.arg(p);
+        }
+        acl.query::<()>(&mut conn).unwrap();
+        let url = format!("redis://{user}:pw@127.0.0.1:{}", server.port);
+        let mut cmd = taskhub(&url, &db.url);
+        cmd.args(["run", "--stream", &stream, "--group", "g", "--until-idle"])
+            .args(["--block-ms", "100"]);
+        let out = output(cmd, None, Duration::from_secs(30));
+        assert_eq!(out.status.code(), Some(1), "{user}: {}", out.stderr);
+        assert!(
+            out.stderr.contains("may not use the keys th:*") && out.stderr.contains("~th:*"),
+            "{user}: {}",
+            out.stderr
+        );
+        assert!(!out.stderr.contains(":pw@"), "{}", out.stderr);
+    }
+}
