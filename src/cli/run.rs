@@ -2,10 +2,14 @@
 
 use super::report;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use taskhub::{Alerts, HttpHandler, HttpServer, RetryBudget, SqlHandler, Worker, HTTP_BUDGET};
+use taskhub::{
+    Alerts, ErrorKind, HttpHandler, HttpServer, RetryBudget, SqlHandler, Worker, HTTP_BUDGET,
+};
 
 use super::duration;
 use super::servers::Servers;
@@ -201,10 +205,15 @@ pub fn run(servers: &Servers, mut args: RunArgs) -> Result<(), String> {
     );
     let worker = build_worker(servers, &args, &http_tls)?;
 
-    // First SIGINT/SIGTERM: graceful shutdown. Second: exit at once.
+    // First SIGINT/SIGTERM: graceful shutdown. Second: exit at once. The
+    // signals are counted here: the worker shuts itself down too when its
+    // start fails, and a first signal then was taken for a second (exit
+    // 130, the start's error unsaid; found by a hostile test).
     let stop = worker.shutdown_handle();
+    let signalled = Arc::new(AtomicBool::new(false));
+    let seen = signalled.clone();
     ctrlc::set_handler(move || {
-        if stop.is_shutdown() {
+        if seen.swap(true, Ordering::SeqCst) {
             eprintln!("taskhub: second signal, exiting now (unfinished entries stay pending)");
             std::process::exit(130);
         }
@@ -247,7 +256,18 @@ pub fn run(servers: &Servers, mut args: RunArgs) -> Result<(), String> {
 
     let result = worker.run();
     stop_and_join(&monitor, alerts, http);
-    let summary = result.map_err(|e| report(&e))?;
+    let summary = match result {
+        // A signal during the start interrupts its connects (EINTR): a stop
+        // asked for, not a failure of the start.
+        Err(e) if signalled.load(Ordering::SeqCst) && e.kind() != ErrorKind::ShutdownTimeout => {
+            log::info!(
+                "taskhub: stopped by the signal during start-up ({})",
+                report(&e)
+            );
+            return Ok(());
+        }
+        result => result.map_err(|e| report(&e))?,
+    };
     println!("{summary}");
     Ok(())
 }

@@ -1314,3 +1314,30 @@ fn a_database_port_that_never_answers_is_a_start_up_error() {
         assert!(!line.contains("pw"), "{line}");
     }
 }
+
+/// SIGTERM while the start waits for a Redis that does not answer stops
+/// it: exit 0, said as such. It was an error (the signal interrupted the
+/// connect: "Interrupted system call"), or, the worker having shut itself
+/// down after that error, taken for a second signal: exit 130 with the
+/// start's error unsaid (found by a hostile test).
+#[test]
+fn a_signal_during_start_up_is_a_stop() {
+    let db = TestDb::new();
+    let server = PrivateRedis::start();
+    let mut conn = redis(&server.url());
+    let _: () = redis::cmd("CLIENT")
+        .arg(&["PAUSE", "20000", "ALL"])
+        .query(&mut conn)
+        .unwrap();
+    for wait in [Duration::from_millis(500), Duration::from_secs(6)] {
+        let mut cmd = taskhub(&server.url(), &db.url);
+        cmd.args(["run", "--stream", &unique("paused"), "--group", "g"]);
+        let mut p = Proc::spawn(cmd);
+        std::thread::sleep(wait);
+        p.signal("TERM");
+        let status = p.wait(Duration::from_secs(20));
+        let stderr = p.stderr();
+        assert_eq!(status.code(), Some(0), "after {wait:?}: {stderr}");
+        assert!(!stderr.contains("second signal"), "{stderr}");
+    }
+}
