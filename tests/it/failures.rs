@@ -2142,16 +2142,12 @@ fn a_handler_commit_in_a_batch_dead_letters_its_events_with_the_reason() {
         let db = TestDb::new();
         let mut conn = redis(&redis_url());
         let (stream, group) = (unique("ends-batch"), unique("g"));
-        let hows = ["ok", how, "ok", "ok"];
-        let ids: Vec<String> = hows.iter().map(|h| unique(h)).collect();
-        for (id, h) in ids.iter().zip(hows) {
-            xadd(&mut conn, &stream, &[("event_id", id), ("payload", h)]);
-        }
-        let builder = fast_builder(&redis_url(), &db.url, &stream, &group)
-            .mode(Mode::Batch)
-            .workers(1)
-            .until_idle(true);
-        let summary = Running::start(builder, EndsTransaction).join(Duration::from_secs(60));
+        let (ids, summary) = one_batch(
+            &db,
+            (&stream, &group),
+            &["ok", how, "ok", "ok"],
+            EndsTransaction,
+        );
         assert_eq!(
             (summary.applied, summary.duplicates, summary.dead_lettered),
             (0, 0, 4),
@@ -2172,6 +2168,27 @@ fn a_handler_commit_in_a_batch_dead_letters_its_events_with_the_reason() {
         }
         assert_eq!(pending(&mut conn, &stream, &group), 0, "{how}");
     }
+}
+
+/// Events with these payloads (and new ids, returned) applied by
+/// `handler` in one batch on one worker, until idle.
+fn one_batch(
+    db: &TestDb,
+    (stream, group): (&str, &str),
+    payloads: &[&str],
+    handler: impl Handler + 'static,
+) -> (Vec<String>, taskhub::Summary) {
+    let mut conn = redis(&redis_url());
+    let ids: Vec<String> = payloads.iter().map(|p| unique(p)).collect();
+    for (id, p) in ids.iter().zip(payloads) {
+        xadd(&mut conn, stream, &[("event_id", id), ("payload", p)]);
+    }
+    let builder = fast_builder(&redis_url(), &db.url, stream, group)
+        .mode(Mode::Batch)
+        .workers(1)
+        .until_idle(true);
+    let summary = Running::start(builder, handler).join(Duration::from_secs(60));
+    (ids, summary)
 }
 
 /// The built-in statement's events and a handler's, the handler's being
@@ -2201,16 +2218,12 @@ fn a_handler_commit_in_a_batch_leaves_the_built_in_events_applied() {
     let mut conn = redis(&redis_url());
     let (stream, group) = (unique("ends-mixed"), unique("g"));
     let hows = ["ok", "commit", "ok", "ok"];
-    let ids: Vec<String> = hows.iter().map(|h| unique(h)).collect();
-    for (id, h) in ids.iter().zip(hows) {
-        xadd(&mut conn, &stream, &[("event_id", id), ("payload", h)]);
-    }
-    let builder = fast_builder(&redis_url(), &db.url, &stream, &group)
-        .mode(Mode::Batch)
-        .workers(1)
-        .until_idle(true);
-    let summary =
-        Running::start(builder, MixedWithEnds(SqlHandler::default())).join(Duration::from_secs(60));
+    let (ids, summary) = one_batch(
+        &db,
+        (&stream, &group),
+        &hows,
+        MixedWithEnds(SqlHandler::default()),
+    );
     assert_eq!(
         (summary.applied, summary.duplicates, summary.dead_lettered),
         (3, 0, 1),
