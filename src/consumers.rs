@@ -72,6 +72,18 @@ pub(crate) fn list_consumers(
 /// Checks and deletes in one step on the server, so no entry can be
 /// delivered to the consumer between the check and the delete.
 const REMOVE_IF_IDLE: &str = r"
+local found = false
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  for i = 1, #c - 1, 2 do
+    if c[i] == 'name' then
+      if c[i + 1] == ARGV[2] then found = true end
+      break
+    end
+  end
+end
+if not found then
+  return redis.error_reply('NOCONSUMER no such consumer')
+end
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
 if #pending > 0 then
   return redis.error_reply('PENDING consumer still has pending entries')
@@ -111,7 +123,10 @@ pub fn prune_consumers(
         match remove_if_idle(&mut conn, stream, group, &c.name) {
             Ok(()) => removed.push(c.name),
             // It took an entry since the listing: it is alive, keep it.
-            Err(e) if e.kind() == ErrorKind::Redis && e.to_string().contains("pending") => {}
+            // Or its name is not UTF-8: it cannot be named from here.
+            Err(e)
+                if e.kind() == ErrorKind::Redis
+                    && (e.to_string().contains("pending") || e.to_string().contains("no consumer")) => {}
             Err(e) => return Err(e),
         }
     }
@@ -132,7 +147,16 @@ fn remove_if_idle(
         .arg(consumer)
         .query::<()>(conn)
         .map_err(|e| {
-            if e.code() == Some("PENDING") {
+            if e.code() == Some("NOCONSUMER") {
+                // DELCONSUMER answers 0 for a name the group does not have,
+                // as for one with nothing pending: a name listed lossily
+                // (not UTF-8) was reported removed and stayed (found by a
+                // hostile test).
+                Error::new(
+                    ErrorKind::Redis,
+                    format!("{stream}: no consumer {consumer} in group {group} (a name that is not UTF-8 is listed with U+FFFD in place of its bytes: remove such a consumer with redis-cli XGROUP DELCONSUMER)"),
+                )
+            } else if e.code() == Some("PENDING") {
                 Error::new(
                     ErrorKind::Redis,
                     format!(

@@ -1235,6 +1235,26 @@ fn removing_a_consumer_that_does_not_exist_is_an_error() {
         )),
         "{line}"
     );
+    // A name that is not UTF-8 (made by another client) is listed with
+    // U+FFFD; that spelling is not its name: refused, and it stays (it
+    // was reported removed, found by a hostile test).
+    redis::cmd("XGROUP")
+        .arg("CREATECONSUMER")
+        .arg(&stream)
+        .arg(&group)
+        .arg(b"bin\xff\xfename".as_slice())
+        .query::<i64>(&mut r)
+        .unwrap();
+    let out = remove("bin\u{fffd}\u{fffd}name");
+    assert_eq!(out.status.code(), Some(1), "{}\n{}", out.stdout, out.stderr);
+    assert!(!out.stdout.contains("removed"), "{}", out.stdout);
+    let left: Vec<Vec<redis::Value>> = redis::cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg(&stream)
+        .arg(&group)
+        .query(&mut r)
+        .unwrap();
+    assert_eq!(left.len(), 2, "both still there");
     let out = remove("left");
     assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
     assert!(
