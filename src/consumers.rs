@@ -126,7 +126,8 @@ pub fn prune_consumers(
             // Or its name is not UTF-8: it cannot be named from here.
             Err(e)
                 if e.kind() == ErrorKind::Redis
-                    && (e.to_string().contains("pending") || e.to_string().contains("no consumer")) => {}
+                    && (e.to_string().contains("pending")
+                        || e.to_string().contains("no consumer")) => {}
             Err(e) => return Err(e),
         }
     }
