@@ -192,10 +192,12 @@ pub(crate) fn dead_letter_index_of_all_groups(stream: &str) -> String {
 pub(crate) const DEAD_IN: &str = r"
 local function dead_in(index, old, dlq, group, ids, first, last)
     local dead = {}
+    -- Most deployments never had the old index: no second HMGET then.
+    local has_old = redis.call('EXISTS', old) == 1
     for from = first, last, 500 do
         local to = math.min(from + 499, last)
         local own = redis.call('HMGET', index, unpack(ids, from, to))
-        local before = redis.call('HMGET', old, unpack(ids, from, to))
+        local before = has_old and redis.call('HMGET', old, unpack(ids, from, to)) or {}
         for i = 1, #own do
             local letter_id = own[i]
             if not letter_id and before[i] then
