@@ -174,17 +174,18 @@ impl Processor {
         // To the millisecond: "retrying in 1s 250ms".
         let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
         let after = humantime::format_duration(std::time::Duration::from_millis(ms));
-        match self.stage.common.stats.failures_shown.take(Instant::now()) {
-            Some(0) => log::warn!(
-                "{stream}/{entry}: attempt {attempt} of {max} failed ({error}); retrying in {after}"
+        let shown = self.stage.common.stats.failures_shown.take(Instant::now());
+        let level = shown.map_or(log::Level::Debug, |_| log::Level::Warn);
+        let more = match shown {
+            Some(hidden) if hidden > 0 => format!(
+                " (and {hidden} other failed attempts since the last line like this, at debug level: RUST_LOG=taskhub=debug shows each)"
             ),
-            Some(hidden) => log::warn!(
-                "{stream}/{entry}: attempt {attempt} of {max} failed ({error}); retrying in {after} (and {hidden} other failed attempts since the last line like this, at debug level: RUST_LOG=taskhub=debug shows each)"
-            ),
-            None => log::debug!(
-                "{stream}/{entry}: attempt {attempt} of {max} failed ({error}); retrying in {after}"
-            ),
-        }
+            _ => String::new(),
+        };
+        log::log!(
+            level,
+            "{stream}/{entry}: attempt {attempt} of {max} failed ({error}); retrying in {after}{more}"
+        );
         Stats::add(&self.stage.common.stats.of(&delivery.stream).retries, 1);
         // On failure (the retry thread is gone at shutdown) the retry is
         // dropped, which leaves the entry pending.
