@@ -299,6 +299,7 @@ impl Alerts {
                     "latest_reason": found.latest.as_ref().map(|l| l.reason.clone()),
                     "latest_kind": found.latest.as_ref().map(|l| l.kind.as_str()),
                     "latest_event_id": found.latest.as_ref().and_then(|l| l.event_id.clone()),
+                    "latest_group": found.latest.as_ref().map(|l| l.group.clone()),
                 });
                 state.last_post = Some(millis(now));
                 due = Some(Due {

@@ -1,4 +1,4 @@
-//! Which dead letters an operation takes: a [`Filter`] (kind, reason
+//! Which dead letters an operation takes: a [`Filter`] (group, kind, reason
 //! substring or regex, time window, original fields, a limit and a cursor),
 //! or a [`Selection`] of ids or of a filter; and the parsing of kinds, times
 //! and ids as people type them.
@@ -46,6 +46,9 @@ impl ReasonMatch {
 /// match; the default matches everything.
 #[derive(Debug, Clone, Default)]
 pub struct Filter {
+    /// Only the letters of this consumer group (several groups reading one
+    /// stream share its dead-letter stream; each letter names its group).
+    pub group: Option<String>,
     /// Any of these kinds (empty: any kind).
     pub kinds: Vec<Kind>,
     /// The reason matches.
@@ -67,7 +70,8 @@ impl Filter {
     /// Whether `letter` passes every criterion (the limit and the cursor
     /// aside).
     pub fn matches(&self, letter: &DeadLetter) -> bool {
-        (self.kinds.is_empty() || self.kinds.contains(&letter.kind))
+        self.group.as_ref().is_none_or(|g| *g == letter.group)
+            && (self.kinds.is_empty() || self.kinds.contains(&letter.kind))
             && self
                 .reason
                 .as_ref()
@@ -82,7 +86,8 @@ impl Filter {
 
     /// Whether no criterion is set (the filter matches every entry).
     pub fn is_everything(&self) -> bool {
-        self.kinds.is_empty()
+        self.group.is_none()
+            && self.kinds.is_empty()
             && self.reason.is_none()
             && self.since.is_none()
             && self.until.is_none()

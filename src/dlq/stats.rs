@@ -31,6 +31,9 @@ pub struct Stats {
     pub count: u64,
     /// Entries of the stream that are not readable dead letters.
     pub undecodable: u64,
+    /// Count per consumer group (several groups reading one stream share
+    /// its dead-letter stream), largest first.
+    pub by_group: Vec<(String, u64)>,
     /// Count per kind, largest first.
     pub by_kind: Vec<(Kind, u64)>,
     /// Count per reason fingerprint, largest first.
@@ -62,6 +65,7 @@ pub(crate) fn stats_within(
     let dlq = dead_letter_stream(stream);
     let mut stats = Stats::default();
     let mut kinds: HashMap<Kind, u64> = HashMap::new();
+    let mut groups: HashMap<String, u64> = HashMap::new();
     let mut reasons: HashMap<String, (u64, String, usize)> = HashMap::new();
     let scanned = scan(
         conn,
@@ -79,6 +83,12 @@ pub(crate) fn stats_within(
             }
             stats.count += 1;
             *kinds.entry(letter.kind).or_default() += 1;
+            match groups.get_mut(&letter.group) {
+                Some(n) => *n += 1,
+                None => {
+                    groups.insert(letter.group.clone(), 1);
+                }
+            }
             let order = reasons.len();
             reasons
                 .entry(fingerprint(&letter.reason))
@@ -101,6 +111,10 @@ pub(crate) fn stats_within(
         },
     )?;
     stats.stopped_at = scanned.stopped_at;
+    stats.by_group = groups.into_iter().collect();
+    stats
+        .by_group
+        .sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     stats.by_kind = kinds.into_iter().collect();
     stats
         .by_kind

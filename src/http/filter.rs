@@ -3,6 +3,8 @@
 //! (substring, or a regular expression with `re=1`), a time window (`2h`
 //! ago or RFC 3339), an original field `name=value`; and written back as
 //! links and hidden form fields, so that every view and action keeps them.
+//! A `group` narrows everything to one consumer group's letters (several
+//! groups reading one stream share its dead-letter stream).
 
 use std::fmt::Write as _;
 use std::time::SystemTime;
@@ -15,6 +17,7 @@ use crate::net::percent_encode as encode;
 #[derive(Clone)]
 pub(crate) struct PageFilter {
     pub filter: Filter,
+    pub group: Option<String>,
     pub kinds: Vec<Kind>,
     pub reason: Option<String>,
     pub regex: bool,
@@ -33,10 +36,16 @@ impl PageFilter {
             .map(|(_, v)| v.parse::<Kind>().map_err(|e| e.to_string()))
             .collect::<Result<_, _>>()?;
         let text = |name: &str| param(query, name).map(str::to_owned);
-        let (reason, since, until, field) =
-            (text("reason"), text("since"), text("until"), text("field"));
+        let (group, reason, since, until, field) = (
+            text("group"),
+            text("reason"),
+            text("since"),
+            text("until"),
+            text("field"),
+        );
         let regex = param(query, "re") == Some("1");
         let mut filter = Filter {
+            group: group.clone(),
             kinds: kinds.clone(),
             ..Filter::default()
         };
@@ -63,6 +72,7 @@ impl PageFilter {
         }
         Ok(PageFilter {
             filter,
+            group,
             kinds,
             reason,
             regex,
@@ -109,6 +119,7 @@ impl PageFilter {
             .map(|k| ("kind", k.as_str().to_owned()))
             .collect();
         for (name, value) in [
+            ("group", &self.group),
             ("reason", &self.reason),
             ("since", &self.since),
             ("until", &self.until),
@@ -191,12 +202,14 @@ impl PageFilter {
              Since <input name=\"since\" size=\"8\" placeholder=\"2h\" value=\"{}\"> \
              Until <input name=\"until\" size=\"8\" value=\"{}\"> \
              Field <input name=\"field\" size=\"14\" placeholder=\"tenant=acme\" value=\"{}\"> \
+             Group <input name=\"group\" size=\"10\" value=\"{}\"> \
              <button type=\"submit\">Filter</button></form>",
             value(&self.reason),
             if self.regex { " checked" } else { "" },
             value(&self.since),
             value(&self.until),
             value(&self.field),
+            value(&self.group),
         );
         out
     }

@@ -84,21 +84,23 @@ pub(crate) fn list_page(
     };
     body.push_str(&chosen.form(&stream_input));
     if let Ok(stats) = &reasons {
+        body.push_str(&groups_table(stream, stats));
         body.push_str(&reasons_table(stats));
     }
     if access.can_change() && !letters.is_empty() {
         body.push_str(&bulk_forms(stream, &chosen));
     }
     body.push_str(
-        "<table id=\"letters\"><tr><th>dead at</th><th>kind</th><th>event_id</th><th>attempts</th><th>reason</th><th>entry</th></tr>",
+        "<table id=\"letters\"><tr><th>dead at</th><th>group</th><th>kind</th><th>event_id</th><th>attempts</th><th>reason</th><th>entry</th></tr>",
     );
     for l in letters {
         let id = l.id.as_deref().unwrap_or("");
         let _ = write!(
             body,
-            "<tr><td>{}</td><td class=\"kind\">{}</td><td>{}</td><td>{}</td><td>{}</td>\
+            "<tr><td>{}</td><td class=\"group\">{}</td><td class=\"kind\">{}</td><td>{}</td><td>{}</td><td>{}</td>\
              <td><a href=\"/dlq/show?stream={}&amp;id={}\">{}</a></td></tr>",
             time(l.dead_at),
+            escape(&cut(&l.group, 100)),
             l.kind,
             escape(l.event_id.as_deref().unwrap_or("")),
             l.attempts,
@@ -132,6 +134,28 @@ pub(crate) fn list_page(
         );
     }
     html(200, "taskhub dead letters", &body)
+}
+
+/// The matching dead letters by consumer group, each a link to its own,
+/// when they are of more than one (groups reading one stream share its
+/// dead-letter stream).
+fn groups_table(stream: &str, stats: &dlq::Stats) -> String {
+    if stats.by_group.len() < 2 {
+        return String::new();
+    }
+    let mut out =
+        String::from("<h2>Groups</h2><table id=\"groups\"><tr><th>count</th><th>group</th></tr>");
+    for (group, n) in stats.by_group.iter().take(20) {
+        let _ = write!(
+            out,
+            "<tr><td>{n}</td><td><a href=\"/dlq?stream={}&amp;group={}\">{}</a></td></tr>",
+            encode(stream),
+            encode(group),
+            escape(&cut(group, 100))
+        );
+    }
+    out.push_str("</table>");
+    out
 }
 
 /// The matching dead letters by reason, numbers and ids masked (as `taskhub

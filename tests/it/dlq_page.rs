@@ -771,3 +771,114 @@ fn the_page_does_not_replay_a_letter_that_is_not_whole() {
     p.signal("TERM");
     assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
 }
+
+/// Several groups reading one stream share its dead-letter stream: the page
+/// counts the letters by group with a link to each, narrows to one group
+/// (`group=`, kept by every link and form), and a bulk action on one group
+/// leaves the other's letters alone.
+#[test]
+fn the_page_narrows_to_one_group_and_its_bulk_actions_keep_to_it() {
+    let db = TestDb::new();
+    let stream = unique("page-groups");
+    let mut r = redis(&redis_url());
+    for (event_id, group) in [
+        ("bill-1", "billing"),
+        ("mail-1", "emails"),
+        ("bill-2", "billing"),
+        ("mail-2", "emails"),
+        ("bill-3", "billing"),
+    ] {
+        let fields = vec![
+            (b"event_id".to_vec(), event_id.as_bytes().to_vec()),
+            (b"payload".to_vec(), b"{}".to_vec()),
+        ];
+        let mut l = taskhub::DeadLetter::new(
+            &stream,
+            "1-0",
+            taskhub::DeadLetterKind::Permanent,
+            "HTTP 422",
+            fields,
+        );
+        l.event_id = Some(event_id.into());
+        l.group = group.into();
+        l.attempts = 1;
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(taskhub::dlq::dead_letter_stream(&stream)).arg("*");
+        for (k, v) in l.to_fields() {
+            cmd.arg(k).arg(v);
+        }
+        let _: String = cmd.query(&mut r).unwrap();
+    }
+    let port = free_port();
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.args(["--sql", INT_SQL, "--http", &port.to_string()])
+        .env("TASKHUB_ADMIN_TOKEN", TOKEN);
+    let mut p = Proc::spawn(cmd);
+    let base = format!("http://127.0.0.1:{port}");
+    assert!(wait_until(Duration::from_secs(20), || ureq::get(format!(
+        "{base}/readyz"
+    ))
+    .call()
+    .is_ok()));
+
+    // Every group's letters, counted by group, each a link to its own.
+    let page = list_page(&base, &stream);
+    let groups = &page[page.find("id=\"groups\"").expect(&page)..];
+    let groups = &groups[..groups.find("</table>").unwrap()];
+    assert!(
+        groups.contains("<tr><td>3</td><td><a href=\"/dlq?stream=")
+            && groups.contains("&amp;group=billing\">billing</a>")
+            && groups.contains("<tr><td>2</td>")
+            && groups.contains("&amp;group=emails\">emails</a>"),
+        "{groups}"
+    );
+
+    // One group's letters only; the filter stays in the form.
+    let get = |query: &str| {
+        ureq::get(format!("{base}/dlq?stream={}&{query}", encode(&stream)))
+            .call()
+            .unwrap()
+            .body_mut()
+            .read_to_string()
+            .unwrap()
+    };
+    let emails = get("group=emails");
+    for (event_id, shown) in [("mail-1", true), ("mail-2", true), ("bill-1", false)] {
+        assert_eq!(
+            emails.contains(&format!("<td>{event_id}</td>")),
+            shown,
+            "{event_id}: {emails}"
+        );
+    }
+    assert!(
+        emails.contains("name=\"group\" size=\"10\" value=\"emails\""),
+        "{emails}"
+    );
+
+    // Delete everything of group emails: the confirmation counts 2, and
+    // only those go.
+    let bulk = format!("{base}/dlq/bulk");
+    let preview = format!(
+        "stream={}&group=emails&action=delete&token={TOKEN}",
+        encode(&stream)
+    );
+    let (status, page) = post(&bulk, &preview);
+    assert!(
+        status == 200 && page.contains("2 dead letters match"),
+        "{page}"
+    );
+    assert!(page.contains("group &quot;emails&quot;"), "{page}");
+    let (status, body) = post(&bulk, &confirmation_form(&page, &format!("token={TOKEN}")));
+    assert_eq!(status, 303, "{body}");
+    assert!(
+        wait_until(Duration::from_secs(20), || list_page(&base, &stream)
+            .contains("Last bulk delete: deleted 2")),
+        "{}",
+        list_page(&base, &stream)
+    );
+    assert_eq!(
+        dead_event_ids(&mut r, &stream),
+        ["bill-1", "bill-2", "bill-3"]
+    );
+    p.kill();
+}

@@ -431,6 +431,7 @@ fn webhook_fires_once_per_state_change() {
         assert_eq!(posts[0]["change"], "non_empty");
         assert_eq!(posts[0]["count"], 1);
         assert_eq!(posts[0]["latest_event_id"], "bad-1");
+        assert_eq!(posts[0]["latest_group"].as_str(), Some(stream.as_str()));
         assert!(
             posts[0]["latest_reason"]
                 .as_str()

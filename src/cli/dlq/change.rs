@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use taskhub::dlq::{self, DeadLetters, Filter};
 
-use super::{err, ok, plural, selection, ArchiveArgs, Ctx, PurgeArgs, ReplayArgs};
+use super::{err, ok, plural, ArchiveArgs, Ctx, PurgeArgs, ReplayArgs};
 use crate::cli::format::one_line;
 use crate::cli::{print, table};
 
@@ -67,7 +67,7 @@ impl Ctx {
         a: ReplayArgs,
     ) -> Result<ExitCode, String> {
         let explicit = !a.ids.is_empty();
-        let selection = selection(a.ids, &a.filter, a.limit, a.all)?;
+        let selection = self.selection(a.ids, &a.filter, a.limit, a.all)?;
         let mut pg = match dlq::connect_postgres(database_url) {
             Ok(client) => Some(client),
             Err(e) => {
@@ -109,7 +109,7 @@ impl Ctx {
 
     pub(super) fn purge(&self, dead: &mut DeadLetters, a: PurgeArgs) -> Result<ExitCode, String> {
         let explicit = !a.ids.is_empty();
-        let selection = selection(a.ids, &a.filter, a.limit, a.all)?;
+        let selection = self.selection(a.ids, &a.filter, a.limit, a.all)?;
         let report = dead.purge(&selection, !a.yes).map_err(err)?;
         if self.json {
             let doc = json!({
@@ -154,7 +154,7 @@ impl Ctx {
             .ok_or("--older-than reaches before 1970")?;
         let filter = Filter {
             until: Some(cutoff),
-            ..Filter::default()
+            ..self.filter()
         };
         let mut pg;
         let path;

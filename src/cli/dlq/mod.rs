@@ -17,6 +17,10 @@ mod view;
 pub const LONG_ABOUT: &str = "\
 Look at, replay, purge and archive the dead letters of a stream (kept in <stream>:dlq).
 
+Several consumer groups reading one stream share its dead-letter stream: each letter names
+its group, and --group GROUP makes every subcommand take only that group's letters (stats
+counts them by group either way).
+
 Times (--since, --until) are a duration ago (90s, 2h, 3d) or an RFC 3339 time
 (2024-05-01T12:00:00Z, 2024-05-01T14:00:00+02:00, 2024-05-01). A dead letter's time is
 when it was dead-lettered. Exit status: 0 done, 1 failure (or, for check, dead letters
@@ -29,6 +33,9 @@ pub struct DlqArgs {
     /// The stream whose dead letters to work on (they are in <STREAM>:dlq).
     #[arg(long, default_value = "tasks:events", global = true)]
     stream: String,
+    /// Only the dead letters of this consumer group [default: every group's].
+    #[arg(long, global = true, value_name = "GROUP")]
+    group: Option<String>,
     /// Print JSON instead of tables: one document, or one object per line for list.
     #[arg(long, global = true)]
     json: bool,
@@ -126,6 +133,7 @@ impl FilterArgs {
             (None, None) => None,
         };
         Ok(Filter {
+            group: None,
             kinds: self
                 .kind
                 .iter()
@@ -179,7 +187,7 @@ struct ReplayArgs {
     /// With filter flags: only the newest N that match (leave it out for all).
     #[arg(long, value_name = "N", value_parser = nonzero_limit)]
     limit: Option<usize>,
-    /// Replay every dead letter of the stream.
+    /// Replay every dead letter of the stream (of --group, if given).
     #[arg(long)]
     all: bool,
     /// Say what would be replayed (and how many are already processed); change nothing.
@@ -202,7 +210,7 @@ struct PurgeArgs {
     /// With filter flags: only the newest N that match (leave it out for all).
     #[arg(long, value_name = "N", value_parser = nonzero_limit)]
     limit: Option<usize>,
-    /// Delete every dead letter of the stream.
+    /// Delete every dead letter of the stream (of --group, if given).
     #[arg(long)]
     all: bool,
     /// Really delete (without it: say how many would be deleted, and exit 1).
@@ -253,8 +261,12 @@ pub fn run(
 ) -> Result<ExitCode, String> {
     let mut dead =
         DeadLetters::connect(redis_url, redis_tls, &args.stream).map_err(|e| report(&e))?;
+    if args.group.as_deref() == Some("") {
+        return Err("--group is empty: name a consumer group, or leave --group out for every group's dead letters".into());
+    }
     let ctx = Ctx {
         dlq: dead_letter_stream(&args.stream),
+        group: args.group,
         stream: args.stream,
         json: args.json,
         now: SystemTime::now(),
@@ -274,6 +286,8 @@ pub fn run(
 struct Ctx {
     stream: String,
     dlq: String,
+    /// `--group`: only this group's letters.
+    group: Option<String>,
     json: bool,
     now: SystemTime,
 }
@@ -291,24 +305,46 @@ fn plural(n: usize, thing: &str) -> String {
     format!("{n} {thing}{}", if n == 1 { "" } else { "s" })
 }
 
-/// Ids, a filter or --all → a selection; anything else is a usage mistake.
-fn selection(
-    ids: Vec<String>,
-    filter: &FilterArgs,
-    limit: Option<usize>,
-    all: bool,
-) -> Result<Selection, String> {
-    let filter = filter.build(limit)?;
-    match (ids.is_empty(), filter.is_everything(), all) {
-        (false, true, false) => Ok(Selection::Ids(ids)),
-        (false, _, _) => Err("give dead-letter ids or filter flags (or --all), not both".into()),
-        (true, false, false) | (true, true, true) => Ok(Selection::Filter(filter)),
-        (true, false, true) => {
-            Err("--all selects every dead letter: drop it or the filter flags".into())
+impl Ctx {
+    /// The filter of `--group` (every letter without it).
+    fn filter(&self) -> Filter {
+        Filter {
+            group: self.group.clone(),
+            ..Filter::default()
         }
-        (true, true, false) => Err(
-            "say which dead letters: ids, filter flags (--kind, --reason, --since, ...), or --all"
-                .into(),
-        ),
+    }
+
+    /// Ids, a filter, --group or --all → a selection; anything else is a
+    /// usage mistake.
+    fn selection(
+        &self,
+        ids: Vec<String>,
+        filter: &FilterArgs,
+        limit: Option<usize>,
+        all: bool,
+    ) -> Result<Selection, String> {
+        let mut filter = filter.build(limit)?;
+        let grouped = self.group.is_some();
+        match (ids.is_empty(), filter.is_everything(), all) {
+            (false, true, false) if grouped => Err(
+                "dead-letter ids name the letters themselves: drop --group (or the ids)".into(),
+            ),
+            (false, true, false) => Ok(Selection::Ids(ids)),
+            (false, _, _) => {
+                Err("give dead-letter ids or filter flags (or --all), not both".into())
+            }
+            (true, false, true) => Err(format!(
+                "--all selects every dead letter{}: drop it or the filter flags",
+                if grouped { " of the group" } else { "" }
+            )),
+            (true, true, false) if !grouped => Err(
+                "say which dead letters: ids, filter flags (--kind, --reason, --since, ...), --group, or --all"
+                    .into(),
+            ),
+            (true, _, _) => {
+                filter.group.clone_from(&self.group);
+                Ok(Selection::Filter(filter))
+            }
+        }
     }
 }

@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use serde_json::{json, Value};
-use taskhub::dlq::{DeadLetters, Filter};
+use taskhub::dlq::DeadLetters;
 use taskhub::DeadLetter;
 
 use super::{err, ok, plural, Ctx, ListArgs};
@@ -13,7 +13,7 @@ use crate::cli::{print, table};
 
 impl Ctx {
     pub(super) fn stats(&self, dead: &mut DeadLetters) -> Result<ExitCode, String> {
-        let s = dead.stats(&Filter::default()).map_err(err)?;
+        let s = dead.stats(&self.filter()).map_err(err)?;
         let age = |t: Option<u64>| t.map(|t| age(t, self.now));
         let age_secs = |t: Option<u64>| t.map(|t| age_secs(t, self.now));
         if self.json {
@@ -27,11 +27,18 @@ impl Ctx {
                 .iter()
                 .map(|r| json!({"fingerprint": r.fingerprint, "count": r.count, "example": r.example}))
                 .collect();
+            let by_group: serde_json::Map<String, Value> = s
+                .by_group
+                .iter()
+                .map(|(g, n)| (g.clone(), json!(n)))
+                .collect();
             let doc = json!({
                 "stream": self.stream,
                 "dead_letter_stream": self.dlq,
+                "group": self.group,
                 "count": s.count,
                 "undecodable": s.undecodable,
+                "by_group": by_group,
                 "by_kind": by_kind,
                 "by_reason": by_reason,
                 "oldest_dead_at": s.oldest_dead_at,
@@ -44,6 +51,9 @@ impl Ctx {
             return ok();
         }
         let mut out = format!("{}: {}", self.dlq, plural(s.count as usize, "dead letter"));
+        if let Some(group) = &self.group {
+            out.push_str(&format!(" of group {}", one_line(group, 100)));
+        }
         if let (Some(oldest), Some(newest)) = (age(s.oldest_dead_at), age(s.newest_dead_at)) {
             out.push_str(&format!(", oldest {oldest} ago, newest {newest} ago"));
         }
@@ -51,6 +61,15 @@ impl Ctx {
             out.push_str(&format!(", {} unreadable entries", s.undecodable));
         }
         out.push('\n');
+        if s.by_group.len() > 1 {
+            let groups: Vec<Vec<String>> = s
+                .by_group
+                .iter()
+                .map(|(g, n)| vec![n.to_string(), one_line(g, 100)])
+                .collect();
+            out.push('\n');
+            out.push_str(&table(&["COUNT", "GROUP"], &groups));
+        }
         if s.count > 0 {
             let kinds: Vec<Vec<String>> = s
                 .by_kind
@@ -78,6 +97,7 @@ impl Ctx {
         // One more than shown, to know whether there are more.
         let limit = (a.limit > 0).then_some(a.limit + 1);
         let mut filter = a.filter.build(limit)?;
+        filter.group.clone_from(&self.group);
         let mut letters = Vec::new();
         // A listing stops after a budget of entries read; a command-line
         // user is happy to wait: go on from where it stopped.
@@ -137,6 +157,14 @@ impl Ctx {
         let Some(l) = dead.show(id).map_err(err)? else {
             return Err(format!("no dead letter {id} in {}", self.dlq));
         };
+        if let Some(group) = self.group.as_ref().filter(|g| **g != l.group) {
+            return Err(format!(
+                "dead letter {id} in {} is group {}'s, not {}'s (leave --group out to see it)",
+                self.dlq,
+                one_line(&l.group, 100),
+                one_line(group, 100)
+            ));
+        }
         if self.json {
             let mut doc = l.to_json();
             let payload = l
@@ -248,8 +276,15 @@ impl Ctx {
     }
 
     pub(super) fn check(&self, dead: &mut DeadLetters) -> Result<ExitCode, String> {
-        let s = dead.stats(&Filter::default()).map_err(err)?;
-        let total = s.count + s.undecodable;
+        let s = dead.stats(&self.filter()).map_err(err)?;
+        // Entries that are not readable letters name no group: they count
+        // for the stream, not for one group.
+        let total = s.count
+            + if self.group.is_none() {
+                s.undecodable
+            } else {
+                0
+            };
         if self.json {
             let by_kind: serde_json::Map<String, Value> = s
                 .by_kind
@@ -259,19 +294,23 @@ impl Ctx {
             let doc = json!({
                 "ok": total == 0,
                 "stream": self.stream,
+                "group": self.group,
                 "count": total,
                 "by_kind": by_kind,
                 "oldest_age_secs": s.oldest_dead_at.map(|t| age_secs(t, self.now)),
                 "latest_reason": s.latest_reason,
             });
             print(&format!("{doc}\n"))?;
-        } else if total == 0 {
-            print(&format!("{}: no dead letters\n", self.dlq))?;
         } else {
-            print(&format!(
-                "{}\n",
-                summary_line(&self.dlq, total, &s, self.now)
-            ))?;
+            let label = match &self.group {
+                Some(g) => format!("{} (group {})", self.dlq, one_line(g, 100)),
+                None => self.dlq.clone(),
+            };
+            if total == 0 {
+                print(&format!("{label}: no dead letters\n"))?;
+            } else {
+                print(&format!("{}\n", summary_line(&label, total, &s, self.now)))?;
+            }
         }
         Ok(if total == 0 {
             ExitCode::SUCCESS
