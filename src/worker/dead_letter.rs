@@ -236,6 +236,95 @@ fn write(common: &Common, batch: &[Job]) -> redis::RedisResult<Vec<Written>> {
         .collect())
 }
 
+/// How old a letter must be before its index entry may be forgotten: far
+/// longer than any write of it can still be retried (a writer that lost the
+/// script's reply asks again, and the index makes the second call an ack).
+pub(crate) const FORGET_AFTER: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+
+/// An entry id as numbers, `(ms, seq)`; `None` when it is not one.
+fn entry_id(id: &str) -> Option<(u64, u64)> {
+    let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
+    Some((ms.parse().ok()?, seq.parse().ok()?))
+}
+
+/// Forgets the entries of `stream` that are gone from it (trimmed or
+/// deleted below its first entry) in the dead-letter index of `group` and
+/// in the index of every group's letters, once their letter is older than
+/// [`FORGET_AFTER`] at `now_ms`: such an entry can never be delivered
+/// again, to a group created again neither, so its place in the index only
+/// took memory (one field per entry ever dead-lettered). Returns how many
+/// were forgotten; a stream that does not exist is left alone.
+pub(crate) fn forget_gone_entries(
+    conn: &mut crate::redis::RedisConn,
+    stream: &str,
+    group: &str,
+    now_ms: u64,
+) -> redis::RedisResult<usize> {
+    // The first entry left, or, in a stream emptied by deletes, the last
+    // id it ever made: every entry below (at) it is gone for good.
+    let info: Option<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
+        .arg("STREAM")
+        .arg(stream)
+        .query(conn)
+        .or_else(|e| {
+            if e.to_string().contains("no such key") {
+                Ok(None)
+            } else {
+                Err(e)
+            }
+        })?;
+    let Some(info) = info else { return Ok(0) };
+    let first = match info.get("first-entry") {
+        Some(redis::Value::Array(entry)) => entry.first().and_then(|v| {
+            redis::from_redis_value::<String>(v.clone())
+                .ok()
+                .and_then(|id| entry_id(&id))
+        }),
+        _ => None,
+    };
+    let gone = |id: (u64, u64)| match first {
+        Some(first) => id < first,
+        None => info
+            .get("last-generated-id")
+            .and_then(|v| redis::from_redis_value::<String>(v.clone()).ok())
+            .and_then(|last| entry_id(&last))
+            .is_some_and(|last| id <= last),
+    };
+    let old_enough = |letter: &str| {
+        entry_id(letter)
+            .is_some_and(|(ms, _)| ms.saturating_add(FORGET_AFTER.as_millis() as u64) <= now_ms)
+    };
+    let mut forgotten = 0;
+    for index in [
+        crate::redis::keys::dead_letter_index(stream, group),
+        crate::redis::keys::dead_letter_index_of_all_groups(stream),
+    ] {
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, pairs): (u64, Vec<(String, String)>) = redis::cmd("HSCAN")
+                .arg(&index)
+                .arg(cursor)
+                .arg("COUNT")
+                .arg(1000)
+                .query(conn)?;
+            let stale: Vec<&str> = pairs
+                .iter()
+                .filter(|(entry, letter)| entry_id(entry).is_some_and(gone) && old_enough(letter))
+                .map(|(entry, _)| entry.as_str())
+                .collect();
+            if !stale.is_empty() {
+                let n: usize = redis::cmd("HDEL").arg(&index).arg(&stale).query(conn)?;
+                forgotten += n;
+            }
+            cursor = next;
+            if cursor == 0 {
+                break;
+            }
+        }
+    }
+    Ok(forgotten)
+}
+
 #[cfg(test)]
 mod tests {
     //! Against the Redis at `TASKHUB_TEST_REDIS_URL` (default
@@ -244,6 +333,35 @@ mod tests {
     use super::*;
     use crate::redis::streams::tests::{cmd as run, conn};
     use crate::redis::streams::{claim, pending_rows};
+
+    /// A stream emptied by deletes has no first entry: every entry up to
+    /// the last id it made is gone. A stream that does not exist (deleted,
+    /// and its groups with it) is left alone; so are ids that are not ids.
+    #[test]
+    fn an_emptied_stream_forgets_up_to_its_last_id_and_a_missing_one_nothing() {
+        let mut c = conn();
+        let stream = format!("dl-forget-{}", uuid::Uuid::new_v4());
+        let index = crate::redis::keys::dead_letter_index(&stream, "g");
+        let now_ms = crate::dlq::millis(std::time::SystemTime::now());
+        let old = format!("{}-0", now_ms - FORGET_AFTER.as_millis() as u64 - 1000);
+        run(&mut c, &["HSET", &index, "5-0", &old, "not-an-id", &old]);
+        assert_eq!(
+            forget_gone_entries(&mut c, &stream, "g", now_ms).unwrap(),
+            0
+        );
+        run(&mut c, &["XADD", &stream, "5-0", "event_id", "a"]);
+        run(&mut c, &["XADD", &stream, "9-0", "event_id", "b"]);
+        run(&mut c, &["HSET", &index, "9-0", &old, "10-0", &old]);
+        run(&mut c, &["XDEL", &stream, "5-0", "9-0"]);
+        assert_eq!(
+            forget_gone_entries(&mut c, &stream, "g", now_ms).unwrap(),
+            2
+        );
+        let mut left: Vec<String> = redis::cmd("HKEYS").arg(&index).query(&mut c).unwrap();
+        left.sort();
+        assert_eq!(left, ["10-0", "not-an-id"]);
+        run(&mut c, &["DEL", &stream, &index]);
+    }
 
     fn letter(stream: &str, id: &str, consumer: &str) -> DeadLetter {
         DeadLetter {

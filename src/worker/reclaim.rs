@@ -7,7 +7,8 @@
 //! entries take the normal path through the worker pool with their own
 //! delivery counts, so an entry that kills every consumer still ends as a
 //! `crash_loop` dead letter. Entries deleted from the stream while pending
-//! become `trimmed` dead letters.
+//! become `trimmed` dead letters. Every ten minutes it also forgets, in
+//! the dead-letter indexes, the entries gone from the stream for good.
 //!
 //! If the original owner was only slow, it finds out before it commits (an
 //! entry held for over a second is checked with Redis first) and stops
@@ -27,9 +28,14 @@ use crossbeam_channel::Sender;
 use crate::redis::streams;
 use crate::redis::RedisConn;
 use crate::worker::context::{Claim, Common};
+use crate::worker::dead_letter;
 use crate::worker::delivery::{Delivery, Job};
 use crate::worker::flow::{InFlight, Reservation};
 use crate::worker::stats::{Server, Stats};
+
+/// How often the dead-letter indexes are emptied of entries gone from
+/// their stream (the first time at the first round).
+const FORGET_EVERY: Duration = Duration::from_secs(600);
 
 /// What the reclaimer thread holds.
 pub(crate) struct Reclaimer {
@@ -48,6 +54,7 @@ pub(crate) struct Reclaimer {
 impl Reclaimer {
     /// The reclaimer thread.
     pub fn run(self, jobs: &Sender<Job>) {
+        let mut forgot_at: Option<Instant> = None;
         while !self.common.shutdown.sleep(self.interval) {
             for stream in &self.streams {
                 if let Err(e) = self.reclaim_stream(stream, jobs) {
@@ -57,6 +64,30 @@ impl Reclaimer {
                         log::error!("{stream}: reclaiming failed: {e}");
                     }
                 }
+            }
+            if forgot_at.is_none_or(|at| at.elapsed() >= FORGET_EVERY) {
+                forgot_at = Some(Instant::now());
+                self.forget_gone_entries();
+            }
+        }
+    }
+
+    /// Empties the dead-letter indexes of entries gone from the streams
+    /// (see [`dead_letter::forget_gone_entries`]); a failure is only logged:
+    /// it is tried again in [`FORGET_EVERY`].
+    fn forget_gone_entries(&self) {
+        let now_ms = crate::dlq::millis(std::time::SystemTime::now());
+        for stream in &self.streams {
+            let forgotten = self.common.redis_conn().and_then(|mut conn| {
+                dead_letter::forget_gone_entries(&mut conn, stream, &self.claim.group, now_ms)
+            });
+            match forgotten {
+                Ok(0) => {}
+                Ok(n) => log::info!(
+                    "{stream}: forgot {n} entries gone from the stream in its dead-letter index"
+                ),
+                Err(e) if crate::redis::is_outage(&e) => {}
+                Err(e) => log::warn!("{stream}: cannot prune its dead-letter index: {e}"),
             }
         }
     }

@@ -527,3 +527,89 @@ fn one_instance_alerts_and_another_takes_over_when_it_dies() {
     assert!(procs[other].wait(Duration::from_secs(20)).success());
     assert_eq!(count(), 2);
 }
+
+/// The group's dead-letter index holds one field per entry ever
+/// dead-lettered, so that an entry delivered again is not dead-lettered
+/// twice. An entry gone from the stream (trimmed below its first entry) can
+/// never be delivered again: once its letter is a day old, the worker
+/// forgets it, in the group's index and in the index of every group's
+/// letters of earlier versions. Entries still in the stream, and letters
+/// written less than a day ago, stay (a writer that lost the reply of its
+/// script may still ask again).
+#[test]
+fn the_dead_letter_index_forgets_entries_gone_from_the_stream() {
+    let db = TestDb::new();
+    let stream = unique("forget");
+    let group = stream.clone(); // run_on's group
+    let index = format!("{stream}:dlq:index:{}:{group}", group.len());
+    let old_index = format!("{stream}:dlq:index");
+    let mut r = redis(&redis_url());
+    let gone = xadd(&mut r, &stream, &[("event_id", "gone"), ("payload", "1")]);
+    let kept = xadd(&mut r, &stream, &[("event_id", "kept"), ("payload", "2")]);
+    // Trim the first entry away; the second stays.
+    let _: i64 = redis::cmd("XTRIM")
+        .arg(&stream)
+        .arg("MINID")
+        .arg(&kept)
+        .query(&mut r)
+        .unwrap();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let day_old = format!("{}-0", now_ms - 25 * 3600 * 1000);
+    let fresh = format!("{now_ms}-0");
+    let hset = |r: &mut redis::Connection, key: &str, field: &str, value: &str| {
+        let _: i64 = redis::cmd("HSET")
+            .arg(key)
+            .arg(field)
+            .arg(value)
+            .query(r)
+            .unwrap();
+    };
+    hset(&mut r, &index, "1-0", &day_old); // gone, old letter: forgotten
+    hset(&mut r, &index, &gone, &day_old); // gone, old letter: forgotten
+    hset(&mut r, &index, "2-0", &fresh); // gone, letter of now: kept
+    hset(&mut r, &index, &kept, &day_old); // in the stream: kept
+    hset(&mut r, &old_index, "1-5", &day_old); // gone: forgotten
+    hset(&mut r, &old_index, &kept, &day_old); // in the stream: kept
+
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.args(["--sql", INT_SQL, "--reclaim-interval", "100ms"])
+        .env("RUST_LOG", "info");
+    let mut p = Proc::spawn(cmd);
+    let fields = |r: &mut redis::Connection, key: &str| -> Vec<String> {
+        let mut f: Vec<String> = redis::cmd("HKEYS").arg(key).query(r).unwrap();
+        f.sort();
+        f
+    };
+    let mut expected = vec!["2-0".to_owned(), kept.clone()];
+    expected.sort();
+    assert!(
+        wait_until(Duration::from_secs(20), || fields(&mut r, &index)
+            == expected),
+        "{:?}: {}",
+        fields(&mut r, &index),
+        p.stderr()
+    );
+    assert_eq!(fields(&mut r, &old_index), [kept.clone()]);
+    assert!(
+        p.stderr().contains("forgot 3 entries gone from the stream"),
+        "{}",
+        p.stderr()
+    );
+    // The entry still in the stream was dead-lettered: acked, not applied.
+    let pending = |r: &mut redis::Connection| -> u64 {
+        let (n, _, _, _): (u64, Option<String>, Option<String>, redis::Value) =
+            redis::cmd("XPENDING")
+                .arg(&stream)
+                .arg(&group)
+                .query(r)
+                .unwrap();
+        n
+    };
+    assert!(wait_until(Duration::from_secs(10), || pending(&mut r) == 0));
+    assert_eq!(db.effects("kept"), 0);
+    p.signal("TERM");
+    assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+}
