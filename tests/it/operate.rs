@@ -592,7 +592,7 @@ fn the_dead_letter_index_forgets_entries_gone_from_the_stream() {
         fields(&mut r, &index),
         p.stderr()
     );
-    assert_eq!(fields(&mut r, &old_index), [kept.clone()]);
+    assert_eq!(fields(&mut r, &old_index), [kept.as_str()]);
     assert!(
         p.stderr().contains("forgot 3 entries gone from the stream"),
         "{}",
