@@ -40,8 +40,12 @@ pub struct GroupStatus {
     /// taken over from a consumer that died. Counted over the first 10,000
     /// pending entries.
     pub retrying: u64,
-    /// Entries in the dead-letter stream.
+    /// Entries in the dead-letter stream: every group's letters, when
+    /// several groups read the stream (see `other_groups`).
     pub dead_letters: u64,
+    /// The other consumer groups of the stream, which share its dead-letter
+    /// stream (`taskhub dlq --group` counts one group's letters).
+    pub other_groups: Vec<String>,
     /// The group's consumers, by name.
     pub consumers: Vec<ConsumerInfo>,
 }
@@ -143,6 +147,11 @@ pub(crate) fn group_status(
         oldest_pending: oldest.as_deref().and_then(|id| age(id, now)),
         retrying,
         dead_letters,
+        other_groups: groups
+            .iter()
+            .map(|g| text(g.get("name")))
+            .filter(|name| name != group)
+            .collect(),
         consumers: list_consumers(conn, stream, group)?,
     })
 }

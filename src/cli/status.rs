@@ -68,6 +68,7 @@ fn json_line(s: &GroupStatus) -> String {
         "oldest_pending_seconds": s.oldest_pending.map(|d| d.as_secs()),
         "retrying": s.retrying,
         "dead_letters": s.dead_letters,
+        "other_groups": s.other_groups,
         "consumers": consumers,
     });
     format!("{doc}\n")
@@ -100,6 +101,15 @@ fn text(s: &GroupStatus) -> String {
         ],
         &rows,
     ));
+    if !s.other_groups.is_empty() {
+        out.push_str(&format!(
+            "DEAD LETTERS are every group's: the stream is also read by {}; \
+             `taskhub dlq --stream {} --group {} stats` counts this group's\n",
+            s.other_groups.join(", "),
+            s.stream,
+            s.group
+        ));
+    }
     if !s.consumers.is_empty() {
         let rows: Vec<Vec<String>> = s
             .consumers

@@ -96,6 +96,7 @@ fn json_reports_what_the_stream_and_group_hold() {
             "last_id",
             "length",
             "oldest_pending_seconds",
+            "other_groups",
             "pending",
             "retrying",
             "stream"
@@ -109,6 +110,7 @@ fn json_reports_what_the_stream_and_group_hold() {
     assert_eq!(doc["pending"], 4);
     assert_eq!(doc["retrying"], 1);
     assert_eq!(doc["dead_letters"], 3);
+    assert_eq!(doc["other_groups"], serde_json::json!([]));
     let oldest = doc["oldest_pending_seconds"].as_u64().unwrap();
     assert!((100..=130).contains(&oldest), "{oldest}");
     let consumers = doc["consumers"].as_array().unwrap();
@@ -126,6 +128,26 @@ fn json_reports_what_the_stream_and_group_hold() {
     let cells: Vec<&str> = row.split_whitespace().collect();
     assert_eq!(cells[..3], ["10", "4", "4"], "{}", out.stdout);
     assert!(out.stdout.contains("c2"), "{}", out.stdout);
+    assert!(!out.stdout.contains("every group's"), "{}", out.stdout);
+
+    // A second group on the stream: its dead letters are shared, and said so.
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&stream)
+        .arg("audit")
+        .arg("$")
+        .query(&mut r)
+        .unwrap();
+    let doc = status(&["--stream", &stream, "--group", "g", "--json"]).json();
+    assert_eq!(doc["other_groups"], serde_json::json!(["audit"]));
+    let out = status(&["--stream", &stream, "--group", "g"]);
+    assert!(
+        out.stdout
+            .contains("DEAD LETTERS are every group's: the stream is also read by audit")
+            && out.stdout.contains("--group g stats"),
+        "{}",
+        out.stdout
+    );
 }
 
 #[test]
