@@ -16,8 +16,17 @@ use crate::redis::RedisConn;
 /// Dead letters handled per round trip.
 pub(crate) const CHUNK: usize = 100;
 
-/// The audit fields a replay adds to an entry (earlier ones are replaced).
-pub const REPLAY_FIELDS: [&str; 3] = ["replayed_from", "replayed_at", "replay_count"];
+/// The audit fields a replay adds to an entry (earlier ones are replaced):
+/// the dead-letter id it came from, when, how many times this event was
+/// replayed, and the group whose letter it was: every group reading the
+/// stream receives the entry, and only that group applies it (the others
+/// ack it as a duplicate of the original they had).
+pub const REPLAY_FIELDS: [&str; 4] = [
+    "replayed_from",
+    "replayed_at",
+    "replay_count",
+    "replay_group",
+];
 
 /// How a replay runs.
 #[derive(Debug, Clone, Default)]
@@ -153,9 +162,13 @@ pub fn replay_fields(letter: &DeadLetter, now: SystemTime) -> Fields {
         letter.id.clone().unwrap_or_default(),
         millis(now).to_string(),
         (previous + 1).to_string(),
+        letter.group.clone(),
     ];
     for (name, value) in REPLAY_FIELDS.iter().zip(audit) {
-        fields.push((name.as_bytes().to_vec(), value.into_bytes()));
+        // A letter that names no group (written by hand) is for every group.
+        if !value.is_empty() {
+            fields.push((name.as_bytes().to_vec(), value.into_bytes()));
+        }
     }
     fields
 }
@@ -403,6 +416,7 @@ mod tests {
             (b"event_id".to_vec(), b"e".to_vec()),
             (b"replayed_from".to_vec(), b"3-0".to_vec()),
             (b"replay_count".to_vec(), b"2".to_vec()),
+            (b"replay_group".to_vec(), b"earlier".to_vec()),
             (b"bin".to_vec(), vec![0, 255]),
         ]);
         let fields = replay_fields(&letter, UNIX_EPOCH + Duration::from_millis(42));
@@ -420,5 +434,6 @@ mod tests {
         assert_eq!(get("replayed_from"), b"9-0");
         assert_eq!(get("replayed_at"), b"42");
         assert_eq!(get("replay_count"), b"3");
+        assert_eq!(get("replay_group"), letter.group.as_bytes());
     }
 }

@@ -280,8 +280,20 @@ impl Processor {
         let stream = first.stream.clone();
         let mut valid = Vec::with_capacity(job.len());
         let mut trimmed = Vec::new();
+        let mut done = Finished::default();
         for delivery in job {
             match &delivery.body {
+                Ok(event) if replayed_for_another(event, &self.stage.settings.group) => {
+                    // Another group's dead letter put back: that group's
+                    // redo, not news for this one (which had the original).
+                    Stats::add(&self.stage.common.stats.of(&stream).duplicates, 1);
+                    log::debug!(
+                        "{}/{}: replayed for another group; acked, not applied",
+                        delivery.stream,
+                        delivery.entry_id
+                    );
+                    done.push(delivery, false);
+                }
                 Ok(event) => match self.stage.handler.validate(event) {
                     Ok(()) => valid.push(delivery),
                     Err(e) => {
@@ -299,7 +311,6 @@ impl Processor {
                 }
             }
         }
-        let mut done = Finished::default();
         if !trimmed.is_empty() {
             self.settle_trimmed(&stream, trimmed, &mut done);
         }
@@ -782,4 +793,15 @@ pub(crate) fn event(delivery: &Delivery) -> &Event {
         .body
         .as_ref()
         .expect("only valid deliveries reach this point")
+}
+
+/// Whether `event` is a dead letter of a group other than `group` put back
+/// on the stream by `taskhub dlq replay` (its `replay_group` field, beside
+/// the `replayed_from` every replay adds): every group reading the stream
+/// receives it, and only the group whose letter it was applies it.
+fn replayed_for_another(event: &crate::Event, group: &str) -> bool {
+    event.field("replayed_from").is_some()
+        && event
+            .field("replay_group")
+            .is_some_and(|g| g != group.as_bytes())
 }

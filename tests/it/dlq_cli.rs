@@ -1888,3 +1888,75 @@ fn every_subcommand_takes_only_the_letters_of_the_group_given() {
     assert_eq!(events_left(&mut conn), ["b3"]);
     cleanup(&mut conn, &stream);
 }
+
+/// `taskhub run --until-idle` on `stream` as group `group`, with `sql`;
+/// returns the summary line's counters.
+fn run_group(db_url: &str, stream: &str, group: &str, sql: &str) -> BTreeMap<String, u64> {
+    let mut cmd = taskhub(&redis_url(), db_url);
+    cmd.args([
+        "run",
+        "--stream",
+        stream,
+        "--group",
+        group,
+        "--consumer",
+        "c",
+    ])
+    .args([
+        "--workers",
+        "1",
+        "--block-ms",
+        "200",
+        "--until-idle",
+        "--sql",
+        sql,
+    ]);
+    let out = output(cmd, None, T);
+    assert_eq!(out.code(), Some(0), "run: {}", out.stderr);
+    parse_summary(&out.stdout)
+}
+
+/// A replay puts the event back on the stream, which every group reads;
+/// only the group whose letter it was applies it. Before, the hostile
+/// reviewer's repro: both groups dead-lettered an event, group emails
+/// purged its letter (never apply it), group billing replayed its own after
+/// a fix, and emails applied the replayed copy too: a second outcome for
+/// emails, and an effect its operator had refused. (A group that already
+/// applied the event only skipped it as a duplicate.)
+#[test]
+fn a_replay_is_applied_by_the_group_whose_letter_it_was_only() {
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut conn = redis(&redis_url());
+    xadd(&mut conn, &stream, &[("event_id", "ev"), ("payload", "x")]);
+    for group in ["billing", "emails"] {
+        let summary = run_group(&db.url, &stream, group, INT_SQL);
+        assert_eq!(summary["dead_lettered"], 1, "{group}: {summary:?}");
+    }
+    dlq_ok(
+        &db.url,
+        &stream,
+        &["--group", "emails", "purge", "--all", "--yes"],
+    );
+    let doc = dlq_ok(
+        &db.url,
+        &stream,
+        &["--group", "billing", "replay", "--all", "--json"],
+    )
+    .json();
+    assert_eq!(doc["replayed"], 1, "{doc}");
+    let replayed = entries(&mut conn, &stream).pop().unwrap().1;
+    assert_eq!(replayed["replay_group"], "billing");
+
+    let fixed = "INSERT INTO notifications (event_id, payload) VALUES ($1, 'fixed')";
+    let emails = run_group(&db.url, &stream, "emails", fixed);
+    assert_eq!(
+        (emails["applied"], emails["duplicates"]),
+        (0, 1),
+        "emails acks billing's replay unapplied: {emails:?}"
+    );
+    let billing = run_group(&db.url, &stream, "billing", fixed);
+    assert_eq!(billing["applied"], 1, "{billing:?}");
+    assert_eq!(db.effects("ev"), 1, "applied once, by billing");
+    cleanup(&mut conn, &stream);
+}
