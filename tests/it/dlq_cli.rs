@@ -1790,7 +1790,17 @@ fn every_subcommand_takes_only_the_letters_of_the_group_given() {
         (Some(1), Some(3))
     );
 
-    // purge: only the group's, by filter, or all of it.
+    // purge: only the group's, by filter, or all of it; --group alone is
+    // no selection (a script's empty list of ids must not take the group).
+    let out = dlq(&db.url, &stream, &["purge", "--group", "billing", "--yes"]);
+    assert_eq!(out.code(), Some(1), "{}", out.stdout);
+    assert!(
+        out.stderr
+            .contains("or --all (for every letter of the group)"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(dead_letters(&mut conn, &stream).len(), 6, "nothing removed");
     let out = dlq_ok(
         &db.url,
         &stream,
@@ -1840,7 +1850,14 @@ fn every_subcommand_takes_only_the_letters_of_the_group_given() {
     let doc = dlq_ok(
         &db.url,
         &stream,
-        &["replay", "--group", "emails", "--dry-run", "--json"],
+        &[
+            "replay",
+            "--group",
+            "emails",
+            "--all",
+            "--dry-run",
+            "--json",
+        ],
     )
     .json();
     assert_eq!(

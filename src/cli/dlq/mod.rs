@@ -339,10 +339,12 @@ impl Ctx {
                 "--all selects every dead letter{}: drop it or the filter flags",
                 if grouped { " of the group" } else { "" }
             )),
-            (true, true, false) if !grouped => Err(
-                "say which dead letters: ids, filter flags (--kind, --reason, --since, ...), --group, or --all"
-                    .into(),
-            ),
+            // --group alone is not a selection: a script whose list of ids
+            // came out empty must not take the whole group.
+            (true, true, false) => Err(format!(
+                "say which dead letters: ids, filter flags (--kind, --reason, --since, ...), or --all{}",
+                if grouped { " (for every letter of the group)" } else { "" }
+            )),
             (true, _, _) => {
                 filter.group.clone_from(&self.group);
                 Ok(Selection::Filter(filter))
