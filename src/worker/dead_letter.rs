@@ -247,51 +247,55 @@ fn entry_id(id: &str) -> Option<(u64, u64)> {
     Some((ms.parse().ok()?, seq.parse().ok()?))
 }
 
+/// Lua: where the stream `KEYS[1]` begins, without sending any entry back
+/// (`XINFO STREAM` answers with its first and last entries whole, however
+/// large): `{'first', id}` of its first entry, `{'last', id}` of the last id
+/// it made when it is empty, false when there is no such key.
+const STREAM_START: &str = r"
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
+if #first > 0 then return {'first', first[1][1]} end
+local info = redis.call('XINFO', 'STREAM', KEYS[1])
+for i = 1, #info, 2 do
+    if info[i] == 'last-generated-id' then return {'last', info[i + 1]} end
+end
+return false
+";
+
 /// Forgets the entries of `stream` that are gone from it (trimmed or
 /// deleted below its first entry) in the dead-letter index of `group` and
 /// in the index of every group's letters, once their letter is older than
 /// [`FORGET_AFTER`] at `now_ms`: such an entry can never be delivered
 /// again, to a group created again neither, so its place in the index only
-/// took memory (one field per entry ever dead-lettered). Returns how many
-/// were forgotten; a stream that does not exist is left alone.
+/// took memory (one field per entry ever dead-lettered). Fields that are
+/// not ids are left alone. Stops between pages of 1,000 fields when
+/// `go_on` says so. Returns how many were forgotten; a stream that does
+/// not exist is left alone.
 pub(crate) fn forget_gone_entries(
     conn: &mut crate::redis::RedisConn,
     stream: &str,
     group: &str,
     now_ms: u64,
+    go_on: &dyn Fn() -> bool,
 ) -> redis::RedisResult<usize> {
-    // The first entry left, or, in a stream emptied by deletes, the last
-    // id it ever made: every entry below (at) it is gone for good.
-    let info: Option<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
-        .arg("STREAM")
+    let start: Option<(String, String)> = redis::cmd("EVAL")
+        .arg(STREAM_START)
+        .arg(1)
         .arg(stream)
-        .query(conn)
-        .or_else(|e| {
-            if e.to_string().contains("no such key") {
-                Ok(None)
-            } else {
-                Err(e)
-            }
-        })?;
-    let Some(info) = info else { return Ok(0) };
-    let first = match info.get("first-entry") {
-        Some(redis::Value::Array(entry)) => entry.first().and_then(|v| {
-            redis::from_redis_value::<String>(v.clone())
-                .ok()
-                .and_then(|id| entry_id(&id))
-        }),
-        _ => None,
+        .query(conn)?;
+    let Some((whence, id)) = start else {
+        return Ok(0);
     };
-    let gone = |id: (u64, u64)| match first {
-        Some(first) => id < first,
-        None => info
-            .get("last-generated-id")
-            .and_then(|v| redis::from_redis_value::<String>(v.clone()).ok())
-            .and_then(|last| entry_id(&last))
-            .is_some_and(|last| id <= last),
+    let Some(start) = entry_id(&id) else {
+        return Ok(0);
     };
-    let old_enough = |letter: &str| {
-        entry_id(letter)
+    // Below the first entry, or up to the last id of an emptied stream:
+    // gone for good (ids only grow).
+    let gone = |id: (u64, u64)| id < start || (whence == "last" && id == start);
+    let old_enough = |letter: &[u8]| {
+        std::str::from_utf8(letter)
+            .ok()
+            .and_then(entry_id)
             .is_some_and(|(ms, _)| ms.saturating_add(FORGET_AFTER.as_millis() as u64) <= now_ms)
     };
     let mut forgotten = 0;
@@ -301,23 +305,29 @@ pub(crate) fn forget_gone_entries(
     ] {
         let mut cursor: u64 = 0;
         loop {
-            let (next, pairs): (u64, Vec<(String, String)>) = redis::cmd("HSCAN")
+            let (next, pairs): (u64, Vec<(Vec<u8>, Vec<u8>)>) = redis::cmd("HSCAN")
                 .arg(&index)
                 .arg(cursor)
                 .arg("COUNT")
                 .arg(1000)
                 .query(conn)?;
-            let stale: Vec<&str> = pairs
+            let stale: Vec<&[u8]> = pairs
                 .iter()
-                .filter(|(entry, letter)| entry_id(entry).is_some_and(gone) && old_enough(letter))
-                .map(|(entry, _)| entry.as_str())
+                .filter(|(entry, letter)| {
+                    std::str::from_utf8(entry)
+                        .ok()
+                        .and_then(entry_id)
+                        .is_some_and(gone)
+                        && old_enough(letter)
+                })
+                .map(|(entry, _)| entry.as_slice())
                 .collect();
             if !stale.is_empty() {
                 let n: usize = redis::cmd("HDEL").arg(&index).arg(&stale).query(conn)?;
                 forgotten += n;
             }
             cursor = next;
-            if cursor == 0 {
+            if cursor == 0 || !go_on() {
                 break;
             }
         }
@@ -346,20 +356,31 @@ mod tests {
         let old = format!("{}-0", now_ms - FORGET_AFTER.as_millis() as u64 - 1000);
         run(&mut c, &["HSET", &index, "5-0", &old, "not-an-id", &old]);
         assert_eq!(
-            forget_gone_entries(&mut c, &stream, "g", now_ms).unwrap(),
+            forget_gone_entries(&mut c, &stream, "g", now_ms, &|| true).unwrap(),
             0
         );
         run(&mut c, &["XADD", &stream, "5-0", "event_id", "a"]);
         run(&mut c, &["XADD", &stream, "9-0", "event_id", "b"]);
         run(&mut c, &["HSET", &index, "9-0", &old, "10-0", &old]);
+        // Bytes that are no text, as field or as letter id: left alone, and
+        // the others still forgotten (they failed the whole pass).
+        let _: () = redis::cmd("HSET")
+            .arg(&index)
+            .arg(&b"3-0"[..])
+            .arg(&b"\xff\xfe"[..])
+            .arg(&b"\xff"[..])
+            .arg(&old)
+            .query(&mut c)
+            .unwrap();
         run(&mut c, &["XDEL", &stream, "5-0", "9-0"]);
         assert_eq!(
-            forget_gone_entries(&mut c, &stream, "g", now_ms).unwrap(),
+            forget_gone_entries(&mut c, &stream, "g", now_ms, &|| true).unwrap(),
             2
         );
-        let mut left: Vec<String> = redis::cmd("HKEYS").arg(&index).query(&mut c).unwrap();
+        let mut left: Vec<Vec<u8>> = redis::cmd("HKEYS").arg(&index).query(&mut c).unwrap();
         left.sort();
-        assert_eq!(left, ["10-0", "not-an-id"]);
+        let expected: [&[u8]; 4] = [b"10-0", b"3-0", b"not-an-id", b"\xff"];
+        assert_eq!(left, expected);
         run(&mut c, &["DEL", &stream, &index]);
     }
 

@@ -79,7 +79,14 @@ impl Reclaimer {
         let now_ms = crate::dlq::millis(std::time::SystemTime::now());
         for stream in &self.streams {
             let forgotten = self.common.redis_conn().and_then(|mut conn| {
-                dead_letter::forget_gone_entries(&mut conn, stream, &self.claim.group, now_ms)
+                let go_on = || !self.common.shutdown.is_shutdown();
+                dead_letter::forget_gone_entries(
+                    &mut conn,
+                    stream,
+                    &self.claim.group,
+                    now_ms,
+                    &go_on,
+                )
             });
             match forgotten {
                 Ok(0) => {}

@@ -1114,3 +1114,52 @@ fn a_flood_of_page_requests_does_not_stall_the_worker() {
         "readiness under the flood: {ready:?}"
     );
 }
+
+/// The pass that empties the dead-letter index looks at where the stream
+/// begins; `XINFO STREAM` answers with the first and last entries whole,
+/// whatever `--max-entry-bytes` says, so one entry of 64 MiB at each end
+/// took the worker past 200 MB at every pass (the reviewer's repro: 346 MB
+/// for an entry of 100 MB). Now only the id comes back.
+#[test]
+fn the_index_pass_reads_no_entry_whole() {
+    const MIB64: usize = 64 << 20;
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let stream = unique("big-ends");
+    let payload = "x".repeat(MIB64);
+    for i in 0..2 {
+        let _: String = redis::cmd("XADD")
+            .arg(&stream)
+            .arg("*")
+            .arg("event_id")
+            .arg(format!("huge-{i}"))
+            .arg("payload")
+            .arg(&payload)
+            .query(&mut conn)
+            .unwrap();
+    }
+    drop(payload);
+    // The group past both entries: the worker reads neither.
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&stream)
+        .arg(&stream)
+        .arg("$")
+        .query(&mut conn)
+        .unwrap();
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.args(["--reclaim-interval", "100ms"])
+        .env("RUST_LOG", "debug");
+    let p = Proc::spawn(cmd);
+    // Several rounds of the reclaimer: the first one runs the pass.
+    std::thread::sleep(Duration::from_secs(2));
+    let (peak_kb, _) = memory_kb(p.child.id());
+    let _: i64 = redis::cmd("DEL").arg(&stream).query(&mut conn).unwrap();
+    assert!(
+        peak_kb < 64 * 1024,
+        "peak RSS {} MB with an entry of 64 MiB at each end:\n{}",
+        peak_kb / 1024,
+        p.stderr()
+    );
+    stop_within_deadline(p);
+}
