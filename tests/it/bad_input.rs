@@ -452,6 +452,26 @@ fn a_redis_user_without_scripts_is_a_start_up_error() {
         out.stderr
     );
     assert!(!out.stderr.contains(":pw@"), "no password: {}", out.stderr);
+
+    // Without HSCAN, which only empties the dead-letter index of entries
+    // gone from the stream: a warning at start-up, and the run goes on.
+    redis::cmd("ACL")
+        .arg(&[
+            "SETUSER", "noscan", "on", ">pw", "~*", "&*", "+@all", "-hscan",
+        ])
+        .query::<()>(&mut conn)
+        .unwrap();
+    let url = format!("redis://noscan:pw@127.0.0.1:{}", server.port);
+    let mut cmd = taskhub(&url, &db.url);
+    cmd.args(["run", "--stream", &stream, "--group", "g", "--until-idle"])
+        .args(["--block-ms", "100"]);
+    let out = output(cmd, None, Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("the Redis user may not run HSCAN"),
+        "{}",
+        out.stderr
+    );
 }
 
 /// A Redis user that may use the stream's keys but not taskhub's own
