@@ -84,7 +84,7 @@ pub(crate) fn list_page(
     };
     body.push_str(&chosen.form(&stream_input));
     if let Ok(stats) = &reasons {
-        body.push_str(&groups_table(stream, stats));
+        body.push_str(&groups_table(stream, &chosen, stats));
         body.push_str(&reasons_table(stats));
     }
     if access.can_change() && !letters.is_empty() {
@@ -139,22 +139,40 @@ pub(crate) fn list_page(
 /// The matching dead letters by consumer group, each a link to its own,
 /// when they are of more than one (groups reading one stream share its
 /// dead-letter stream).
-fn groups_table(stream: &str, stats: &dlq::Stats) -> String {
+fn groups_table(stream: &str, chosen: &PageFilter, stats: &dlq::Stats) -> String {
+    const SHOWN: usize = 20;
     if stats.by_group.len() < 2 {
         return String::new();
     }
     let mut out =
-        String::from("<h2>Groups</h2><table id=\"groups\"><tr><th>count</th><th>group</th></tr>");
-    for (group, n) in stats.by_group.iter().take(20) {
+        format!(
+        "<h2>Groups ({} matching{})</h2><table id=\"groups\"><tr><th>count</th><th>group</th></tr>",
+        stats.count,
+        if stats.stopped_at.is_some() { ", among the newest looked at" } else { "" }
+    );
+    for (group, n) in stats.by_group.iter().take(SHOWN) {
+        // The link keeps the other criteria: the count shown is what it
+        // lists, and what its bulk actions would take.
+        let narrowed = PageFilter {
+            group: Some(group.clone()),
+            ..chosen.clone()
+        };
         let _ = write!(
             out,
-            "<tr><td>{n}</td><td><a href=\"/dlq?stream={}&amp;group={}\">{}</a></td></tr>",
+            "<tr><td>{n}</td><td><a href=\"/dlq?stream={}{}\">{}</a></td></tr>",
             encode(stream),
-            encode(group),
+            narrowed.link_params(),
             escape(&cut(group, 100))
         );
     }
     out.push_str("</table>");
+    if stats.by_group.len() > SHOWN {
+        let _ = write!(
+            out,
+            "<p>and {} more groups (filter by group to see one).</p>",
+            stats.by_group.len() - SHOWN
+        );
+    }
     out
 }
 

@@ -842,6 +842,13 @@ fn the_page_narrows_to_one_group_and_its_bulk_actions_keep_to_it() {
             .read_to_string()
             .unwrap()
     };
+    // A group's link keeps the other criteria (it dropped them: the count
+    // shown led to a page whose bulk actions took all of the group's).
+    let narrowed = get("kind=permanent&reason=422");
+    assert!(
+        narrowed.contains("&amp;kind=permanent&amp;group=billing&amp;reason=422\">billing</a>"),
+        "{narrowed}"
+    );
     let emails = get("group=emails");
     for (event_id, shown) in [("mail-1", true), ("mail-2", true), ("bill-1", false)] {
         assert_eq!(
