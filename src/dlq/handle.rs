@@ -72,6 +72,30 @@ impl DeadLetters {
             .map_err(redis_error(&dlq))
     }
 
+    /// The consumer groups reading the stream, which share its dead
+    /// letters (none when the stream does not exist).
+    pub fn groups(&mut self) -> Result<Vec<String>, Error> {
+        let groups: redis::RedisResult<Vec<std::collections::HashMap<String, redis::Value>>> =
+            redis::cmd("XINFO")
+                .arg("GROUPS")
+                .arg(&self.stream)
+                .query(&mut self.conn);
+        match groups {
+            Ok(groups) => Ok(groups
+                .iter()
+                .filter_map(|g| match g.get("name") {
+                    Some(redis::Value::BulkString(b)) => {
+                        Some(String::from_utf8_lossy(b).into_owned())
+                    }
+                    Some(redis::Value::SimpleString(s)) => Some(s.clone()),
+                    _ => None,
+                })
+                .collect()),
+            Err(e) if e.to_string().contains("no such key") => Ok(Vec::new()),
+            Err(e) => Err(redis_error(&self.stream)(e)),
+        }
+    }
+
     /// Whether there are none.
     pub fn is_empty(&mut self) -> Result<bool, Error> {
         Ok(self.len()? == 0)

@@ -424,7 +424,9 @@ fn list_filters_newest_first_with_pagination_and_json_lines() {
     let table = dlq_ok(&db.url, &stream, &["list"]).stdout;
     let lines: Vec<&str> = table.lines().collect();
     assert_eq!(lines.len(), 6, "{table}");
-    for needle in ["ID", "AGE", "KIND", "ATTEMPTS", "EVENT_ID", "REASON"] {
+    for needle in [
+        "ID", "AGE", "GROUP", "KIND", "ATTEMPTS", "EVENT_ID", "REASON",
+    ] {
         assert!(lines[0].contains(needle), "{table}");
     }
     assert!(
@@ -1733,6 +1735,16 @@ fn every_subcommand_takes_only_the_letters_of_the_group_given() {
         l.group = group.into();
         ids.insert(event, put(&mut conn, &l));
     }
+    for group in ["billing", "emails"] {
+        let _: () = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&stream)
+            .arg(group)
+            .arg("$")
+            .arg("MKSTREAM")
+            .query(&mut conn)
+            .unwrap();
+    }
     let events_left = |conn: &mut redis::Connection| -> Vec<String> {
         let mut left: Vec<String> = dead_letters(conn, &stream)
             .into_iter()
@@ -1778,11 +1790,22 @@ fn every_subcommand_takes_only_the_letters_of_the_group_given() {
         out.stderr
     );
     dlq_ok(&db.url, &stream, &["show", &ids["e1"], "--group", "emails"]);
-    let out = dlq_ok(&db.url, &stream, &["check", "--group", "nobody"]);
+    // A group the stream does not have (a misspelt --group): said, and
+    // check does not report "none" for ever.
+    let out = dlq(&db.url, &stream, &["check", "--group", "nobody"]);
+    assert_eq!(out.code(), Some(1), "{}", out.stdout);
     assert!(
-        out.stdout.contains("(group nobody): no dead letters"),
-        "{}",
-        out.stdout
+        out.stdout.contains("(group nobody): no dead letters")
+            && out.stderr.contains("has no consumer group nobody"),
+        "{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+    let out = dlq_ok(&db.url, &stream, &["stats", "--group", "billing"]);
+    assert!(
+        out.stderr.is_empty(),
+        "a group the stream has: {}",
+        out.stderr
     );
     let out = dlq(&db.url, &stream, &["check", "--group", "emails", "--json"]);
     assert_eq!(
@@ -1895,11 +1918,17 @@ fn every_subcommand_takes_only_the_letters_of_the_group_given() {
         ),
         (
             vec!["purge", "--group", "", "--all", "--yes"],
-            "--group is empty",
+            "a value is required for '--group <GROUP>'",
         ),
     ] {
         let out = dlq(&db.url, &stream, &args);
-        assert_eq!(out.code(), Some(1), "{args:?}: {}", out.stdout);
+        let usage = args.contains(&"");
+        assert_eq!(
+            out.code(),
+            Some(if usage { 2 } else { 1 }),
+            "{args:?}: {}",
+            out.stdout
+        );
         assert!(out.stderr.contains(says), "{args:?}: {}", out.stderr);
     }
     assert_eq!(events_left(&mut conn), ["b3"]);

@@ -121,14 +121,16 @@ impl Ctx {
             print(&format!("{doc}\n"))?;
         } else if report.dry_run {
             eprintln!(
-                "taskhub: purge would remove {} from {}; nothing removed (add --yes to remove them)",
+                "taskhub: purge would remove {}{} from {}; nothing removed (add --yes to remove them)",
                 plural(report.removed, "dead letter"),
+                self.of_group(),
                 self.dlq
             );
         } else {
             let mut line = format!(
-                "removed {} from {}",
+                "removed {}{} from {}",
                 plural(report.removed, "dead letter"),
+                self.of_group(),
                 self.dlq
             );
             if !report.not_found.is_empty() {
@@ -189,8 +191,9 @@ impl Ctx {
             print(&format!("{doc}\n"))?;
         } else {
             let mut out = format!(
-                "archived {} older than {} to {place} (removed from {})\n",
+                "archived {}{} older than {} to {place} (removed from {})\n",
                 plural(report.archived, "dead letter"),
+                self.of_group(),
                 humantime::format_duration(a.older_than),
                 self.dlq
             );

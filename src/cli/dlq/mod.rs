@@ -34,7 +34,7 @@ pub struct DlqArgs {
     #[arg(long, default_value = "tasks:events", global = true)]
     stream: String,
     /// Only the dead letters of this consumer group [default: every group's].
-    #[arg(long, global = true, value_name = "GROUP")]
+    #[arg(long, global = true, value_name = "GROUP", value_parser = clap::builder::NonEmptyStringValueParser::new())]
     group: Option<String>,
     /// Print JSON instead of tables: one document, or one object per line for list.
     #[arg(long, global = true)]
@@ -263,11 +263,22 @@ pub fn run(
 ) -> Result<ExitCode, String> {
     let mut dead =
         DeadLetters::connect(redis_url, redis_tls, &args.stream).map_err(|e| report(&e))?;
-    if args.group.as_deref() == Some("") {
-        return Err("--group is empty: name a consumer group, or leave --group out for every group's dead letters".into());
+    // A group the stream does not have: a misspelt --group would find no
+    // letter, and `check` would say "none" for ever.
+    let unknown_group = match &args.group {
+        Some(g) => !dead.groups().map_err(|e| report(&e))?.contains(g),
+        None => false,
+    };
+    if unknown_group {
+        eprintln!(
+            "taskhub: warning: stream {} has no consumer group {} (only letters it wrote before it went can match)",
+            args.stream,
+            args.group.as_deref().unwrap_or_default()
+        );
     }
     let ctx = Ctx {
         dlq: dead_letter_stream(&args.stream),
+        unknown_group,
         group: args.group,
         stream: args.stream,
         json: args.json,
@@ -290,6 +301,8 @@ struct Ctx {
     dlq: String,
     /// `--group`: only this group's letters.
     group: Option<String>,
+    /// The stream has no consumer group of that name.
+    unknown_group: bool,
     json: bool,
     now: SystemTime,
 }
@@ -308,6 +321,13 @@ fn plural(n: usize, thing: &str) -> String {
 }
 
 impl Ctx {
+    /// ` of group G` with `--group`, for the summaries; empty without.
+    fn of_group(&self) -> String {
+        self.group.as_deref().map_or_else(String::new, |g| {
+            format!(" of group {}", crate::cli::format::one_line(g, 100))
+        })
+    }
+
     /// The filter of `--group` (every letter without it).
     fn filter(&self) -> Filter {
         Filter {

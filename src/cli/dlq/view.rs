@@ -128,6 +128,7 @@ impl Ctx {
                     vec![
                         l.id.clone().unwrap_or_default(),
                         age(l.dead_at, self.now),
+                        one_line(&l.group, 30),
                         l.kind.to_string(),
                         l.attempts.to_string(),
                         one_line(l.event_id.as_deref().unwrap_or("-"), 40),
@@ -136,7 +137,9 @@ impl Ctx {
                 })
                 .collect();
             print(&table(
-                &["ID", "AGE", "KIND", "ATTEMPTS", "EVENT_ID", "REASON"],
+                &[
+                    "ID", "AGE", "GROUP", "KIND", "ATTEMPTS", "EVENT_ID", "REASON",
+                ],
                 &rows,
             ))?;
         }
@@ -312,7 +315,9 @@ impl Ctx {
                 print(&format!("{}\n", summary_line(&label, total, &s, self.now)))?;
             }
         }
-        Ok(if total == 0 {
+        // No letter of a group the stream does not have: a misspelt
+        // --group, not good news (the warning above says which).
+        Ok(if total == 0 && !self.unknown_group {
             ExitCode::SUCCESS
         } else {
             ExitCode::FAILURE
