@@ -305,7 +305,7 @@ pub(crate) fn forget_gone_entries(
     ] {
         let mut cursor: u64 = 0;
         loop {
-            let (next, pairs): (u64, Vec<(Vec<u8>, Vec<u8>)>) = redis::cmd("HSCAN")
+            let (next, pairs): (u64, crate::event::Fields) = redis::cmd("HSCAN")
                 .arg(&index)
                 .arg(cursor)
                 .arg("COUNT")
