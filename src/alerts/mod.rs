@@ -1,8 +1,10 @@
 //! Dead-letter alerts: [`Alerts`] starts the `taskhub-alert` thread beside a
 //! worker.
 //!
-//! Every `interval` it looks at each dead-letter stream. When one becomes
-//! non-empty, grows, or its oldest entry passes `age`, it logs one error
+//! Every `interval` it looks at the dead letters of its group on each
+//! stream (groups reading one stream share its dead-letter stream; each
+//! alerts on its own letters). When they become
+//! non-empty, grow, or the oldest passes `age`, it logs one error
 //! line with the count and the latest reason and, with a webhook, POSTs a
 //! JSON document about it. Webhook calls are rate-limited per stream
 //! (`min_gap`; changes in between are folded into the next call) and
@@ -139,7 +141,55 @@ pub(crate) struct Look {
     pub latest: Option<DeadLetter>,
 }
 
-fn look(conn: &mut RedisConn, stream: &str) -> redis::RedisResult<Look> {
+/// How far the count of one group's letters reads, in a dead-letter stream
+/// that several groups share, per look: past it, the newest are counted.
+const SHARED_BUDGET: (usize, Duration) = (10_000, Duration::from_secs(1));
+
+/// Looks at the dead letters of `group` on `stream`: when `group` is the
+/// stream's only group (the usual case), the whole dead-letter stream is
+/// its, and three commands tell; when other groups read the stream too,
+/// its letters are counted among the newest [`SHARED_BUDGET`].
+fn look(conn: &mut RedisConn, stream: &str, group: &str) -> Result<Look, crate::Error> {
+    let groups: redis::RedisResult<Vec<std::collections::HashMap<String, redis::Value>>> =
+        redis::cmd("XINFO").arg("GROUPS").arg(stream).query(conn);
+    let shared = match groups {
+        Ok(groups) => groups.iter().any(|g| match g.get("name") {
+            Some(redis::Value::BulkString(name)) => name != group.as_bytes(),
+            Some(redis::Value::SimpleString(name)) => name != group,
+            _ => false,
+        }),
+        Err(e) if e.to_string().contains("no such key") => false,
+        Err(e) => return Err(crate::dlq::redis_error(stream)(e)),
+    };
+    if !shared {
+        return look_alone(conn, stream).map_err(crate::dlq::redis_error(stream));
+    }
+    let own = crate::dlq::Filter {
+        group: Some(group.to_owned()),
+        ..crate::dlq::Filter::default()
+    };
+    let stats = crate::dlq::stats_within(conn, stream, &own, Some(SHARED_BUDGET))?;
+    let latest = if stats.count == 0 {
+        None
+    } else {
+        let newest = crate::dlq::Filter {
+            limit: Some(1),
+            ..own
+        };
+        crate::dlq::list(conn, stream, &newest)?.letters.pop()
+    };
+    let now = millis(SystemTime::now());
+    Ok(Look {
+        count: stats.count,
+        oldest_age: stats.oldest_dead_at.map_or(Duration::ZERO, |t| {
+            Duration::from_millis(now.saturating_sub(t))
+        }),
+        latest,
+    })
+}
+
+/// [`look`] at a dead-letter stream that is one group's alone.
+fn look_alone(conn: &mut RedisConn, stream: &str) -> redis::RedisResult<Look> {
     let dlq = dead_letter_stream(stream);
     let (count, oldest, newest): (u64, redis::Value, redis::Value) = redis::pipe()
         .cmd("XLEN")
@@ -241,7 +291,7 @@ impl Alerts {
         if let Ok(mut conn) = monitor.redis_conn() {
             put_back(&mut conn, &mut undelivered);
             for stream in monitor.streams() {
-                let _ = lease.release(&mut conn, stream);
+                let _ = lease.release(&mut conn, stream, monitor.group());
             }
         }
     }
@@ -257,20 +307,21 @@ impl Alerts {
         monitor: &Monitor,
         stream: &str,
         webhook: bool,
-    ) -> redis::RedisResult<Option<Due>> {
-        if !lease.hold(conn, stream)? {
+    ) -> Result<Option<Due>, Box<dyn std::error::Error>> {
+        let group = monitor.group();
+        if !lease.hold(conn, stream, group)? {
             log::debug!("alert: {stream}: another instance holds the alert lease");
             return Ok(None);
         }
-        let mut state = State::load(conn, stream)?;
-        let found = look(conn, stream)?;
+        let mut state = State::load(conn, stream, group)?;
+        let found = look(conn, stream, group)?;
         if let Some(change) = change(&mut state, &found, self.age) {
             let (reason, kind) = found
                 .latest
                 .as_ref()
                 .map_or(("?", "?"), |l| (l.reason.as_str(), l.kind.as_str()));
             log::error!(
-                "{}: {} dead letters ({}); latest ({kind}): {reason}",
+                "{}: {} dead letters ({}) of group {group}; latest ({kind}): {reason}",
                 dead_letter_stream(stream),
                 found.count,
                 match change {
@@ -304,12 +355,13 @@ impl Alerts {
                 state.last_post = Some(millis(now));
                 due = Some(Due {
                     stream: stream.to_owned(),
+                    group: group.to_owned(),
                     body,
                     unsent: state.unsent.take(),
                 });
             }
         }
-        state.save(conn, stream)?;
+        state.save(conn, stream, group)?;
         Ok(due)
     }
 }
@@ -319,9 +371,9 @@ impl Alerts {
 /// them again; those Redis refused stay in `undelivered` for the next try.
 fn put_back(conn: &mut RedisConn, undelivered: &mut Vec<Due>) {
     undelivered.retain(|due| {
-        let kept = State::load(conn, &due.stream).and_then(|mut state| {
+        let kept = State::load(conn, &due.stream, &due.group).and_then(|mut state| {
             state.unsent = state.unsent.or(due.unsent);
-            state.save(conn, &due.stream)
+            state.save(conn, &due.stream, &due.group)
         });
         if let Err(e) = &kept {
             log::debug!(
@@ -337,6 +389,7 @@ fn put_back(conn: &mut RedisConn, undelivered: &mut Vec<Due>) {
 /// if the call fails.
 struct Due {
     stream: String,
+    group: String,
     body: serde_json::Value,
     unsent: Option<(Change, u64)>,
 }
@@ -391,24 +444,25 @@ mod tests {
             holder: "another instance".into(),
             ttl: Duration::from_secs(30),
         };
-        assert!(other.hold(&mut conn, &stream).unwrap());
+        assert!(other.hold(&mut conn, &stream, "g").unwrap());
         // What the round saved before its call: the change taken out.
         let saved = State {
             count: Some(1),
             last_post: Some(millis(SystemTime::now())),
             ..State::default()
         };
-        saved.save(&mut conn, &stream).unwrap();
+        saved.save(&mut conn, &stream, "g").unwrap();
         let mut undelivered = vec![Due {
             stream: stream.clone(),
+            group: "g".into(),
             body: serde_json::json!({}),
             unsent: Some((Change::NonEmpty, 0)),
         }];
         put_back(&mut conn, &mut undelivered);
-        let state = State::load(&mut conn, &stream).unwrap();
+        let state = State::load(&mut conn, &stream, "g").unwrap();
         let _: () = redis::cmd("DEL")
-            .arg(state::lease_key(&stream))
-            .arg(state::state_key(&stream))
+            .arg(state::lease_key(&stream, "g"))
+            .arg(state::state_key(&stream, "g"))
             .query(&mut conn)
             .unwrap();
         assert!(undelivered.is_empty());
@@ -468,8 +522,8 @@ mod tests {
         alerts.join().unwrap();
         let _: () = redis::cmd("DEL")
             .arg(dead_letter_stream(&stream))
-            .arg(state::lease_key(&stream))
-            .arg(state::state_key(&stream))
+            .arg(state::lease_key(&stream, "g"))
+            .arg(state::state_key(&stream, "g"))
             .query(&mut conn)
             .unwrap();
         assert_eq!(

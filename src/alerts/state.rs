@@ -1,4 +1,6 @@
-//! What every instance of a group shares about alerts, in Redis: who sends
+//! What every instance of a group shares about alerts, in Redis, per stream
+//! and group (groups reading one stream share its dead-letter stream, and
+//! each alerts on its own letters, to its own webhook): who sends
 //! them (a lease with a TTL, renewed each round by its holder and taken
 //! over by another instance once it lapses), and what was already said
 //! (the count last seen, whether the age alert fired, a change not posted
@@ -84,14 +86,14 @@ end
 return 0
 ";
 
-/// The lease on alerting for the dead letters of `stream`.
-pub(crate) fn lease_key(stream: &str) -> String {
-    format!("th:alert:lease:{}:{stream}", stream.len())
+/// The lease on alerting for the dead letters of `group` on `stream`.
+pub(crate) fn lease_key(stream: &str, group: &str) -> String {
+    format!("th:alert:lease:{}:{stream}:{group}", stream.len())
 }
 
-/// The shared alert state of `stream`.
-pub(crate) fn state_key(stream: &str) -> String {
-    format!("th:alert:state:{}:{stream}", stream.len())
+/// The shared alert state of `group` on `stream`.
+pub(crate) fn state_key(stream: &str, group: &str) -> String {
+    format!("th:alert:state:{}:{stream}:{group}", stream.len())
 }
 
 /// One instance's side of the lease.
@@ -104,24 +106,35 @@ pub(crate) struct Lease {
 }
 
 impl Lease {
-    /// Whether this instance sends the alerts of `stream` this round
-    /// (taking or renewing the lease).
-    pub fn hold(&self, conn: &mut RedisConn, stream: &str) -> redis::RedisResult<bool> {
+    /// Whether this instance sends the alerts of `group` on `stream` this
+    /// round (taking or renewing the lease).
+    pub fn hold(
+        &self,
+        conn: &mut RedisConn,
+        stream: &str,
+        group: &str,
+    ) -> redis::RedisResult<bool> {
         redis::cmd("EVAL")
             .arg(LEASE)
             .arg(1)
-            .arg(lease_key(stream))
+            .arg(lease_key(stream, group))
             .arg(&self.holder)
             .arg(self.ttl.as_millis().max(1) as u64)
             .query(conn)
     }
 
-    /// Gives the lease of `stream` back, if this instance holds it.
-    pub fn release(&self, conn: &mut RedisConn, stream: &str) -> redis::RedisResult<()> {
+    /// Gives the lease of `group` on `stream` back, if this instance holds
+    /// it.
+    pub fn release(
+        &self,
+        conn: &mut RedisConn,
+        stream: &str,
+        group: &str,
+    ) -> redis::RedisResult<()> {
         redis::cmd("EVAL")
             .arg(LEASE)
             .arg(1)
-            .arg(lease_key(stream))
+            .arg(lease_key(stream, group))
             .arg(&self.holder)
             .arg(0)
             .query(conn)
@@ -129,10 +142,12 @@ impl Lease {
 }
 
 impl State {
-    /// The shared state of `stream` (empty before the first alert round).
-    pub fn load(conn: &mut RedisConn, stream: &str) -> redis::RedisResult<State> {
-        let fields: std::collections::HashMap<String, String> =
-            redis::cmd("HGETALL").arg(state_key(stream)).query(conn)?;
+    /// The shared state of `group` on `stream` (empty before the first
+    /// alert round).
+    pub fn load(conn: &mut RedisConn, stream: &str, group: &str) -> redis::RedisResult<State> {
+        let fields: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
+            .arg(state_key(stream, group))
+            .query(conn)?;
         let num = |k: &str| fields.get(k).and_then(|v| v.parse::<u64>().ok());
         Ok(State {
             count: num("count"),
@@ -145,9 +160,9 @@ impl State {
         })
     }
 
-    /// Writes the state of `stream` back.
-    pub fn save(&self, conn: &mut RedisConn, stream: &str) -> redis::RedisResult<()> {
-        let key = state_key(stream);
+    /// Writes the state of `group` on `stream` back.
+    pub fn save(&self, conn: &mut RedisConn, stream: &str, group: &str) -> redis::RedisResult<()> {
+        let key = state_key(stream, group);
         let mut pipe = redis::pipe();
         pipe.atomic().cmd("DEL").arg(&key).ignore();
         let mut set = redis::cmd("HSET");

@@ -349,7 +349,13 @@ fn receiver(failures: usize) -> (String, Posts) {
 /// (src/alerts/state.rs): the second renewal seen starts the round after one
 /// that began, and so ended, after this call.
 fn wait_for_alert_round(r: &mut redis::Connection, stream: &str) {
-    let lease = format!("th:alert:lease:{}:{stream}", stream.len());
+    // run_on's group is named after the stream.
+    wait_for_alert_round_of(r, stream, stream);
+}
+
+/// [`wait_for_alert_round`] of the instances of `group`.
+fn wait_for_alert_round_of(r: &mut redis::Connection, stream: &str, group: &str) {
+    let lease = format!("th:alert:lease:{}:{stream}:{group}", stream.len());
     let mut ttl = || -> i64 { redis::cmd("PTTL").arg(&lease).query(r).unwrap() };
     let (mut last, mut renewals) = (ttl(), 0);
     assert!(
@@ -612,4 +618,125 @@ fn the_dead_letter_index_forgets_entries_gone_from_the_stream() {
     assert_eq!(db.effects("kept"), 0);
     p.signal("TERM");
     assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+}
+
+/// Two groups read one stream, each with its own webhook: each alerts on
+/// its own dead letters only, to its own webhook, with its own count. Before,
+/// one lease per stream: whichever instance held it alerted on every
+/// group's letters, to its own webhook only, under its own group's name
+/// (the other team heard nothing of its letters, and the first one heard
+/// them as its own growing).
+#[test]
+fn each_group_alerts_on_its_own_dead_letters_to_its_own_webhook() {
+    let db = TestDb::new();
+    let stream = unique("alert-groups");
+    let mut r = redis(&redis_url());
+    // billing fails events whose payload is not an integer; emails fails
+    // those whose payload is two characters long (a division by zero).
+    let billing_sql = INT_SQL;
+    let emails_sql =
+        "INSERT INTO notifications (event_id, payload) VALUES ($1, (10 / (length($2::text) - 2))::text)";
+    let start = |group: &str, sql: &str, hook: &str| {
+        let mut cmd = taskhub(&redis_url(), &db.url);
+        cmd.args([
+            "run",
+            "--stream",
+            &stream,
+            "--group",
+            group,
+            "--block-ms",
+            "100",
+        ])
+        .args(["--sql", sql, "--alert-webhook", hook])
+        .args(["--alert-interval", "100ms", "--alert-min-gap", "0s"]);
+        Proc::spawn(cmd)
+    };
+    let (billing_hook, billing_posts) = receiver(0);
+    let (emails_hook, emails_posts) = receiver(0);
+    let mut billing = start("billing", billing_sql, &billing_hook);
+    let mut emails = start("emails", emails_sql, &emails_hook);
+    let posts = |p: &Posts| p.lock().unwrap().clone();
+
+    // billing's letter: billing hears of it, emails does not.
+    xadd(
+        &mut r,
+        &stream,
+        &[("event_id", "for-billing"), ("payload", "x")],
+    );
+    assert!(
+        wait_until(Duration::from_secs(15), || posts(&billing_posts).len() == 1),
+        "{}",
+        billing.stderr()
+    );
+    let post = &posts(&billing_posts)[0];
+    assert_eq!(
+        (
+            &post["group"],
+            &post["count"],
+            &post["change"],
+            &post["latest_event_id"]
+        ),
+        (
+            &"billing".into(),
+            &1.into(),
+            &"non_empty".into(),
+            &"for-billing".into()
+        ),
+        "{post}"
+    );
+    assert!(wait_until(Duration::from_secs(10), || db
+        .effects("for-billing")
+        == 1));
+    wait_for_alert_round_of(&mut r, &stream, "emails");
+    assert_eq!(posts(&emails_posts).len(), 0, "{:?}", posts(&emails_posts));
+
+    // emails' letter: emails hears of it with its own count; billing's
+    // count did not change.
+    xadd(
+        &mut r,
+        &stream,
+        &[("event_id", "for-emails"), ("payload", "12")],
+    );
+    assert!(
+        wait_until(Duration::from_secs(15), || posts(&emails_posts).len() == 1),
+        "{}",
+        emails.stderr()
+    );
+    let post = &posts(&emails_posts)[0];
+    assert_eq!(
+        (
+            &post["group"],
+            &post["count"],
+            &post["change"],
+            &post["latest_event_id"]
+        ),
+        (
+            &"emails".into(),
+            &1.into(),
+            &"non_empty".into(),
+            &"for-emails".into()
+        ),
+        "{post}"
+    );
+    assert!(wait_until(Duration::from_secs(10), || db
+        .effects("for-emails")
+        == 1));
+    wait_for_alert_round_of(&mut r, &stream, "billing");
+    assert_eq!(
+        posts(&billing_posts).len(),
+        1,
+        "{:?}",
+        posts(&billing_posts)
+    );
+    assert!(
+        billing
+            .stderr()
+            .contains("1 dead letters (no longer empty) of group billing"),
+        "{}",
+        billing.stderr()
+    );
+    for p in [&mut billing, &mut emails] {
+        p.signal("TERM");
+        assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+    }
 }
