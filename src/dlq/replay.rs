@@ -18,9 +18,10 @@ pub(crate) const CHUNK: usize = 100;
 
 /// The audit fields a replay adds to an entry (earlier ones are replaced):
 /// the dead-letter id it came from, when, how many times this event was
-/// replayed, and the group whose letter it was: every group reading the
-/// stream receives the entry, and only that group applies it (the others
-/// ack it as a duplicate of the original they had).
+/// replayed, and the group whose letter it was, while that group reads the
+/// stream: every group reading the stream receives the entry, and only
+/// that group applies it (the others ack it as a duplicate of the original
+/// they had).
 pub const REPLAY_FIELDS: [&str; 4] = [
     "replayed_from",
     "replayed_at",
@@ -135,11 +136,29 @@ impl ReplayReport {
 /// XADD to the original stream and XDEL from the dead-letter stream, as one
 /// atomic step, only when the dead letter is still there. The XADD comes
 /// first: if it fails (say the key is not a stream), nothing was changed.
-/// KEYS: dead-letter stream, original stream. ARGV: dead-letter id, then
-/// field, value, field, value...
+/// The entry names the letter's group (`replay_group`, first) when that
+/// group still reads the stream: only it applies the entry. A group that is
+/// gone (renamed, say) names no one, and every group reading the stream
+/// receives it, rather than none applying it.
+/// KEYS: dead-letter stream, original stream. ARGV: dead-letter id, the
+/// letter's group, then field, value, field, value...
 const REPLAY_SCRIPT: &str = r"
 if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return false end
-local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
+local reads = false
+local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[2])
+if ok and ARGV[2] ~= '' then
+    for _, g in ipairs(groups) do
+        for i = 1, #g, 2 do
+            if g[i] == 'name' and g[i + 1] == ARGV[2] then reads = true end
+        end
+    end
+end
+local id
+if reads then
+    id = redis.call('XADD', KEYS[2], '*', 'replay_group', ARGV[2], unpack(ARGV, 3))
+else
+    id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+end
 redis.call('XDEL', KEYS[1], ARGV[1])
 return id
 ";
@@ -158,17 +177,15 @@ pub fn replay_fields(letter: &DeadLetter, now: SystemTime) -> Fields {
         .filter(|(k, _)| !REPLAY_FIELDS.iter().any(|a| a.as_bytes() == k.as_slice()))
         .cloned()
         .collect();
+    // `replay_group` is added by the script that puts the entry back, only
+    // while that group reads the stream.
     let audit = [
         letter.id.clone().unwrap_or_default(),
         millis(now).to_string(),
         (previous + 1).to_string(),
-        letter.group.clone(),
     ];
     for (name, value) in REPLAY_FIELDS.iter().zip(audit) {
-        // A letter that names no group (written by hand) is for every group.
-        if !value.is_empty() {
-            fields.push((name.as_bytes().to_vec(), value.into_bytes()));
-        }
+        fields.push((name.as_bytes().to_vec(), value.into_bytes()));
     }
     fields
 }
@@ -361,7 +378,8 @@ fn put_back(
             .arg(2)
             .arg(dlq)
             .arg(&l.stream)
-            .arg(l.id.as_deref().unwrap_or_default());
+            .arg(l.id.as_deref().unwrap_or_default())
+            .arg(&l.group);
         for (k, v) in replay_fields(l, now) {
             eval.arg(k).arg(v);
         }
@@ -434,6 +452,9 @@ mod tests {
         assert_eq!(get("replayed_from"), b"9-0");
         assert_eq!(get("replayed_at"), b"42");
         assert_eq!(get("replay_count"), b"3");
-        assert_eq!(get("replay_group"), letter.group.as_bytes());
+        assert!(
+            !fields.iter().any(|(k, _)| k == b"replay_group"),
+            "the earlier group dropped; the script names the new one"
+        );
     }
 }

@@ -2004,5 +2004,32 @@ fn a_replay_is_applied_by_the_group_whose_letter_it_was_only() {
     let billing = run_group(&db.url, &stream, "billing", fixed);
     assert_eq!(billing["applied"], 1, "{billing:?}");
     assert_eq!(db.effects("ev"), 1, "applied once, by billing");
+
+    // The letter of a group that no longer reads the stream (renamed, say)
+    // names no one: every group reading it applies it, rather than none.
+    let mut l = letter(
+        &stream,
+        "ev-of-retired",
+        DeadLetterKind::Exhausted,
+        "HTTP 503",
+        Duration::from_secs(60),
+        &[],
+    );
+    l.group = "retired".into();
+    put(&mut conn, &l);
+    let doc = dlq_ok(
+        &db.url,
+        &stream,
+        &["--group", "retired", "replay", "--all", "--json"],
+    )
+    .json();
+    assert_eq!(doc["replayed"], 1, "{doc}");
+    let replayed = entries(&mut conn, &stream).pop().unwrap().1;
+    assert!(!replayed.contains_key("replay_group"), "{replayed:?}");
+    for group in ["billing", "emails"] {
+        let summary = run_group(&db.url, &stream, group, fixed);
+        assert_eq!(summary["applied"], 1, "{group}: {summary:?}");
+    }
+    assert_eq!(db.effects("ev-of-retired"), 2);
     cleanup(&mut conn, &stream);
 }
