@@ -150,17 +150,10 @@ const SHARED_BUDGET: (usize, Duration) = (10_000, Duration::from_secs(1));
 /// its, and three commands tell; when other groups read the stream too,
 /// its letters are counted among the newest [`SHARED_BUDGET`].
 fn look(conn: &mut RedisConn, stream: &str, group: &str) -> Result<Look, crate::Error> {
-    let groups: redis::RedisResult<Vec<std::collections::HashMap<String, redis::Value>>> =
-        redis::cmd("XINFO").arg("GROUPS").arg(stream).query(conn);
-    let shared = match groups {
-        Ok(groups) => groups.iter().any(|g| match g.get("name") {
-            Some(redis::Value::BulkString(name)) => name != group.as_bytes(),
-            Some(redis::Value::SimpleString(name)) => name != group,
-            _ => false,
-        }),
-        Err(e) if e.to_string().contains("no such key") => false,
-        Err(e) => return Err(crate::dlq::redis_error(stream)(e)),
-    };
+    let shared = crate::redis::streams::group_names(conn, stream)
+        .map_err(crate::dlq::redis_error(stream))?
+        .iter()
+        .any(|name| name != group.as_bytes());
     if !shared {
         return look_alone(conn, stream).map_err(crate::dlq::redis_error(stream));
     }

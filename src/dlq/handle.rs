@@ -75,25 +75,14 @@ impl DeadLetters {
     /// The consumer groups reading the stream, which share its dead
     /// letters (none when the stream does not exist).
     pub fn groups(&mut self) -> Result<Vec<String>, Error> {
-        let groups: redis::RedisResult<Vec<std::collections::HashMap<String, redis::Value>>> =
-            redis::cmd("XINFO")
-                .arg("GROUPS")
-                .arg(&self.stream)
-                .query(&mut self.conn);
-        match groups {
-            Ok(groups) => Ok(groups
-                .iter()
-                .filter_map(|g| match g.get("name") {
-                    Some(redis::Value::BulkString(b)) => {
-                        Some(String::from_utf8_lossy(b).into_owned())
-                    }
-                    Some(redis::Value::SimpleString(s)) => Some(s.clone()),
-                    _ => None,
-                })
-                .collect()),
-            Err(e) if e.to_string().contains("no such key") => Ok(Vec::new()),
-            Err(e) => Err(redis_error(&self.stream)(e)),
-        }
+        crate::redis::streams::group_names(&mut self.conn, &self.stream)
+            .map(|names| {
+                names
+                    .into_iter()
+                    .map(|n| String::from_utf8_lossy(&n).into_owned())
+                    .collect()
+            })
+            .map_err(redis_error(&self.stream))
     }
 
     /// Whether there are none.

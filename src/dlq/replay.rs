@@ -18,15 +18,16 @@ pub(crate) const CHUNK: usize = 100;
 
 /// The audit fields a replay adds to an entry (earlier ones are replaced):
 /// the dead-letter id it came from, when, how many times this event was
-/// replayed, and the group whose letter it was, while that group reads the
-/// stream: every group reading the stream receives the entry, and only
-/// that group applies it (the others ack it as a duplicate of the original
-/// they had).
-pub const REPLAY_FIELDS: [&str; 4] = [
+/// replayed, and the group whose letter it was with the stream it was put
+/// back on, while that group reads the stream: every group reading the
+/// stream receives the entry, and only that group applies it (the others
+/// ack it as a duplicate of the original they had).
+pub const REPLAY_FIELDS: [&str; 5] = [
     "replayed_from",
     "replayed_at",
     "replay_count",
     "replay_group",
+    "replay_stream",
 ];
 
 /// How a replay runs.
@@ -136,7 +137,9 @@ impl ReplayReport {
 /// XADD to the original stream and XDEL from the dead-letter stream, as one
 /// atomic step, only when the dead letter is still there. The XADD comes
 /// first: if it fails (say the key is not a stream), nothing was changed.
-/// The entry names the letter's group (`replay_group`, first) when that
+/// The entry names the letter's group (`replay_group`, first, and the
+/// stream, `replay_stream`, so that a copy of it elsewhere is not taken
+/// for a replay there) when that
 /// group still reads the stream: only it applies the entry. A group that is
 /// gone (renamed, say) names no one, and every group reading the stream
 /// receives it, rather than none applying it.
@@ -155,7 +158,8 @@ if ok and ARGV[2] ~= '' then
 end
 local id
 if reads then
-    id = redis.call('XADD', KEYS[2], '*', 'replay_group', ARGV[2], unpack(ARGV, 3))
+    id = redis.call('XADD', KEYS[2], '*', 'replay_group', ARGV[2], 'replay_stream', KEYS[2],
+        unpack(ARGV, 3))
 else
     id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
 end

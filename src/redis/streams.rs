@@ -159,6 +159,25 @@ fn access(e: &redis::RedisError) -> String {
     }
 }
 
+/// The names of the consumer groups of `stream` (none when there is no
+/// such stream).
+pub(crate) fn group_names(conn: &mut RedisConn, stream: &str) -> redis::RedisResult<Vec<Vec<u8>>> {
+    let groups: redis::RedisResult<Vec<std::collections::HashMap<String, redis::Value>>> =
+        redis::cmd("XINFO").arg("GROUPS").arg(stream).query(conn);
+    match groups {
+        Ok(groups) => Ok(groups
+            .into_iter()
+            .filter_map(|mut g| match g.remove("name") {
+                Some(redis::Value::BulkString(name)) => Some(name),
+                Some(redis::Value::SimpleString(name)) => Some(name.into_bytes()),
+                _ => None,
+            })
+            .collect()),
+        Err(e) if e.to_string().contains("no such key") => Ok(Vec::new()),
+        Err(e) => Err(e),
+    }
+}
+
 /// Whether an error means the group (or the stream) is gone.
 pub(crate) fn is_nogroup(e: &redis::RedisError) -> bool {
     e.code() == Some("NOGROUP")

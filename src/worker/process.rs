@@ -136,6 +136,9 @@ pub(crate) struct Processor {
     /// Finished entries of earlier jobs waiting for their ack round trip
     /// (see [`ACK_HOLD`]), all of one stream.
     held: Option<(Arc<str>, Finished)>,
+    /// The consumer groups of a stream, and when they were asked (see
+    /// [`Processor::reads_stream`]).
+    replay_groups: Option<(Instant, Arc<str>, Vec<Vec<u8>>)>,
 }
 
 /// What the worker threads share: each holds an `Arc` of it.
@@ -216,6 +219,7 @@ impl Processor {
             each_batches: 0,
             savepoint_batches: 0,
             held: None,
+            replay_groups: None,
         }
     }
 
@@ -282,18 +286,33 @@ impl Processor {
         let mut trimmed = Vec::new();
         let mut done = Finished::default();
         for delivery in job {
-            match &delivery.body {
-                Ok(event) if replayed_for_another(event, &self.stage.settings.group) => {
+            let fields = match &delivery.body {
+                Ok(event) => event.fields(),
+                Err((fields, _)) => fields.as_slice(),
+            };
+            if let Some(other) = replayed_for(fields, &stream, &self.stage.settings.group) {
+                match self.reads_stream(&stream, &other) {
                     // Another group's dead letter put back: that group's
                     // redo, not news for this one (which had the original).
-                    Stats::add(&self.stage.common.stats.of(&stream).duplicates, 1);
-                    log::debug!(
-                        "{}/{}: replayed for another group; acked, not applied",
-                        delivery.stream,
-                        delivery.entry_id
-                    );
-                    done.push(delivery, false);
+                    Some(true) => {
+                        Stats::add(&self.stage.common.stats.of(&stream).duplicates, 1);
+                        log::info!(
+                            "{}/{}: replayed for group {}; acked, not applied",
+                            delivery.stream,
+                            delivery.entry_id,
+                            String::from_utf8_lossy(&other)
+                        );
+                        done.push(delivery, false);
+                        continue;
+                    }
+                    // That group is gone (renamed since the replay, say):
+                    // the entry is for every group, as if untagged.
+                    Some(false) => {}
+                    // Shutdown during a Redis outage: left pending.
+                    None => continue,
                 }
+            }
+            match &delivery.body {
                 Ok(event) => match self.stage.handler.validate(event) {
                     Ok(()) => valid.push(delivery),
                     Err(e) => {
@@ -795,13 +814,43 @@ pub(crate) fn event(delivery: &Delivery) -> &Event {
         .expect("only valid deliveries reach this point")
 }
 
-/// Whether `event` is a dead letter of a group other than `group` put back
-/// on the stream by `taskhub dlq replay` (its `replay_group` field, beside
-/// the `replayed_from` every replay adds): every group reading the stream
-/// receives it, and only the group whose letter it was applies it.
-fn replayed_for_another(event: &crate::Event, group: &str) -> bool {
-    event.field("replayed_from").is_some()
-        && event
-            .field("replay_group")
-            .is_some_and(|g| g != group.as_bytes())
+/// The group an entry was put back for by `taskhub dlq replay` on `stream`
+/// (its `replay_group`, with the `replay_stream` and `replayed_from` every
+/// such replay adds), when that is another group than `group`: every group
+/// reading the stream receives it, and only the group whose letter it was
+/// applies it. An entry copied from another stream with its fields (a
+/// bridge, a restore) is no replay of this stream: `None`, as for every
+/// other entry.
+fn replayed_for(fields: &[(Vec<u8>, Vec<u8>)], stream: &str, group: &str) -> Option<Vec<u8>> {
+    let field = |name: &str| {
+        fields
+            .iter()
+            .find(|(k, _)| k.as_slice() == name.as_bytes())
+            .map(|(_, v)| v.as_slice())
+    };
+    field("replayed_from")?;
+    if field("replay_stream")? != stream.as_bytes() {
+        return None;
+    }
+    field("replay_group")
+        .filter(|g| *g != group.as_bytes())
+        .map(<[u8]>::to_vec)
+}
+
+impl Processor {
+    /// Whether `group` is a consumer group of `stream` (asked at most every
+    /// 5 s per worker thread: only replays of other groups' letters ask);
+    /// `None` at shutdown during a Redis outage.
+    fn reads_stream(&mut self, stream: &Arc<str>, group: &[u8]) -> Option<bool> {
+        let fresh = self
+            .replay_groups
+            .as_ref()
+            .is_some_and(|(at, of, _)| at.elapsed() < Duration::from_secs(5) && **of == **stream);
+        if !fresh {
+            let names = self.with_redis(|conn| crate::redis::streams::group_names(conn, stream))?;
+            self.replay_groups = Some((Instant::now(), stream.clone(), names));
+        }
+        let (_, _, names) = self.replay_groups.as_ref()?;
+        Some(names.iter().any(|n| n.as_slice() == group))
+    }
 }

@@ -2033,3 +2033,50 @@ fn a_replay_is_applied_by_the_group_whose_letter_it_was_only() {
     assert_eq!(db.effects("ev-of-retired"), 2);
     cleanup(&mut conn, &stream);
 }
+
+/// The replay tag is honoured only for what it means: a replay on this
+/// stream for a group that reads it. The reviewer's repros, each acked
+/// unapplied before: an entry copied from another stream with its replay
+/// fields (a bridge, a restore) was lost; a replay for a group renamed
+/// since was applied by no one. And a replayed entry without an event id
+/// for another group was dead-lettered a second time by this one.
+#[test]
+fn a_replay_tag_counts_only_on_its_stream_for_a_group_that_reads_it() {
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut conn = redis(&redis_url());
+    for group in ["mine", "other"] {
+        let _: () = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&stream)
+            .arg(group)
+            .arg("0")
+            .arg("MKSTREAM")
+            .query(&mut conn)
+            .unwrap();
+    }
+    let replayed = |conn: &mut redis::Connection, event: Option<&str>, group: &str, on: &str| {
+        let mut fields = vec![("payload", "5"), ("replayed_from", "1-0")];
+        fields.extend([("replay_group", group), ("replay_stream", on)]);
+        if let Some(event) = event {
+            fields.insert(0, ("event_id", event));
+        }
+        xadd(conn, &stream, &fields);
+    };
+    replayed(&mut conn, Some("bridged"), "other", "another-stream");
+    replayed(&mut conn, Some("for-other"), "other", &stream);
+    replayed(&mut conn, Some("for-renamed"), "renamed-away", &stream);
+    replayed(&mut conn, None, "other", &stream);
+    let fixed = "INSERT INTO notifications (event_id, payload) VALUES ($1, 'fixed')";
+    let mine = run_group(&db.url, &stream, "mine", fixed);
+    assert_eq!(
+        (mine["applied"], mine["duplicates"], mine["dead_lettered"]),
+        (2, 2, 0),
+        "{mine:?}"
+    );
+    for (event, effects) in [("bridged", 1), ("for-renamed", 1), ("for-other", 0)] {
+        assert_eq!(db.effects(event), effects, "{event}");
+    }
+    assert!(dead_letters(&mut conn, &stream).is_empty());
+    cleanup(&mut conn, &stream);
+}

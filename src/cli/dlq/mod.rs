@@ -67,9 +67,9 @@ enum DlqCommand {
 Put dead letters back on their original stream, oldest first (ids: in the order given).
 
 Each goes back with every original field, so the same event_id, plus the audit fields
-replayed_from (its dead-letter id), replayed_at (ms since the epoch), replay_count and
-replay_group (the letter's group: only that group's workers apply it; the stream's other
-groups ack it as a duplicate); the
+replayed_from (its dead-letter id), replayed_at (ms since the epoch), replay_count, and,
+while the letter's group reads the stream, replay_group and replay_stream (only that
+group's workers apply it; the stream's other groups ack it as a duplicate); the
 XADD and its removal from the dead-letter stream are one atomic step, and an entry already
 gone (replayed or purged meanwhile) is not added twice. Events whose effect is already
 committed are skipped by the worker's idempotency layer (as duplicates); the summary says
