@@ -7,6 +7,7 @@ use clap::Args;
 use serde_json::json;
 use taskhub::GroupStatus;
 
+use super::format::one_line;
 use super::servers::Servers;
 use super::{print, report, table};
 
@@ -74,12 +75,30 @@ fn json_line(s: &GroupStatus) -> String {
     format!("{doc}\n")
 }
 
+/// `text` as one shell word: as it is when it is plain, else in single
+/// quotes (control characters shown escaped).
+fn shell_word(text: &str) -> String {
+    let plain = !text.is_empty()
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:/@{}+=,".contains(&b));
+    if plain {
+        text.to_owned()
+    } else {
+        format!("'{}'", one_line(text, 200).replace('\'', "'\\''"))
+    }
+}
+
 fn secs(d: std::time::Duration) -> String {
     humantime::format_duration(std::time::Duration::from_secs(d.as_secs())).to_string()
 }
 
 fn text(s: &GroupStatus) -> String {
-    let mut out = format!("{} (group {})\n", s.stream, s.group);
+    let mut out = format!(
+        "{} (group {})\n",
+        one_line(&s.stream, 200),
+        one_line(&s.group, 200)
+    );
     let rows = vec![vec![
         s.length.to_string(),
         s.lag.map_or("?".into(), |n| n.to_string()),
@@ -102,19 +121,21 @@ fn text(s: &GroupStatus) -> String {
         &rows,
     ));
     if !s.other_groups.is_empty() {
+        // Group names are anyone's text: no terminal escapes through.
+        let others: Vec<String> = s.other_groups.iter().map(|g| one_line(g, 100)).collect();
         out.push_str(&format!(
             "DEAD LETTERS are every group's: the stream is also read by {}; \
              `taskhub dlq --stream {} --group {} stats` counts this group's\n",
-            s.other_groups.join(", "),
-            s.stream,
-            s.group
+            others.join(", "),
+            shell_word(&s.stream),
+            shell_word(&s.group)
         ));
     }
     if !s.consumers.is_empty() {
         let rows: Vec<Vec<String>> = s
             .consumers
             .iter()
-            .map(|c| vec![c.name.clone(), c.pending.to_string(), secs(c.idle)])
+            .map(|c| vec![one_line(&c.name, 100), c.pending.to_string(), secs(c.idle)])
             .collect();
         out.push_str(&table(&["CONSUMER", "PENDING", "IDLE"], &rows));
     }

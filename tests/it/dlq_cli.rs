@@ -1801,6 +1801,17 @@ fn every_subcommand_takes_only_the_letters_of_the_group_given() {
         out.stdout,
         out.stderr
     );
+    let out = dlq(&db.url, &stream, &["check", "--group", "nobody", "--json"]);
+    let doc = out.json();
+    assert_eq!(
+        (
+            out.code(),
+            doc["ok"].as_bool(),
+            doc["unknown_group"].as_bool()
+        ),
+        (Some(1), Some(false), Some(true)),
+        "{doc}"
+    );
     let out = dlq_ok(&db.url, &stream, &["stats", "--group", "billing"]);
     assert!(
         out.stderr.is_empty(),

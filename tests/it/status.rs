@@ -130,22 +130,43 @@ fn json_reports_what_the_stream_and_group_hold() {
     assert!(out.stdout.contains("c2"), "{}", out.stdout);
     assert!(!out.stdout.contains("every group's"), "{}", out.stdout);
 
-    // A second group on the stream: its dead letters are shared, and said so.
-    let _: () = redis::cmd("XGROUP")
-        .arg("CREATE")
-        .arg(&stream)
-        .arg("audit")
-        .arg("$")
-        .query(&mut r)
-        .unwrap();
+    // Other groups on the stream: its dead letters are shared, and said so;
+    // a name with terminal escapes is shown escaped.
+    for group in ["audit", "evil\x1b]0;pwned\x07\x1b[2J"] {
+        let _: () = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&stream)
+            .arg(group)
+            .arg("$")
+            .query(&mut r)
+            .unwrap();
+    }
     let doc = status(&["--stream", &stream, "--group", "g", "--json"]).json();
-    assert_eq!(doc["other_groups"], serde_json::json!(["audit"]));
+    let mut others: Vec<&str> = doc["other_groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g.as_str().unwrap())
+        .collect();
+    others.sort();
+    assert_eq!(others, ["audit", "evil\x1b]0;pwned\x07\x1b[2J"]);
     let out = status(&["--stream", &stream, "--group", "g"]);
     assert!(
         out.stdout
-            .contains("DEAD LETTERS are every group's: the stream is also read by audit")
+            .contains("DEAD LETTERS are every group's: the stream is also read by ")
+            && out.stdout.contains("audit")
             && out.stdout.contains("--group g stats"),
         "{}",
+        out.stdout
+    );
+    assert!(
+        !out.stdout.contains('\x1b') && !out.stdout.contains('\x07'),
+        "{:?}",
+        out.stdout
+    );
+    assert!(
+        out.stdout.contains("evil\\u{1b}]0;pwned"),
+        "{:?}",
         out.stdout
     );
 }

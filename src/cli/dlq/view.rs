@@ -295,9 +295,10 @@ impl Ctx {
                 .map(|(k, n)| (k.as_str().to_owned(), json!(n)))
                 .collect();
             let doc = json!({
-                "ok": total == 0,
+                "ok": total == 0 && !self.unknown_group,
                 "stream": self.stream,
                 "group": self.group,
+                "unknown_group": self.unknown_group,
                 "count": total,
                 "by_kind": by_kind,
                 "oldest_age_secs": s.oldest_dead_at.map(|t| age_secs(t, self.now)),
