@@ -16,7 +16,6 @@ use std::thread::JoinHandle;
 
 use crate::dlq::{dead_letter_stream, millis, DeadLetter};
 use crate::error::{Error, ErrorKind};
-use crate::event::parse_entries;
 use crate::redis::RedisConn;
 use crate::tls::Tls;
 use crate::worker::monitor::Monitor;
@@ -141,81 +140,133 @@ pub(crate) struct Look {
     pub latest: Option<DeadLetter>,
 }
 
-/// How far the count of one group's letters reads, in a dead-letter stream
-/// that several groups share, per look: past it, the newest are counted.
-const SHARED_BUDGET: (usize, Duration) = (10_000, Duration::from_secs(1));
+/// Lua: the entries ever added to the stream `KEYS[1]` and its length (so
+/// how many were deleted), without any entry (`XINFO STREAM` answers with
+/// its first and last entries whole); `{0, 0}` when there is none.
+const STREAM_COUNTS: &str = r"
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0} end
+local info = redis.call('XINFO', 'STREAM', KEYS[1])
+local added, length = 0, 0
+for i = 1, #info, 2 do
+    if info[i] == 'entries-added' then added = info[i + 1] end
+    if info[i] == 'length' then length = info[i + 1] end
+end
+return {added, length}
+";
 
-/// Looks at the dead letters of `group` on `stream`: when `group` is the
-/// stream's only group (the usual case), the whole dead-letter stream is
-/// its, and three commands tell; when other groups read the stream too,
-/// its letters are counted among the newest [`SHARED_BUDGET`].
-fn look(conn: &mut RedisConn, stream: &str, group: &str) -> Result<Look, crate::Error> {
-    let shared = crate::redis::streams::group_names(conn, stream)
-        .map_err(crate::dlq::redis_error(stream))?
-        .iter()
-        .any(|name| name != group.as_bytes());
-    if !shared {
-        return look_alone(conn, stream).map_err(crate::dlq::redis_error(stream));
-    }
-    let own = crate::dlq::Filter {
-        group: Some(group.to_owned()),
-        ..crate::dlq::Filter::default()
+/// Lua: over at most `ARGV[3]` dead letters of `KEYS[1]` after id
+/// `ARGV[2]` (exclusive; `-` from the start), those of group `ARGV[1]`:
+/// `{count, earliest dead_at (0: none), newest id ('': none), last id
+/// read ('': none), entries read}`. Only these numbers come back, not the
+/// letters (which may be large).
+const COUNT_OF_GROUP: &str = r"
+local from = ARGV[2] == '-' and '-' or '(' .. ARGV[2]
+local entries = redis.call('XRANGE', KEYS[1], from, '+', 'COUNT', ARGV[3])
+local count, earliest, newest, last = 0, 0, '', ''
+for _, e in ipairs(entries) do
+    last = e[1]
+    local f, group, dead_at = e[2], nil, nil
+    for i = 1, #f, 2 do
+        if f[i] == 'group' then group = f[i + 1] end
+        if f[i] == 'dead_at' then dead_at = tonumber(f[i + 1]) end
+        if group and dead_at then break end
+    end
+    if group == ARGV[1] then
+        count = count + 1
+        newest = e[1]
+        if dead_at and (earliest == 0 or dead_at < earliest) then earliest = dead_at end
+    end
+end
+return {count, earliest, newest, last, #entries}
+";
+
+/// Dead letters counted per [`COUNT_OF_GROUP`] call.
+const COUNT_CHUNK: usize = 1000;
+
+/// A group's letters in a dead-letter stream as last counted: while no
+/// entry was deleted from the stream since, only the entries added after
+/// `upto` are read (so a look costs the new letters, not all of them).
+#[derive(Debug, Clone)]
+pub(crate) struct Counted {
+    /// Entries deleted from the dead-letter stream ever (added − length)
+    /// when counted: when it changes, the count starts over.
+    deleted: i64,
+    /// The last entry read.
+    upto: String,
+    count: u64,
+    earliest: Option<u64>,
+    newest: String,
+}
+
+/// Looks at the dead letters of `group` on `stream`, counting in Redis,
+/// which sends back numbers only: exact and deterministic, so another
+/// group's letters coming or going (several groups reading one stream
+/// share its dead-letter stream; a group destroyed leaves its letters) are
+/// no change of this group's. `counted` is the last count, gone on from.
+fn look(
+    conn: &mut RedisConn,
+    stream: &str,
+    group: &str,
+    counted: &mut Option<Counted>,
+) -> Result<Look, crate::Error> {
+    let redis_error = crate::dlq::redis_error(stream);
+    let dlq = dead_letter_stream(stream);
+    let (added, length): (i64, i64) = redis::cmd("EVAL")
+        .arg(STREAM_COUNTS)
+        .arg(1)
+        .arg(&dlq)
+        .query(conn)
+        .map_err(&redis_error)?;
+    let deleted = added - length;
+    let mut c = match counted.take() {
+        Some(c) if c.deleted == deleted => c,
+        _ => Counted {
+            deleted,
+            upto: "-".to_owned(),
+            count: 0,
+            earliest: None,
+            newest: String::new(),
+        },
     };
-    let stats = crate::dlq::stats_within(conn, stream, &own, Some(SHARED_BUDGET))?;
-    let latest = if stats.count == 0 {
+    loop {
+        let (n, first, own, last, read): (u64, u64, String, String, usize) = redis::cmd("EVAL")
+            .arg(COUNT_OF_GROUP)
+            .arg(1)
+            .arg(&dlq)
+            .arg(group)
+            .arg(&c.upto)
+            .arg(COUNT_CHUNK)
+            .query(conn)
+            .map_err(&redis_error)?;
+        c.count += n;
+        if first > 0 {
+            c.earliest = Some(c.earliest.map_or(first, |e| e.min(first)));
+        }
+        if !own.is_empty() {
+            c.newest = own;
+        }
+        if !last.is_empty() {
+            c.upto = last;
+        }
+        if read < COUNT_CHUNK {
+            break;
+        }
+    }
+    let latest = if c.newest.is_empty() {
         None
     } else {
-        let newest = crate::dlq::Filter {
-            limit: Some(1),
-            ..own
-        };
-        crate::dlq::list(conn, stream, &newest)?.letters.pop()
+        crate::dlq::show(conn, stream, &c.newest)?
     };
     let now = millis(SystemTime::now());
-    Ok(Look {
-        count: stats.count,
-        oldest_age: stats.oldest_dead_at.map_or(Duration::ZERO, |t| {
+    let look = Look {
+        count: c.count,
+        oldest_age: c.earliest.map_or(Duration::ZERO, |t| {
             Duration::from_millis(now.saturating_sub(t))
         }),
         latest,
-    })
-}
-
-/// [`look`] at a dead-letter stream that is one group's alone.
-fn look_alone(conn: &mut RedisConn, stream: &str) -> redis::RedisResult<Look> {
-    let dlq = dead_letter_stream(stream);
-    let (count, oldest, newest): (u64, redis::Value, redis::Value) = redis::pipe()
-        .cmd("XLEN")
-        .arg(&dlq)
-        .cmd("XRANGE")
-        .arg(&dlq)
-        .arg("-")
-        .arg("+")
-        .arg("COUNT")
-        .arg(1)
-        .cmd("XREVRANGE")
-        .arg(&dlq)
-        .arg("+")
-        .arg("-")
-        .arg("COUNT")
-        .arg(1)
-        .query(conn)?;
-    let first = |v| {
-        parse_entries(v)
-            .ok()
-            .and_then(|mut e| (!e.is_empty()).then(|| e.remove(0)))
     };
-    let oldest_age = first(oldest)
-        .and_then(|e| e.id.split('-').next().and_then(|ms| ms.parse::<u64>().ok()))
-        .map_or(Duration::ZERO, |ms| {
-            Duration::from_millis(millis(SystemTime::now()).saturating_sub(ms))
-        });
-    let latest = first(newest).and_then(|e| DeadLetter::from_fields(Some(e.id), &e.fields?).ok());
-    Ok(Look {
-        count,
-        oldest_age,
-        latest,
-    })
+    *counted = Some(c);
+    Ok(look)
 }
 
 impl Alerts {
@@ -249,6 +300,9 @@ impl Alerts {
         // state with the next look (whoever holds the lease then sends
         // them again).
         let mut undelivered: Vec<Due> = Vec::new();
+        // Each stream's count of the group's letters, gone on from.
+        let mut counts: std::collections::HashMap<String, Option<Counted>> =
+            std::collections::HashMap::new();
         loop {
             // The looks at Redis hold one of the page's places; the webhook
             // calls come after it is given back: a slow receiver (three
@@ -258,7 +312,15 @@ impl Alerts {
                 Ok(mut conn) => {
                     put_back(&mut conn, &mut undelivered);
                     for stream in monitor.streams() {
-                        match self.round(&mut conn, &lease, monitor, stream, agent.is_some()) {
+                        let counted = counts.entry(stream.to_string()).or_default();
+                        match self.round(
+                            &mut conn,
+                            &lease,
+                            monitor,
+                            stream,
+                            counted,
+                            agent.is_some(),
+                        ) {
                             Ok(post) => due.extend(post),
                             Err(e) => log::debug!(
                                 "alert: cannot look at {}: {e}",
@@ -299,6 +361,7 @@ impl Alerts {
         lease: &Lease,
         monitor: &Monitor,
         stream: &str,
+        counted: &mut Option<Counted>,
         webhook: bool,
     ) -> Result<Option<Due>, Box<dyn std::error::Error>> {
         let group = monitor.group();
@@ -307,7 +370,7 @@ impl Alerts {
             return Ok(None);
         }
         let mut state = State::load(conn, stream, group)?;
-        let found = look(conn, stream, group)?;
+        let found = look(conn, stream, group, counted)?;
         if let Some(change) = change(&mut state, &found, self.age) {
             let (reason, kind) = found
                 .latest
@@ -476,13 +539,14 @@ mod tests {
         let stream = format!("alert-hang-{}", uuid::Uuid::new_v4().simple());
         let mut conn = crate::redis::streams::tests::conn();
         // One dead letter: the stream is no longer empty, a call is due.
-        let letter = DeadLetter::new(
+        let mut letter = DeadLetter::new(
             &stream,
             "1-0",
             crate::dlq::Kind::Permanent,
             "refused",
             vec![(b"event_id".to_vec(), b"e".to_vec())],
         );
+        letter.group = "g".into();
         let mut add = redis::cmd("XADD");
         add.arg(dead_letter_stream(&stream)).arg("*");
         for (k, v) in letter.to_fields() {

@@ -740,3 +740,106 @@ fn each_group_alerts_on_its_own_dead_letters_to_its_own_webhook() {
         assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
     }
 }
+
+/// A group's alert counts its own letters exactly, whatever other groups
+/// put in or take out of the shared dead-letter stream: a purge of another
+/// group's letters is no change of its own, and neither are letters left
+/// by a group destroyed since (the stream then has one group again, but
+/// not one group's letters: the reviewer saw them posted as this group's
+/// growing, 1,007 of them).
+#[test]
+fn a_groups_alert_count_ignores_other_groups_letters() {
+    let (hook, posts) = receiver(0);
+    let db = TestDb::new();
+    let stream = unique("alert-shared");
+    let group = stream.clone(); // run_on's
+    let mut r = redis(&redis_url());
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&stream)
+        .arg("other")
+        .arg("$")
+        .arg("MKSTREAM")
+        .query(&mut r)
+        .unwrap();
+    let others_letter = |r: &mut redis::Connection, i: usize| {
+        let mut l = taskhub::DeadLetter::new(
+            &stream,
+            "1-0",
+            taskhub::DeadLetterKind::Permanent,
+            "other's",
+            vec![(b"event_id".to_vec(), format!("o-{i}").into_bytes())],
+        );
+        l.group = "other".into();
+        l.dead_at = 1;
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(taskhub::dlq::dead_letter_stream(&stream)).arg("*");
+        for (k, v) in l.to_fields() {
+            cmd.arg(k).arg(v);
+        }
+        let _: String = cmd.query(r).unwrap();
+    };
+    for i in 0..50 {
+        others_letter(&mut r, i);
+    }
+    let mut cmd = run_on(&db.url, &stream);
+    cmd.args(["--sql", INT_SQL, "--alert-webhook", &hook])
+        .args(["--alert-interval", "100ms", "--alert-min-gap", "0s"]);
+    let mut p = Proc::spawn(cmd);
+    let count = || posts.lock().unwrap().len();
+
+    xadd(&mut r, &stream, &[("event_id", "bad-1"), ("payload", "x")]);
+    assert!(
+        wait_until(Duration::from_secs(15), || count() == 1),
+        "{}",
+        p.stderr()
+    );
+    assert_eq!(posts.lock().unwrap()[0]["count"], 1, "its own letter only");
+    // Old letters of the other group (dead_at 1970) do not age this one's.
+    wait_for_alert_round_of(&mut r, &stream, &group);
+    assert_eq!(count(), 1);
+
+    // The other group's letters purged: nothing changed for this group.
+    let mut purge = taskhub(&redis_url(), &db.url);
+    purge.args([
+        "dlq", "--stream", &stream, "--group", "other", "purge", "--all", "--yes",
+    ]);
+    let out = output(purge, None, Duration::from_secs(20));
+    assert!(out.stdout.contains("removed 50"), "{}", out.stdout);
+    wait_for_alert_round_of(&mut r, &stream, &group);
+    assert_eq!(count(), 1, "{:?}", posts.lock().unwrap());
+
+    // The other group destroyed, and letters of it left at the end (say a
+    // writer of it finished late): still none of this group's.
+    let _: i64 = redis::cmd("XGROUP")
+        .arg("DESTROY")
+        .arg(&stream)
+        .arg("other")
+        .query(&mut r)
+        .unwrap();
+    for i in 0..5 {
+        others_letter(&mut r, 100 + i);
+    }
+    wait_for_alert_round_of(&mut r, &stream, &group);
+    assert_eq!(count(), 1, "{:?}", posts.lock().unwrap());
+
+    // A letter of its own: it grew, by one.
+    xadd(&mut r, &stream, &[("event_id", "bad-2"), ("payload", "y")]);
+    assert!(
+        wait_until(Duration::from_secs(15), || count() == 2),
+        "{}",
+        p.stderr()
+    );
+    {
+        let posts = posts.lock().unwrap();
+        assert_eq!(
+            (&posts[1]["change"], &posts[1]["count"]),
+            (&"grew".into(), &2.into()),
+            "{:?}",
+            *posts
+        );
+        assert_eq!(posts[1]["latest_event_id"], "bad-2");
+    }
+    p.signal("TERM");
+    assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+}
