@@ -181,7 +181,7 @@ return {count, earliest, newest, last, #entries}
 ";
 
 /// Dead letters counted per [`COUNT_OF_GROUP`] call.
-const COUNT_CHUNK: usize = 1000;
+const COUNT_CHUNK: usize = 250;
 
 /// A group's letters in a dead-letter stream as last counted: while no
 /// entry was deleted from the stream since, only the entries added after
