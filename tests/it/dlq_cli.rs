@@ -53,11 +53,30 @@ fn run_worker_with(
     sql: Option<&str>,
     more: &[&str],
 ) -> BTreeMap<String, u64> {
+    run_worker_as(db_url, stream, "g", sql, more)
+}
+
+/// [`run_worker_with`] as consumer group `group`.
+fn run_worker_as(
+    db_url: &str,
+    stream: &str,
+    group: &str,
+    sql: Option<&str>,
+    more: &[&str],
+) -> BTreeMap<String, u64> {
     let mut cmd = taskhub(&redis_url(), db_url);
-    cmd.args(["run", "--stream", stream, "--group", "g", "--consumer", "c"])
-        .args(["--workers", "1", "--block-ms", "200", "--until-idle"])
-        .args(["--backoff-base", "10ms", "--backoff-cap", "100ms"])
-        .args(more);
+    cmd.args([
+        "run",
+        "--stream",
+        stream,
+        "--group",
+        group,
+        "--consumer",
+        "c",
+    ])
+    .args(["--workers", "1", "--block-ms", "200", "--until-idle"])
+    .args(["--backoff-base", "10ms", "--backoff-cap", "100ms"])
+    .args(more);
     if let Some(sql) = sql {
         cmd.args(["--sql", sql]);
     }
@@ -1949,28 +1968,7 @@ fn every_subcommand_takes_only_the_letters_of_the_group_given() {
 /// `taskhub run --until-idle` on `stream` as group `group`, with `sql`;
 /// returns the summary line's counters.
 fn run_group(db_url: &str, stream: &str, group: &str, sql: &str) -> BTreeMap<String, u64> {
-    let mut cmd = taskhub(&redis_url(), db_url);
-    cmd.args([
-        "run",
-        "--stream",
-        stream,
-        "--group",
-        group,
-        "--consumer",
-        "c",
-    ])
-    .args([
-        "--workers",
-        "1",
-        "--block-ms",
-        "200",
-        "--until-idle",
-        "--sql",
-        sql,
-    ]);
-    let out = output(cmd, None, T);
-    assert_eq!(out.code(), Some(0), "run: {}", out.stderr);
-    parse_summary(&out.stdout)
+    run_worker_as(db_url, stream, group, Some(sql), &[])
 }
 
 /// A replay puts the event back on the stream, which every group reads;

@@ -309,12 +309,39 @@ fn letter(
     l.attempts = 1;
     l.dead_at = now - ago.as_millis() as u64;
     l.first_failed_at = l.dead_at;
+    put(r, &l);
+}
+
+/// Writes `letter` to its dead-letter stream as the worker would.
+fn put(r: &mut redis::Connection, letter: &taskhub::DeadLetter) {
     let mut cmd = redis::cmd("XADD");
-    cmd.arg(taskhub::dlq::dead_letter_stream(stream)).arg("*");
-    for (k, v) in l.to_fields() {
+    cmd.arg(taskhub::dlq::dead_letter_stream(&letter.stream))
+        .arg("*");
+    for (k, v) in letter.to_fields() {
         cmd.arg(k).arg(v);
     }
     let _: String = cmd.query(r).unwrap();
+}
+
+/// A worker on `stream` with the page and the admin token, ready; its
+/// process and the page's base URL.
+fn page_worker(db: &TestDb, stream: &str) -> (Proc, String) {
+    let port = free_port();
+    let mut cmd = run_on(&db.url, stream);
+    cmd.args(["--sql", INT_SQL, "--http", &port.to_string()])
+        .env("TASKHUB_ADMIN_TOKEN", TOKEN);
+    let p = Proc::spawn(cmd);
+    let base = format!("http://127.0.0.1:{port}");
+    assert!(
+        wait_until(Duration::from_secs(20), || ureq::get(format!(
+            "{base}/readyz"
+        ))
+        .call()
+        .is_ok()),
+        "{}",
+        p.stderr()
+    );
+    (p, base)
 }
 
 /// The page filters as `taskhub dlq` does (kinds, reason, time window,
@@ -673,17 +700,7 @@ fn bulk_relative_since_is_fixed_when_the_confirmation_is_shown() {
         Duration::from_secs(1),
         "acme",
     );
-    let port = free_port();
-    let mut cmd = run_on(&db.url, &stream);
-    cmd.args(["--sql", INT_SQL, "--http", &port.to_string()])
-        .env("TASKHUB_ADMIN_TOKEN", TOKEN);
-    let mut p = Proc::spawn(cmd);
-    let base = format!("http://127.0.0.1:{port}");
-    assert!(wait_until(Duration::from_secs(20), || ureq::get(format!(
-        "{base}/readyz"
-    ))
-    .call()
-    .is_ok()));
+    let (mut p, base) = page_worker(&db, &stream);
     let (status, page) = post(
         &format!("{base}/dlq/bulk"),
         &format!(
@@ -802,24 +819,9 @@ fn the_page_narrows_to_one_group_and_its_bulk_actions_keep_to_it() {
         l.event_id = Some(event_id.into());
         l.group = group.into();
         l.attempts = 1;
-        let mut cmd = redis::cmd("XADD");
-        cmd.arg(taskhub::dlq::dead_letter_stream(&stream)).arg("*");
-        for (k, v) in l.to_fields() {
-            cmd.arg(k).arg(v);
-        }
-        let _: String = cmd.query(&mut r).unwrap();
+        put(&mut r, &l);
     }
-    let port = free_port();
-    let mut cmd = run_on(&db.url, &stream);
-    cmd.args(["--sql", INT_SQL, "--http", &port.to_string()])
-        .env("TASKHUB_ADMIN_TOKEN", TOKEN);
-    let mut p = Proc::spawn(cmd);
-    let base = format!("http://127.0.0.1:{port}");
-    assert!(wait_until(Duration::from_secs(20), || ureq::get(format!(
-        "{base}/readyz"
-    ))
-    .call()
-    .is_ok()));
+    let (mut p, base) = page_worker(&db, &stream);
 
     // Every group's letters, counted by group, each a link to its own.
     let page = list_page(&base, &stream);
