@@ -158,8 +158,12 @@ return {added, length}
 /// `ARGV[2]` (exclusive; `-` from the start), those of group `ARGV[1]`:
 /// `{count, earliest dead_at (0: none), newest id ('': none), last id
 /// read ('': none), entries read}`. Only these numbers come back, not the
-/// letters (which may be large).
+/// letters (which may be large). `false` when the entry `ARGV[2]` is not
+/// there (the stream was deleted and made again since): count again.
 const COUNT_OF_GROUP: &str = r"
+if ARGV[2] ~= '-' and #redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2]) == 0 then
+    return false
+end
 local from = ARGV[2] == '-' and '-' or '(' .. ARGV[2]
 local entries = redis.call('XRANGE', KEYS[1], from, '+', 'COUNT', ARGV[3])
 local count, earliest, newest, last = 0, 0, '', ''
@@ -198,6 +202,19 @@ pub(crate) struct Counted {
     newest: String,
 }
 
+impl Counted {
+    /// Nothing counted yet: the next look reads from the stream's start.
+    fn from_start(deleted: i64) -> Counted {
+        Counted {
+            deleted,
+            upto: "-".to_owned(),
+            count: 0,
+            earliest: None,
+            newest: String::new(),
+        }
+    }
+}
+
 /// Looks at the dead letters of `group` on `stream`, counting in Redis,
 /// which sends back numbers only: exact and deterministic, so another
 /// group's letters coming or going (several groups reading one stream
@@ -220,16 +237,10 @@ fn look(
     let deleted = added - length;
     let mut c = match counted.take() {
         Some(c) if c.deleted == deleted => c,
-        _ => Counted {
-            deleted,
-            upto: "-".to_owned(),
-            count: 0,
-            earliest: None,
-            newest: String::new(),
-        },
+        _ => Counted::from_start(deleted),
     };
     loop {
-        let (n, first, own, last, read): (u64, u64, String, String, usize) = redis::cmd("EVAL")
+        let counted: Option<(u64, u64, String, String, usize)> = redis::cmd("EVAL")
             .arg(COUNT_OF_GROUP)
             .arg(1)
             .arg(&dlq)
@@ -238,6 +249,12 @@ fn look(
             .arg(COUNT_CHUNK)
             .query(conn)
             .map_err(&redis_error)?;
+        let Some((n, first, own, last, read)) = counted else {
+            // Where the last count stopped is gone with nothing deleted:
+            // the stream was made again. Count it again from its start.
+            c = Counted::from_start(deleted);
+            continue;
+        };
         c.count += n;
         if first > 0 {
             c.earliest = Some(c.earliest.map_or(first, |e| e.min(first)));
@@ -524,6 +541,56 @@ mod tests {
         assert!(undelivered.is_empty());
         assert_eq!(state.unsent, Some((Change::NonEmpty, 0)));
         assert_eq!(state.count, Some(1));
+    }
+
+    /// The count of a group's letters goes on from the last one while no
+    /// letter was deleted, and starts over when the stream was deleted and
+    /// made again (its count of deletions is 0 again, as before: the place
+    /// where the last count stopped is gone); letters without a group or a
+    /// time are counted for no group, and do not fail the count.
+    #[test]
+    fn a_groups_count_goes_on_and_starts_over_when_the_stream_is_made_again() {
+        let mut conn = crate::redis::streams::tests::conn();
+        let stream = format!("alert-count-{}", uuid::Uuid::new_v4().simple());
+        let dlq = dead_letter_stream(&stream);
+        let add = |conn: &mut RedisConn, group: &str| {
+            let mut letter = DeadLetter::new(
+                &stream,
+                "1-0",
+                crate::dlq::Kind::Permanent,
+                "refused",
+                vec![(b"event_id".to_vec(), b"e".to_vec())],
+            );
+            letter.group = group.into();
+            letter.dead_at = 1_000;
+            let mut cmd = redis::cmd("XADD");
+            cmd.arg(&dlq).arg("*");
+            for (k, v) in letter.to_fields() {
+                cmd.arg(k).arg(v);
+            }
+            let _: String = cmd.query(conn).unwrap();
+        };
+        let mut counted = None;
+        let mut count = |conn: &mut RedisConn| look(conn, &stream, "g", &mut counted).unwrap();
+        add(&mut conn, "g");
+        add(&mut conn, "other");
+        let _: String = redis::cmd("XADD")
+            .arg(&dlq)
+            .arg("*")
+            .arg("not")
+            .arg("a letter")
+            .query(&mut conn)
+            .unwrap();
+        add(&mut conn, "g");
+        let first = count(&mut conn);
+        assert_eq!(first.count, 2);
+        assert_eq!(first.latest.map(|l| l.group), Some("g".to_owned()));
+        add(&mut conn, "g");
+        assert_eq!(count(&mut conn).count, 3, "went on");
+        let _: () = redis::cmd("DEL").arg(&dlq).query(&mut conn).unwrap();
+        add(&mut conn, "g");
+        assert_eq!(count(&mut conn).count, 1, "started over");
+        let _: () = redis::cmd("DEL").arg(&dlq).query(&mut conn).unwrap();
     }
 
     /// Regression: the alert thread made its webhook calls while it held
