@@ -10,7 +10,7 @@
 //! (`min_gap`; changes in between are folded into the next call) and
 //! retried, all on this thread, so alerting never slows event processing.
 
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use std::thread::JoinHandle;
 
@@ -142,11 +142,12 @@ pub(crate) struct Look {
 
 /// Lua: the entries ever added to the stream `KEYS[1]` and its length (so
 /// how many were deleted), without any entry (`XINFO STREAM` answers with
-/// its first and last entries whole); `{0, 0}` when there is none.
+/// its first and last entries whole); `{0, 0}` when there is none; added
+/// -1 where Redis does not say (before 7.0).
 const STREAM_COUNTS: &str = r"
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0} end
 local info = redis.call('XINFO', 'STREAM', KEYS[1])
-local added, length = 0, 0
+local added, length = -1, 0
 for i = 1, #info, 2 do
     if info[i] == 'entries-added' then added = info[i + 1] end
     if info[i] == 'length' then length = info[i + 1] end
@@ -172,7 +173,9 @@ for _, e in ipairs(entries) do
     local f, group, dead_at = e[2], nil, nil
     for i = 1, #f, 2 do
         if f[i] == 'group' then group = f[i + 1] end
-        if f[i] == 'dead_at' then dead_at = tonumber(f[i + 1]) end
+        if f[i] == 'dead_at' and string.match(f[i + 1], '^%d+$') then
+            dead_at = tonumber(f[i + 1])
+        end
         if group and dead_at then break end
     end
     if group == ARGV[1] then
@@ -184,8 +187,12 @@ end
 return {count, earliest, newest, last, #entries}
 ";
 
-/// Dead letters counted per [`COUNT_OF_GROUP`] call.
-const COUNT_CHUNK: usize = 250;
+/// Dead letters counted per [`COUNT_OF_GROUP`] call, at most; the chunk
+/// doubles after a call quicker than `CHUNK_QUICK` and halves after one
+/// slower than `CHUNK_SLOW`.
+const COUNT_CHUNK: usize = 1000;
+const CHUNK_QUICK: Duration = Duration::from_millis(5);
+const CHUNK_SLOW: Duration = Duration::from_millis(20);
 
 /// A group's letters in a dead-letter stream as last counted: while no
 /// entry was deleted from the stream since, only the entries added after
@@ -239,21 +246,30 @@ fn look(
         .query(conn)
         .map_err(&redis_error)?;
     let deleted = added - length;
+    // A Redis that does not count the entries added (before 7.0) cannot
+    // tell a delete: count from the start every time.
     let mut c = match counted.take() {
-        Some(c) if c.deleted == deleted && c.added <= added => c,
+        Some(c) if added >= 0 && c.deleted == deleted && c.added <= added => c,
         _ => Counted::from_start(deleted),
     };
     c.added = added;
+    // Redis copies every letter a call reads into the script, and serves
+    // no one else meanwhile: the chunk starts small, grows while calls are
+    // quick and shrinks while they are not (letters of a megabyte, one by
+    // one).
+    let mut chunk = 16;
     loop {
+        let sent = Instant::now();
         let counted: Option<(u64, u64, String, String, usize)> = redis::cmd("EVAL")
             .arg(COUNT_OF_GROUP)
             .arg(1)
             .arg(&dlq)
             .arg(group)
             .arg(&c.upto)
-            .arg(COUNT_CHUNK)
+            .arg(chunk)
             .query(conn)
             .map_err(&redis_error)?;
+        let took = sent.elapsed();
         let Some((n, first, own, last, read)) = counted else {
             // Where the last count stopped is gone with nothing deleted:
             // the stream was made again. Count it again from its start.
@@ -273,14 +289,24 @@ fn look(
         if !last.is_empty() {
             c.upto = last;
         }
-        if read < COUNT_CHUNK {
+        if read < chunk {
             break;
         }
+        if took < CHUNK_QUICK {
+            chunk = (chunk * 2).min(COUNT_CHUNK);
+        } else if took > CHUNK_SLOW {
+            chunk = (chunk / 2).max(1);
+        }
     }
+    // A newest letter that cannot be read (of a newer version, say) still
+    // counts, and is said; the alert goes without it.
     let latest = if c.newest.is_empty() {
         None
     } else {
-        crate::dlq::show(conn, stream, &c.newest)?
+        crate::dlq::show(conn, stream, &c.newest).unwrap_or_else(|e| {
+            log::warn!("alert: {e}");
+            None
+        })
     };
     let now = millis(SystemTime::now());
     let look = Look {
@@ -604,6 +630,28 @@ mod tests {
         add(&mut conn, "2-0", "g");
         add(&mut conn, "2-1", "g");
         assert_eq!(count(&mut conn).count, 2, "started over, the place gone");
+        // A time that is no number of ms (-1) does not hide the letters'
+        // age; a newest letter that cannot be read (a kind of a newer
+        // version) counts, and the look goes on without it.
+        let _: String = redis::cmd("XADD")
+            .arg(&dlq)
+            .arg("2-2")
+            .arg("group")
+            .arg("g")
+            .arg("dead_at")
+            .arg("-1")
+            .arg("kind")
+            .arg("bogus")
+            .query(&mut conn)
+            .unwrap();
+        let last = count(&mut conn);
+        assert_eq!(last.count, 3);
+        assert!(last.latest.is_none());
+        assert!(
+            last.oldest_age > Duration::from_secs(86_400),
+            "{:?}",
+            last.oldest_age
+        );
         let _: () = redis::cmd("DEL").arg(&dlq).query(&mut conn).unwrap();
     }
 

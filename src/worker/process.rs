@@ -296,7 +296,7 @@ impl Processor {
                     // redo, not news for this one (which had the original).
                     Some(true) => {
                         Stats::add(&self.stage.common.stats.of(&stream).duplicates, 1);
-                        log::info!(
+                        log::debug!(
                             "{}/{}: replayed for group {}; acked, not applied",
                             delivery.stream,
                             delivery.entry_id,
@@ -838,19 +838,24 @@ fn replayed_for(fields: &[(Vec<u8>, Vec<u8>)], stream: &str, group: &str) -> Opt
 }
 
 impl Processor {
-    /// Whether `group` is a consumer group of `stream` (asked at most every
-    /// 5 s per worker thread: only replays of other groups' letters ask);
-    /// `None` at shutdown during a Redis outage.
+    /// Whether `group` is a consumer group of `stream` (a yes is kept 5 s
+    /// per worker thread, a no asked again: only replays of other groups'
+    /// letters ask); `None` at shutdown during a Redis outage.
     fn reads_stream(&mut self, stream: &Arc<str>, group: &[u8]) -> Option<bool> {
-        let fresh = self
+        let cached = self
             .replay_groups
             .as_ref()
-            .is_some_and(|(at, of, _)| at.elapsed() < Duration::from_secs(5) && **of == **stream);
-        if !fresh {
-            let names = self.with_redis(|conn| crate::redis::streams::group_names(conn, stream))?;
-            self.replay_groups = Some((Instant::now(), stream.clone(), names));
+            .filter(|(at, of, _)| at.elapsed() < Duration::from_secs(5) && **of == **stream)
+            .map(|(_, _, names)| names.iter().any(|n| n.as_slice() == group));
+        // A "yes" may be kept a while; a "no" is asked again: the group may
+        // have been made since the list was read, and its replay would
+        // then be applied here too.
+        if cached == Some(true) {
+            return Some(true);
         }
-        let (_, _, names) = self.replay_groups.as_ref()?;
-        Some(names.iter().any(|n| n.as_slice() == group))
+        let names = self.with_redis(|conn| crate::redis::streams::group_names(conn, stream))?;
+        let reads = names.iter().any(|n| n.as_slice() == group);
+        self.replay_groups = Some((Instant::now(), stream.clone(), names));
+        Some(reads)
     }
 }

@@ -2089,3 +2089,70 @@ fn a_replay_tag_counts_only_on_its_stream_for_a_group_that_reads_it() {
     assert!(dead_letters(&mut conn, &stream).is_empty());
     cleanup(&mut conn, &stream);
 }
+
+/// A worker that found a tagged group missing a moment ago still asks
+/// again before it applies a replay meant for another group: the group may
+/// have been made since (the reviewer's repro: the list of groups, kept
+/// 5 s, said "no such group", and the other group's replay was applied
+/// here too).
+#[test]
+fn a_replay_for_a_group_made_a_moment_ago_is_left_to_it() {
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut conn = redis(&redis_url());
+    let create = |conn: &mut redis::Connection, group: &str| {
+        let _: () = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&stream)
+            .arg(group)
+            .arg("$")
+            .arg("MKSTREAM")
+            .query(conn)
+            .unwrap();
+    };
+    create(&mut conn, "mine");
+    let fixed = "INSERT INTO notifications (event_id, payload) VALUES ($1, 'fixed')";
+    let mut cmd = taskhub(&redis_url(), &db.url);
+    cmd.args([
+        "run",
+        "--stream",
+        &stream,
+        "--group",
+        "mine",
+        "--consumer",
+        "c",
+    ])
+    .args(["--workers", "1", "--block-ms", "100", "--sql", fixed]);
+    let mut p = Proc::spawn(cmd);
+    let replayed = |conn: &mut redis::Connection, event: &str, group: &str| {
+        let fields = [
+            ("event_id", event),
+            ("payload", "5"),
+            ("replayed_from", "1-0"),
+            ("replay_group", group),
+            ("replay_stream", stream.as_str()),
+        ];
+        xadd(conn, &stream, &fields);
+    };
+    // A replay for a group that is gone: applied here (and the worker has
+    // now seen the stream's groups).
+    replayed(&mut conn, "for-gone", "gone");
+    assert!(
+        wait_until(Duration::from_secs(15), || db.effects("for-gone") == 1),
+        "{}",
+        p.stderr()
+    );
+    // At once, a group is made and a replay for it comes: not applied here.
+    create(&mut conn, "late");
+    replayed(&mut conn, "for-late", "late");
+    replayed(&mut conn, "after", "gone");
+    assert!(
+        wait_until(Duration::from_secs(15), || db.effects("after") == 1),
+        "{}",
+        p.stderr()
+    );
+    assert_eq!(db.effects("for-late"), 0, "{}", p.stderr());
+    p.signal("TERM");
+    assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+    cleanup(&mut conn, &stream);
+}
