@@ -6,8 +6,8 @@
 //! alerts on its own letters). When they become
 //! non-empty, grow, or the oldest passes `age`, it logs one error
 //! line with the count and the latest reason and, with a webhook, POSTs a
-//! JSON document about it. Webhook calls are rate-limited per stream
-//! (`min_gap`; changes in between are folded into the next call) and
+//! JSON document about it. Webhook calls are rate-limited per stream and
+//! group (`min_gap`; changes in between are folded into the next call) and
 //! retried, all on this thread, so alerting never slows event processing.
 
 use std::time::{Duration, Instant, SystemTime};
@@ -214,10 +214,10 @@ pub(crate) struct Counted {
 
 impl Counted {
     /// Nothing counted yet: the next look reads from the stream's start.
-    fn from_start(deleted: i64) -> Counted {
+    fn from_start(deleted: i64, added: i64) -> Counted {
         Counted {
             deleted,
-            added: 0,
+            added,
             upto: "-".to_owned(),
             count: 0,
             earliest: None,
@@ -249,10 +249,9 @@ fn look(
     // A Redis that does not count the entries added (before 7.0) cannot
     // tell a delete: count from the start every time.
     let mut c = match counted.take() {
-        Some(c) if added >= 0 && c.deleted == deleted && c.added <= added => c,
-        _ => Counted::from_start(deleted),
+        Some(c) if added >= 0 && c.deleted == deleted && c.added <= added => Counted { added, ..c },
+        _ => Counted::from_start(deleted, added),
     };
-    c.added = added;
     // Redis copies every letter a call reads into the script, and serves
     // no one else meanwhile: the chunk starts small, grows while calls are
     // quick and shrinks while they are not (letters of a megabyte, one by
@@ -273,10 +272,7 @@ fn look(
         let Some((n, first, own, last, read)) = counted else {
             // Where the last count stopped is gone with nothing deleted:
             // the stream was made again. Count it again from its start.
-            c = Counted {
-                added,
-                ..Counted::from_start(deleted)
-            };
+            c = Counted::from_start(deleted, added);
             continue;
         };
         c.count += n;
@@ -651,6 +647,25 @@ mod tests {
             last.oldest_age > Duration::from_secs(86_400),
             "{:?}",
             last.oldest_age
+        );
+        // First in a count of its own, that time came back as the earliest.
+        let _: () = redis::cmd("DEL").arg(&dlq).query(&mut conn).unwrap();
+        let _: String = redis::cmd("XADD")
+            .arg(&dlq)
+            .arg("3-0")
+            .arg("group")
+            .arg("g")
+            .arg("dead_at")
+            .arg("-1")
+            .query(&mut conn)
+            .unwrap();
+        add(&mut conn, "3-1", "g");
+        let bad_first = count(&mut conn);
+        assert_eq!(bad_first.count, 2);
+        assert!(
+            bad_first.oldest_age > Duration::from_secs(86_400),
+            "{:?}",
+            bad_first.oldest_age
         );
         let _: () = redis::cmd("DEL").arg(&dlq).query(&mut conn).unwrap();
     }

@@ -143,8 +143,10 @@ impl ReplayReport {
 /// group still reads the stream: only it applies the entry. A group that is
 /// gone (renamed, say) names no one, and every group reading the stream
 /// receives it, rather than none applying it.
-/// KEYS: dead-letter stream, original stream. ARGV: dead-letter id, the
-/// letter's group, then field, value, field, value...
+/// The tag is recorded beside it (`keys::replays`): a worker honours only
+/// a tag the replay wrote.
+/// KEYS: dead-letter stream, original stream, its replays. ARGV:
+/// dead-letter id, the letter's group, then field, value, field, value...
 const REPLAY_SCRIPT: &str = r"
 if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return false end
 local reads = false
@@ -160,6 +162,7 @@ local id
 if reads then
     id = redis.call('XADD', KEYS[2], '*', 'replay_group', ARGV[2], 'replay_stream', KEYS[2],
         unpack(ARGV, 3))
+    redis.call('HSET', KEYS[3], id, ARGV[2])
 else
     id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
 end
@@ -379,9 +382,10 @@ fn put_back(
     for l in letters {
         let mut eval = redis::cmd("EVAL");
         eval.arg(REPLAY_SCRIPT)
-            .arg(2)
+            .arg(3)
             .arg(dlq)
             .arg(&l.stream)
+            .arg(crate::redis::keys::replays(&l.stream))
             .arg(l.id.as_deref().unwrap_or_default())
             .arg(&l.group);
         for (k, v) in replay_fields(l, now) {

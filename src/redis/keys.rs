@@ -176,6 +176,16 @@ pub(crate) fn dead_letter_index(stream: &str, group: &str) -> String {
     format!("{stream}:dlq:index:{}:{group}", group.len())
 }
 
+/// The entries `taskhub dlq replay` put back on `stream` for one group (a
+/// hash: new entry id → group), written by the replay script itself: a
+/// `replay_group` field in an entry is honoured only when this record
+/// says the same (a producer that copies its clients' fields into entries
+/// must not let a client make a group skip an event). In the stream's
+/// hash slot.
+pub(crate) fn replays(stream: &str) -> String {
+    format!("{stream}:dlq:replays")
+}
+
 /// The index that versions before the group was in the key wrote, of
 /// every group's letters (see [`DEAD_IN`]); only read.
 pub(crate) fn dead_letter_index_of_all_groups(stream: &str) -> String {

@@ -267,7 +267,8 @@ return false
 /// in the index of every group's letters, once their letter is older than
 /// [`FORGET_AFTER`] at `now_ms`: such an entry can never be delivered
 /// again, to a group created again neither, so its place in the index only
-/// took memory (one field per entry ever dead-lettered). Fields that are
+/// took memory (one field per entry ever dead-lettered); and the replays
+/// recorded for such entries (`keys::replays`). Fields that are
 /// not ids are left alone. Stops between pages of 1,000 fields when
 /// `go_on` says so. Returns how many were forgotten; a stream that does
 /// not exist is left alone.
@@ -299,9 +300,15 @@ pub(crate) fn forget_gone_entries(
             .is_some_and(|(ms, _)| ms.saturating_add(FORGET_AFTER.as_millis() as u64) <= now_ms)
     };
     let mut forgotten = 0;
-    for index in [
-        crate::redis::keys::dead_letter_index(stream, group),
-        crate::redis::keys::dead_letter_index_of_all_groups(stream),
+    // The indexes, and the record of replays (entry → group), which matters
+    // only while its entry can be delivered: no letter's age to wait for.
+    for (index, wait) in [
+        (crate::redis::keys::dead_letter_index(stream, group), true),
+        (
+            crate::redis::keys::dead_letter_index_of_all_groups(stream),
+            true,
+        ),
+        (crate::redis::keys::replays(stream), false),
     ] {
         let mut cursor: u64 = 0;
         loop {
@@ -318,7 +325,7 @@ pub(crate) fn forget_gone_entries(
                         .ok()
                         .and_then(entry_id)
                         .is_some_and(gone)
-                        && old_enough(letter)
+                        && (!wait || old_enough(letter))
                 })
                 .map(|(entry, _)| entry.as_slice())
                 .collect();
@@ -381,6 +388,16 @@ mod tests {
         left.sort();
         let expected: [&[u8]; 4] = [b"10-0", b"3-0", b"not-an-id", b"\xff"];
         assert_eq!(left, expected);
+        // The record of replays: an entry gone goes, whatever its age.
+        let replays = crate::redis::keys::replays(&stream);
+        run(&mut c, &["HSET", &replays, "9-0", "g", "10-0", "g"]);
+        assert_eq!(
+            forget_gone_entries(&mut c, &stream, "g", now_ms, &|| true).unwrap(),
+            1
+        );
+        let left: Vec<String> = redis::cmd("HKEYS").arg(&replays).query(&mut c).unwrap();
+        assert_eq!(left, ["10-0"]);
+        run(&mut c, &["DEL", &replays]);
         run(&mut c, &["DEL", &stream, &index]);
     }
 

@@ -136,9 +136,6 @@ pub(crate) struct Processor {
     /// Finished entries of earlier jobs waiting for their ack round trip
     /// (see [`ACK_HOLD`]), all of one stream.
     held: Option<(Arc<str>, Finished)>,
-    /// The consumer groups of a stream, and when they were asked (see
-    /// [`Processor::reads_stream`]).
-    replay_groups: Option<(Instant, Arc<str>, Vec<Vec<u8>>)>,
 }
 
 /// What the worker threads share: each holds an `Arc` of it.
@@ -219,7 +216,6 @@ impl Processor {
             each_batches: 0,
             savepoint_batches: 0,
             held: None,
-            replay_groups: None,
         }
     }
 
@@ -291,7 +287,7 @@ impl Processor {
                 Err((fields, _)) => fields.as_slice(),
             };
             if let Some(other) = replayed_for(fields, &stream, &self.stage.settings.group) {
-                match self.reads_stream(&stream, &other) {
+                match self.replayed_for_group(&stream, &delivery.entry_id, &other) {
                     // Another group's dead letter put back: that group's
                     // redo, not news for this one (which had the original).
                     Some(true) => {
@@ -305,8 +301,9 @@ impl Processor {
                         done.push(delivery, false);
                         continue;
                     }
-                    // That group is gone (renamed since the replay, say):
-                    // the entry is for every group, as if untagged.
+                    // That group is gone (renamed since the replay, say),
+                    // or no replay wrote this tag (a client's fields): the
+                    // entry is for every group, as if untagged.
                     Some(false) => {}
                     // Shutdown during a Redis outage: left pending.
                     None => continue,
@@ -838,24 +835,21 @@ fn replayed_for(fields: &[(Vec<u8>, Vec<u8>)], stream: &str, group: &str) -> Opt
 }
 
 impl Processor {
-    /// Whether `group` is a consumer group of `stream` (a yes is kept 5 s
-    /// per worker thread, a no asked again: only replays of other groups'
-    /// letters ask); `None` at shutdown during a Redis outage.
-    fn reads_stream(&mut self, stream: &Arc<str>, group: &[u8]) -> Option<bool> {
-        let cached = self
-            .replay_groups
-            .as_ref()
-            .filter(|(at, of, _)| at.elapsed() < Duration::from_secs(5) && **of == **stream)
-            .map(|(_, _, names)| names.iter().any(|n| n.as_slice() == group));
-        // A "yes" may be kept a while; a "no" is asked again: the group may
-        // have been made since the list was read, and its replay would
-        // then be applied here too.
-        if cached == Some(true) {
-            return Some(true);
-        }
-        let names = self.with_redis(|conn| crate::redis::streams::group_names(conn, stream))?;
-        let reads = names.iter().any(|n| n.as_slice() == group);
-        self.replay_groups = Some((Instant::now(), stream.clone(), names));
-        Some(reads)
+    /// Whether entry `entry_id` of `stream` was put back by a replay for
+    /// `group` (the replay's own record, `keys::replays`, says so) and that
+    /// group still reads the stream: then it is that group's alone. Asked
+    /// only for entries tagged for another group (replays); `None` at
+    /// shutdown during a Redis outage.
+    fn replayed_for_group(&mut self, stream: &str, entry_id: &str, group: &[u8]) -> Option<bool> {
+        let key = crate::redis::keys::replays(stream);
+        self.with_redis(|conn| {
+            let recorded: Option<Vec<u8>> =
+                redis::cmd("HGET").arg(&key).arg(entry_id).query(conn)?;
+            if recorded.as_deref() != Some(group) {
+                return Ok(false);
+            }
+            let names = crate::redis::streams::group_names(conn, stream)?;
+            Ok(names.iter().any(|n| n.as_slice() == group))
+        })
     }
 }

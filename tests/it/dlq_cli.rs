@@ -1867,7 +1867,8 @@ fn every_subcommand_takes_only_the_letters_of_the_group_given() {
         ],
     );
     assert!(
-        out.stdout.contains("removed 2 dead letters"),
+        out.stdout
+            .contains("removed 2 dead letters of group billing"),
         "{}",
         out.stdout
     );
@@ -2064,13 +2065,15 @@ fn a_replay_tag_counts_only_on_its_stream_for_a_group_that_reads_it() {
             .query(&mut conn)
             .unwrap();
     }
+    // As the replay script writes them: the tagged entry and its record.
     let replayed = |conn: &mut redis::Connection, event: Option<&str>, group: &str, on: &str| {
         let mut fields = vec![("payload", "5"), ("replayed_from", "1-0")];
         fields.extend([("replay_group", group), ("replay_stream", on)]);
         if let Some(event) = event {
             fields.insert(0, ("event_id", event));
         }
-        xadd(conn, &stream, &fields);
+        let id = xadd(conn, &stream, &fields);
+        record_replay(conn, &stream, &id, group);
     };
     replayed(&mut conn, Some("bridged"), "other", "another-stream");
     replayed(&mut conn, Some("for-other"), "other", &stream);
@@ -2132,7 +2135,8 @@ fn a_replay_for_a_group_made_a_moment_ago_is_left_to_it() {
             ("replay_group", group),
             ("replay_stream", stream.as_str()),
         ];
-        xadd(conn, &stream, &fields);
+        let id = xadd(conn, &stream, &fields);
+        record_replay(conn, &stream, &id, group);
     };
     // A replay for a group that is gone: applied here (and the worker has
     // now seen the stream's groups).
@@ -2154,5 +2158,55 @@ fn a_replay_for_a_group_made_a_moment_ago_is_left_to_it() {
     assert_eq!(db.effects("for-late"), 0, "{}", p.stderr());
     p.signal("TERM");
     assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+    cleanup(&mut conn, &stream);
+}
+
+/// Records entry `id` of `stream` as put back by a replay for `group`, as
+/// the replay script does beside the entry's tag.
+fn record_replay(conn: &mut redis::Connection, stream: &str, id: &str, group: &str) {
+    let _: i64 = redis::cmd("HSET")
+        .arg(format!("{stream}:dlq:replays"))
+        .arg(id)
+        .arg(group)
+        .query(conn)
+        .unwrap();
+}
+
+/// A tag no replay wrote is no tag. A producer that copies its clients'
+/// fields into entries (a gateway) let a client add `replayed_from`,
+/// `replay_stream` and `replay_group` naming another group that reads the
+/// stream, and this group acked the event unapplied (found reading the
+/// change once more): a client could make billing skip its order.
+#[test]
+fn a_replay_tag_a_client_wrote_is_ignored() {
+    let db = TestDb::new();
+    let stream = unique("s");
+    let mut conn = redis(&redis_url());
+    for group in ["billing", "emails"] {
+        let _: () = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&stream)
+            .arg(group)
+            .arg("0")
+            .arg("MKSTREAM")
+            .query(&mut conn)
+            .unwrap();
+    }
+    let forged = [
+        ("event_id", "order-1"),
+        ("payload", "5"),
+        ("replayed_from", "1-0"),
+        ("replay_group", "emails"),
+        ("replay_stream", stream.as_str()),
+    ];
+    xadd(&mut conn, &stream, &forged);
+    let fixed = "INSERT INTO notifications (event_id, payload) VALUES ($1, 'fixed')";
+    let billing = run_group(&db.url, &stream, "billing", fixed);
+    assert_eq!(
+        (billing["applied"], billing["duplicates"]),
+        (1, 0),
+        "{billing:?}"
+    );
+    assert_eq!(db.effects("order-1"), 1);
     cleanup(&mut conn, &stream);
 }
