@@ -2072,8 +2072,7 @@ fn a_replay_tag_counts_only_on_its_stream_for_a_group_that_reads_it() {
         if let Some(event) = event {
             fields.insert(0, ("event_id", event));
         }
-        let id = xadd(conn, &stream, &fields);
-        record_replay(conn, &stream, &id, group);
+        add_replayed(conn, &stream, group, &fields);
     };
     replayed(&mut conn, Some("bridged"), "other", "another-stream");
     replayed(&mut conn, Some("for-other"), "other", &stream);
@@ -2135,8 +2134,7 @@ fn a_replay_for_a_group_made_a_moment_ago_is_left_to_it() {
             ("replay_group", group),
             ("replay_stream", stream.as_str()),
         ];
-        let id = xadd(conn, &stream, &fields);
-        record_replay(conn, &stream, &id, group);
+        add_replayed(conn, &stream, group, &fields);
     };
     // A replay for a group that is gone: applied here (and the worker has
     // now seen the stream's groups).
@@ -2161,15 +2159,23 @@ fn a_replay_for_a_group_made_a_moment_ago_is_left_to_it() {
     cleanup(&mut conn, &stream);
 }
 
-/// Records entry `id` of `stream` as put back by a replay for `group`, as
-/// the replay script does beside the entry's tag.
-fn record_replay(conn: &mut redis::Connection, stream: &str, id: &str, group: &str) {
-    let _: i64 = redis::cmd("HSET")
-        .arg(format!("{stream}:dlq:replays"))
-        .arg(id)
-        .arg(group)
-        .query(conn)
-        .unwrap();
+/// Adds an entry of `fields` to `stream` recorded as put back by a replay
+/// for `group`, in one step as the replay script does (a worker reading
+/// between the two would take the tag for a client's).
+fn add_replayed(conn: &mut redis::Connection, stream: &str, group: &str, fields: &[(&str, &str)]) {
+    let mut eval = redis::cmd("EVAL");
+    eval.arg(
+        "local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2)) \
+         redis.call('HSET', KEYS[2], id, ARGV[1]) return id",
+    )
+    .arg(2)
+    .arg(stream)
+    .arg(format!("{stream}:dlq:replays"))
+    .arg(group);
+    for (k, v) in fields {
+        eval.arg(*k).arg(*v);
+    }
+    let _: String = eval.query(conn).unwrap();
 }
 
 /// A tag no replay wrote is no tag. A producer that copies its clients'
