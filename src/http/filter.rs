@@ -135,12 +135,18 @@ impl PageFilter {
         out
     }
 
-    /// The parameters for a link (`&kind=...&reason=...`), HTML-escaped.
-    pub fn link_params(&self) -> String {
+    /// The parameters for a URL (`&kind=...&reason=...`), percent-encoded
+    /// (so the only `&` are the separators).
+    pub fn query_params(&self) -> String {
         self.pairs()
             .iter()
-            .map(|(k, v)| format!("&amp;{k}={}", encode(v)))
+            .map(|(k, v)| format!("&{k}={}", encode(v)))
             .collect()
+    }
+
+    /// The parameters for a link in HTML (`&amp;kind=...`).
+    pub fn link_params(&self) -> String {
+        self.query_params().replace('&', "&amp;")
     }
 
     /// The parameters as hidden form fields.

@@ -139,6 +139,12 @@ impl Page {
         let Some(id) = param(form, "id") else {
             return html(400, "Bad request", "<p>missing id</p>");
         };
+        // The criteria of the list the letter was opened from: the answer
+        // leads back to that list.
+        let list = match PageFilter::read(form, SystemTime::now()) {
+            Ok(f) => f,
+            Err(e) => return html(400, "Bad filter", &format!("<p>{}</p>", escape(&e))),
+        };
         if !crate::dlq::filter::valid_id(id) {
             return not_found(&stream, id);
         }
@@ -200,7 +206,11 @@ impl Page {
             }
         };
         log::info!("http: {path} {stream}/{id}: {message}");
-        let location = format!("/dlq?stream={}&msg={code}", encode(&stream));
+        let location = format!(
+            "/dlq?stream={}{}&msg={code}",
+            encode(&stream),
+            list.query_params()
+        );
         text(303, "text/plain", message + "\n").with_header("Location", location)
     }
 }
@@ -255,7 +265,7 @@ impl Page {
         let location = format!(
             "/dlq?stream={}{}&msg=bulk_started&n={confirmed}",
             encode(stream),
-            filter.link_params().replace("&amp;", "&")
+            filter.query_params()
         );
         text(303, "text/plain", "started\n".into()).with_header("Location", location)
     }

@@ -98,7 +98,7 @@ pub(crate) fn list_page(
         let _ = write!(
             body,
             "<tr><td>{}</td><td class=\"group\">{}</td><td class=\"kind\">{}</td><td>{}</td><td>{}</td><td>{}</td>\
-             <td><a href=\"/dlq/show?stream={}&amp;id={}\">{}</a></td></tr>",
+             <td><a href=\"/dlq/show?stream={}&amp;id={}{}\">{}</a></td></tr>",
             time(l.dead_at),
             escape(&cut(&l.group, 100)),
             l.kind,
@@ -107,6 +107,7 @@ pub(crate) fn list_page(
             escape(&cut(&l.reason, 200)),
             encode(stream),
             encode(id),
+            chosen.link_params(),
             escape(id)
         );
     }
@@ -241,6 +242,16 @@ pub(crate) fn show_page(
     let Some(id) = param(query, "id") else {
         return html(400, "Bad request", "<p>missing id</p>");
     };
+    let list = match PageFilter::read(query, SystemTime::now()) {
+        Ok(f) => f,
+        Err(e) => {
+            return html(
+                400,
+                "Bad filter",
+                &format!("<p class=\"msg\" id=\"msg\">{}</p>", escape(&e)),
+            )
+        }
+    };
     let mut conn = match redis(monitor) {
         Ok(c) => c,
         Err(r) => return r,
@@ -259,14 +270,22 @@ pub(crate) fn show_page(
     html(
         200,
         "taskhub dead letter",
-        &detail(access.can_change(), stream, id, &letter),
+        &detail(access.can_change(), stream, id, &letter, &list),
     )
 }
 
-fn detail(can_change: bool, stream: &str, id: &str, l: &DeadLetter) -> String {
+/// One letter in full; `list` is the criteria of the list it was opened
+/// from, which its way back and its forms keep.
+fn detail(can_change: bool, stream: &str, id: &str, l: &DeadLetter, list: &PageFilter) -> String {
+    let back = if list.is_set() {
+        escape(&list.describe())
+    } else {
+        "all dead letters".to_owned()
+    };
     let mut body = format!(
-        "<p><a href=\"/dlq?stream={}\">&larr; all dead letters</a></p><h1>Dead letter {}</h1><table id=\"meta\">",
+        "<p><a href=\"/dlq?stream={}{}\">&larr; {back}</a></p><h1>Dead letter {}</h1><table id=\"meta\">",
         encode(stream),
+        list.link_params(),
         escape(id)
     );
     for (name, value) in [
@@ -322,11 +341,12 @@ fn detail(can_change: bool, stream: &str, id: &str, l: &DeadLetter) -> String {
             let _ = write!(
                 body,
                 "<form class=\"inline\" method=\"post\" action=\"/dlq/{action}\" id=\"{action}-form\">\
-                 <input type=\"hidden\" name=\"stream\" value=\"{}\"><input type=\"hidden\" name=\"id\" value=\"{}\">\
+                 <input type=\"hidden\" name=\"stream\" value=\"{}\"><input type=\"hidden\" name=\"id\" value=\"{}\">{}\
                  Admin token <input type=\"password\" name=\"token\" autocomplete=\"off\"> \
                  <button type=\"submit\">{label}</button></form> ",
                 escape(stream),
-                escape(id)
+                escape(id),
+                list.hidden_fields()
             );
         }
     }

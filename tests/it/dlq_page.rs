@@ -891,3 +891,106 @@ fn the_page_narrows_to_one_group_and_its_bulk_actions_keep_to_it() {
     );
     p.kill();
 }
+
+/// A letter opened from a filtered list keeps the list's criteria: its
+/// link, the way back, and where a replay or delete of it leads. They
+/// dropped them: after deleting one of group `emails`'s letters the page
+/// showed every group's, and its bulk actions took them all.
+#[test]
+fn a_letter_opened_from_a_filtered_list_leads_back_to_that_list() {
+    let db = TestDb::new();
+    let stream = unique("page-back");
+    let mut r = redis(&redis_url());
+    for (event_id, group) in [
+        ("bill-1", "billing"),
+        ("mail-1", "emails"),
+        ("mail-2", "emails"),
+    ] {
+        let fields = vec![
+            (b"event_id".to_vec(), event_id.as_bytes().to_vec()),
+            (b"payload".to_vec(), b"{}".to_vec()),
+        ];
+        let mut l = taskhub::DeadLetter::new(
+            &stream,
+            "1-0",
+            taskhub::DeadLetterKind::Permanent,
+            "HTTP 422",
+            fields,
+        );
+        l.event_id = Some(event_id.into());
+        l.group = group.into();
+        l.attempts = 1;
+        put(&mut r, &l);
+    }
+    let (mut p, base) = page_worker(&db, &stream);
+    let get = |path: &str| {
+        ureq::get(format!("{base}{path}"))
+            .call()
+            .unwrap()
+            .body_mut()
+            .read_to_string()
+            .unwrap()
+    };
+    let criteria = "&amp;kind=permanent&amp;group=emails";
+    let list = get(&format!(
+        "/dlq?stream={}&kind=permanent&group=emails",
+        encode(&stream)
+    ));
+    let ids: Vec<(String, String)> = dead_letters(&mut r, &stream)
+        .into_iter()
+        .map(|l| (l.event_id.unwrap(), l.id.unwrap()))
+        .collect();
+    let mail_1 = &ids.iter().find(|(e, _)| e == "mail-1").unwrap().1;
+    // (Stream names of the tests and entry ids need no percent-encoding.)
+    let link = format!("/dlq/show?stream={stream}&amp;id={mail_1}{criteria}");
+    assert!(list.contains(&format!("href=\"{link}\"")), "{list}");
+
+    // The letter's page leads back to the filtered list, and its forms
+    // carry the criteria.
+    let detail = get(&link.replace("&amp;", "&"));
+    assert!(
+        detail.contains(&format!("href=\"/dlq?stream={stream}{criteria}\"")),
+        "{detail}"
+    );
+    let hidden = "<input type=\"hidden\" name=\"kind\" value=\"permanent\"><input type=\"hidden\" name=\"group\" value=\"emails\">";
+    assert_eq!(detail.matches(hidden).count(), 2, "{detail}");
+
+    // Deleting it leads back to the list of the same criteria.
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .max_redirects(0)
+        .build()
+        .into();
+    let deleted = agent
+        .post(format!("{base}/dlq/delete"))
+        .content_type("application/x-www-form-urlencoded")
+        .send(
+            format!(
+                "{}&kind=permanent&group=emails",
+                form(&stream, mail_1, TOKEN)
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+    assert_eq!(deleted.status().as_u16(), 303);
+    let location = deleted.headers()["location"].to_str().unwrap().to_owned();
+    assert_eq!(
+        location,
+        format!("/dlq?stream={stream}&kind=permanent&group=emails&msg=deleted")
+    );
+    let back = get(&location);
+    assert!(
+        back.contains("<td>mail-2</td>") && !back.contains("<td>bill-1</td>"),
+        "{back}"
+    );
+
+    // A bad criterion is refused before anything is done.
+    let mail_2 = &ids.iter().find(|(e, _)| e == "mail-2").unwrap().1;
+    let (status, body) = post(
+        &format!("{base}/dlq/delete"),
+        &format!("{}&since=yesterday-ish", form(&stream, mail_2, TOKEN)),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(dead_letters(&mut r, &stream).len(), 2);
+    p.kill();
+}
