@@ -46,7 +46,31 @@ struct Args {
     trace: Option<String>,
 }
 
-fn parse_args() -> Result<Args, String> {
+const USAGE: &str = "\
+Usage: bench [FLAGS]   (REDIS_URL and DATABASE_URL from the environment)
+
+Preloads events and drains them with a worker (or, with --rate, runs a
+steady load), then prints rate, latency, CPU per event and peak RSS, and a
+RESULT line for scripts. scripts/bench.sh runs it next to pgbench.
+
+  --events N           events to preload [100000]
+  --workers N          worker threads [8]
+  --count N            entries per read [64]
+  --mode M             batch or per-event [batch]
+  --sql STATEMENT      a custom per-event statement ($1 event id, $2 payload)
+  --payload-bytes N    size of each JSON payload [200]
+  --fail-ratio F       share of events that fail (retryable) [0]
+  --fail-times N       how many times each of them fails [2]
+  --backoff-base D     first retry's backoff, e.g. 1s [1s]
+  --poison-ratio F     share of events the database rejects (needs the
+                       bench_poison CHECK constraint) [0]
+  --rate R             steady load: R events per second instead of a backlog
+  --duration D         how long the steady load runs [30s]
+  --trace FILE         one line per commit: its time and latency (us)
+  -h, --help           this text
+";
+
+fn parse_args() -> Result<Option<Args>, String> {
     let mut args = Args {
         events: 100_000,
         workers: 8,
@@ -84,10 +108,11 @@ fn parse_args() -> Result<Args, String> {
             "--duration" => {
                 args.duration = humantime::parse_duration(&value()?).map_err(|e| bad(&e))?
             }
-            other => return Err(format!("unknown flag {other}")),
+            "-h" | "--help" => return Ok(None),
+            other => return Err(format!("unknown flag {other} (see --help)")),
         }
     }
-    Ok(args)
+    Ok(Some(args))
 }
 
 /// The SQL handler, plus scripted failures and a record of commit times.
@@ -212,7 +237,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
         .format_timestamp_millis()
         .init();
-    let args = parse_args()?;
+    let Some(args) = parse_args()? else {
+        print!("{USAGE}");
+        return Ok(());
+    };
     let redis_url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
     let database_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres:taskhub@127.0.0.1:5432/taskhub".into());

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # scripts/bench.sh — measure taskhub next to the database's own ceiling.
 #
-# Usage:  bash scripts/bench.sh    (EVENTS=100000 WORKERS=8 DURATION=15 STEADY_SECS=30 SSLMODE=disable)
+# Usage:  bash scripts/bench.sh    (EVENTS=100000 WORKERS=8 DURATION=15 STEADY_SECS=30 PAIRS=3 SSLMODE=disable)
 #
 # 1. makes sure Redis and PostgreSQL run (scripts/services.sh) and builds the
 #    release benchmark (examples/bench.rs);
@@ -21,6 +21,8 @@
 #    every batch with a failing event takes its dedup row back), and in
 #    batch mode the same events with no failure, and 1% of events that the
 #    database rejects (a CHECK constraint of the scratch notifications);
+#    the batch runs clean, with failures and with no failure go side by
+#    side PAIRS times, each pair compared on its own;
 # 5. steady load, both modes: a producer at 50%, 75% and 90% of the rate
 #    that mode drained in step 4, for STEADY_SECS seconds each, with the
 #    latency from XADD to commit (p50 / p99 / max); and, as its floor, the
@@ -42,6 +44,9 @@ EVENTS=${EVENTS:-100000}
 WORKERS=${WORKERS:-8}
 DURATION=${DURATION:-15}
 STEADY_SECS=${STEADY_SECS:-30}
+# Pairs of batch runs, clean and with failures (then with no failure),
+# side by side.
+PAIRS=${PAIRS:-3}
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379}
 DATABASE_URL=${DATABASE_URL:-postgres://postgres:taskhub@127.0.0.1:5432/taskhub}
 DATABASE_URL=${DATABASE_URL%%\?*}
@@ -170,14 +175,23 @@ event_before=$(pgbench_tps "$work/per_event.sql")
 event_after=$(pgbench_tps "$work/per_event.sql")
 batch_before=$(($(pgbench_tps "$work/batch50.sql") * 50))
 {
-    bench batch --mode batch
+    # The clean run and the one with failures side by side, PAIRS times:
+    # the machine drifts by 10% from one minute to the next, more than
+    # what the comparison is after, so each pair is compared on its own
+    # and the spread shown. The first pair is the table's.
+    for pair in $(seq 1 "$PAIRS"); do
+        suffix=""
+        [[ $pair -gt 1 ]] && suffix="#$pair"
+        bench "batch$suffix" --mode batch
+        bench "hol-batch$suffix" --mode batch --fail-ratio 0.1 --fail-times 2 --backoff-base 1s
+        # The same events with no failure: the failing tenth are the
+        # handler's own events (the others are the built-in statement's),
+        # so this run shows what failures cost apart from what such events
+        # cost.
+        bench "nofail-batch$suffix" --mode batch --fail-ratio 0.1 --fail-times 0
+    done
     # shellcheck disable=SC2016 # $1 and $2 are SQL parameters, not shell variables
     bench batch-custom-sql --mode batch --sql 'INSERT INTO notifications (event_id, payload) VALUES ($1, $2::text)'
-    bench hol-batch --mode batch --fail-ratio 0.1 --fail-times 2 --backoff-base 1s
-    # The same events with no failure: the failing tenth are the handler's
-    # own events (the others are the built-in statement's), so this run
-    # shows what failures cost apart from what such events cost.
-    bench nofail-batch --mode batch --fail-ratio 0.1 --fail-times 0
     # 1% of events the database rejects (a CHECK constraint of the scratch
     # database's notifications): the built-in statement fails for a batch
     # without saying which event, and they are dead-lettered.
@@ -238,10 +252,28 @@ for mode in per-event batch batch-custom-sql; do
     printf 'healthy events under failures, %s: %s/s vs %s/s clean = %.2fx\n' "$mode" "$failing" "$clean" \
         "$(awk "BEGIN { print $failing / $clean }")"
 done
-failing=$(healthy_rate hol-batch)
-nofail=$(healthy_rate nofail-batch)
-printf 'healthy events under failures, batch, vs the same events failing never: %s/s vs %s/s = %.2fx\n' \
-    "$failing" "$nofail" "$(awk "BEGIN { print $failing / $nofail }")"
+# Each pair of batch runs on its own, then their median and spread.
+ratios=""
+nofail_ratios=""
+for pair in $(seq 1 "$PAIRS"); do
+    suffix=""
+    [[ $pair -gt 1 ]] && suffix="#$pair"
+    clean=$(healthy_rate "batch$suffix")
+    failing=$(healthy_rate "hol-batch$suffix")
+    nofail=$(healthy_rate "nofail-batch$suffix")
+    ratios="$ratios $(awk "BEGIN { printf \"%.2f\", $failing / $clean }")"
+    nofail_ratios="$nofail_ratios $(awk "BEGIN { printf \"%.2f\", $failing / $nofail }")"
+done
+spread() { # ratios...
+    printf '%s\n' "$@" | sort -n | awk '{ a[NR] = $1 } END {
+        printf "median %.2fx, %.2f-%.2fx", (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2), a[1], a[NR] }'
+}
+# shellcheck disable=SC2086 # one word per ratio
+printf 'healthy events under failures, batch, in %d pairs run side by side:%s (%s)\n' \
+    "$PAIRS" "$ratios" "$(spread $ratios)"
+# shellcheck disable=SC2086
+printf '  ... vs the same events failing never, run right after each:%s (%s)\n' \
+    "$nofail_ratios" "$(spread $nofail_ratios)"
 poison=$(healthy_rate poison-batch)
 clean=$(healthy_rate batch)
 printf 'healthy events with 1%% rejected by the database, batch: %s/s vs %s/s clean = %.2fx\n' \

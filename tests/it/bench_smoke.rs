@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::support::*;
 
-fn bench(db: &TestDb, args: &[&str]) -> String {
+fn bench_command() -> Command {
     let exe = std::env::current_exe().unwrap();
     let path = exe
         .parent()
@@ -21,7 +21,11 @@ fn bench(db: &TestDb, args: &[&str]) -> String {
         "{} is missing: cargo test builds examples",
         path.display()
     );
-    let mut cmd = Command::new(path);
+    Command::new(path)
+}
+
+fn bench(db: &TestDb, args: &[&str]) -> String {
+    let mut cmd = bench_command();
     cmd.env("REDIS_URL", redis_url())
         .env("DATABASE_URL", &db.url)
         .env("RUST_LOG", "warn")
@@ -115,4 +119,41 @@ fn the_benchmark_drains_and_verifies_in_both_modes() {
     assert!(lines.lines().all(|l| l.split(' ').count() == 2), "{lines}");
     assert!(stdout.contains("steady load of 200 events/s"), "{stdout}");
     assert!(stdout.contains("max_ms="), "{stdout}");
+}
+
+/// `--help` says how to run it (the README sends readers there) without
+/// touching a server; an unknown flag points to it.
+#[test]
+fn the_benchmark_explains_its_flags() {
+    let mut cmd = bench_command();
+    // Nothing listens there: --help must not connect.
+    cmd.env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+        .env("REDIS_URL", "redis://127.0.0.1:1")
+        .arg("--help");
+    let out = output(cmd, None, Duration::from_secs(30));
+    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+    // The flags scripts/bench.sh uses, each in the text.
+    for flag in [
+        "--events",
+        "--workers",
+        "--mode",
+        "--sql",
+        "--fail-ratio",
+        "--fail-times",
+        "--backoff-base",
+        "--poison-ratio",
+        "--rate",
+        "--duration",
+    ] {
+        assert!(out.stdout.contains(flag), "{flag} missing:\n{}", out.stdout);
+    }
+    let mut cmd = bench_command();
+    cmd.arg("--evnets");
+    let out = output(cmd, None, Duration::from_secs(30));
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("unknown flag --evnets (see --help)"),
+        "{}",
+        out.stderr
+    );
 }
