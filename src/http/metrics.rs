@@ -1,10 +1,13 @@
 //! `/metrics` in the Prometheus text format: this instance's counters per
 //! stream, its handler durations and what it holds; the process's memory
 //! and start time; and per stream the group-wide gauges (pending, lag,
-//! oldest pending age, dead letters), which every instance of a group
-//! reports alike (aggregate them with `max`, not `sum`). A scrape costs
-//! three Redis commands per stream; nothing is added to the path of an
-//! event.
+//! oldest pending age), which every instance of a group reports alike
+//! (aggregate them with `max`, not `sum`), and the dead-letter stream's
+//! length, which every group reading the stream shares. Every series of a
+//! stream carries the `group` label too: several groups can read one
+//! stream, and their figures must not be taken for one another's. A
+//! scrape costs three Redis commands per stream; nothing is added to the
+//! path of an event.
 
 use std::fmt::Write as _;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -60,6 +63,7 @@ const COUNTERS: [PerStream; 5] = [
 /// The text of one scrape.
 pub(crate) fn metrics(monitor: &Monitor) -> String {
     let mut out = String::with_capacity(8192);
+    let group = label(monitor.group());
     let streams: Vec<(String, Summary)> = monitor
         .streams()
         .iter()
@@ -68,7 +72,11 @@ pub(crate) fn metrics(monitor: &Monitor) -> String {
     for (name, help, value) in COUNTERS {
         head(&mut out, name, "counter", help);
         for (stream, s) in &streams {
-            let _ = writeln!(out, "{name}{{stream=\"{stream}\"}} {}", value(s));
+            let _ = writeln!(
+                out,
+                "{name}{{stream=\"{stream}\",group=\"{group}\"}} {}",
+                value(s)
+            );
         }
     }
     head(
@@ -87,7 +95,7 @@ pub(crate) fn metrics(monitor: &Monitor) -> String {
         ] {
             let _ = writeln!(
                 out,
-                "taskhub_dead_lettered_total{{stream=\"{stream}\",kind=\"{kind}\"}} {n}"
+                "taskhub_dead_lettered_total{{stream=\"{stream}\",group=\"{group}\",kind=\"{kind}\"}} {n}"
             );
         }
     }
@@ -156,33 +164,46 @@ fn group_gauges(out: &mut String, monitor: &Monitor) {
         })
         .collect();
     type Pick = fn(&Gauges) -> Option<f64>;
-    let all: [(&str, &str, Pick); 4] = [
+    // (name, help, the group's or every group's, value)
+    let all: [(&str, &str, bool, Pick); 4] = [
         (
             "taskhub_pending",
             "Entries pending in the group (all consumers; the same from every instance).",
+            true,
             |g| Some(g.pending as f64),
         ),
         (
             "taskhub_stream_lag",
             "Entries in the stream not yet delivered to the group.",
+            true,
             |g| g.lag.map(|n| n as f64),
         ),
         (
             "taskhub_oldest_pending_seconds",
             "Age of the oldest pending entry of the group (0 when none).",
+            true,
             |g| Some(g.oldest_pending.map_or(0.0, |d| d.as_secs_f64())),
         ),
         (
             "taskhub_dead_letters",
-            "Length of the dead-letter stream.",
+            "Length of the dead-letter stream (every group's letters: groups reading one stream share it).",
+            false,
             |g| Some(g.dead_letters as f64),
         ),
     ];
-    for (name, help, pick) in all {
+    let group = label(monitor.group());
+    for (name, help, of_group, pick) in all {
         head(out, name, "gauge", help);
         for (stream, g) in &found {
             if let Some(value) = pick(g) {
-                let _ = writeln!(out, "{name}{{stream=\"{stream}\"}} {value}");
+                if of_group {
+                    let _ = writeln!(
+                        out,
+                        "{name}{{stream=\"{stream}\",group=\"{group}\"}} {value}"
+                    );
+                } else {
+                    let _ = writeln!(out, "{name}{{stream=\"{stream}\"}} {value}");
+                }
             }
         }
     }

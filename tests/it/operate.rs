@@ -140,21 +140,26 @@ fn metrics_health_and_readiness_match_what_the_run_did() {
     assert_eq!(status, 200);
     promtool_accepts(&text);
     let m = parse_metrics(&text);
-    let of = |name: &str| format!(r#"{name}{{stream="{stream}"}}"#);
+    // run_on names the group after the stream.
+    let of = |name: &str| format!(r#"{name}{{stream="{stream}",group="{stream}"}}"#);
     assert_eq!(sample(&m, &of("taskhub_events_read_total")), 34.0);
     assert_eq!(sample(&m, &of("taskhub_events_applied_total")), 30.0);
     assert_eq!(sample(&m, &of("taskhub_duplicates_total")), 0.0);
     assert_eq!(
         sample(
             &m,
-            &format!(r#"taskhub_dead_lettered_total{{stream="{stream}",kind="permanent"}}"#)
+            &format!(
+                r#"taskhub_dead_lettered_total{{stream="{stream}",group="{stream}",kind="permanent"}}"#
+            )
         ),
         4.0
     );
     assert_eq!(
         sample(
             &m,
-            &format!(r#"taskhub_dead_lettered_total{{stream="{stream}",kind="invalid"}}"#)
+            &format!(
+                r#"taskhub_dead_lettered_total{{stream="{stream}",group="{stream}",kind="invalid"}}"#
+            )
         ),
         0.0
     );
@@ -184,14 +189,8 @@ fn metrics_health_and_readiness_match_what_the_run_did() {
         sample(&m, &format!(r#"taskhub_dead_letters{{stream="{stream}"}}"#)),
         4.0
     );
-    assert_eq!(
-        sample(&m, &format!(r#"taskhub_pending{{stream="{stream}"}}"#)),
-        0.0
-    );
-    assert_eq!(
-        sample(&m, &format!(r#"taskhub_stream_lag{{stream="{stream}"}}"#)),
-        0.0
-    );
+    assert_eq!(sample(&m, &of("taskhub_pending")), 0.0);
+    assert_eq!(sample(&m, &of("taskhub_stream_lag")), 0.0);
     assert_eq!(sample(&m, "taskhub_in_flight"), 0.0);
     assert!(sample(&m, "taskhub_handler_duration_seconds_count") >= 1.0);
     assert_eq!(
@@ -223,8 +222,12 @@ fn metrics_show_work_in_progress_and_duplicates() {
         .args(["--workers", "1", "--count", "1", "--mode", "per-event"]);
     let mut p = Proc::spawn(cmd);
     let metrics = || parse_metrics(&get(&format!("http://127.0.0.1:{port}/metrics")).1);
-    let gauge =
-        |m: &[(String, f64)], name: &str| sample(m, &format!(r#"{name}{{stream="{stream}"}}"#));
+    let gauge = |m: &[(String, f64)], name: &str| {
+        sample(
+            m,
+            &format!(r#"{name}{{stream="{stream}",group="{stream}"}}"#),
+        )
+    };
     assert!(
         wait_until(Duration::from_secs(20), || {
             std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
@@ -842,4 +845,88 @@ fn a_groups_alert_count_ignores_other_groups_letters() {
     }
     p.signal("TERM");
     assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+}
+
+/// Two groups reading one stream, an instance of each: every series of the
+/// stream carries its group, so the drained group's instance reports its
+/// own zeros and the busy one its own backlog. (With the stream label
+/// alone, both reported `taskhub_pending{stream="S"}`, and a dashboard's
+/// `max by (stream)` showed one group's backlog as the other's.) The
+/// dead-letter stream is every group's: its gauge has no group.
+#[test]
+fn metrics_of_groups_sharing_a_stream_carry_their_group() {
+    const SLOW_SQL: &str =
+        "INSERT INTO notifications (event_id, payload) SELECT $1, $2 FROM pg_sleep(0.4)";
+    let (db_a, db_b) = (TestDb::new(), TestDb::new());
+    let stream = unique("ops-groups");
+    let (group_a, group_b) = (format!("{stream}-a"), format!("{stream}-b"));
+    let mut r = redis(&redis_url());
+    for i in 0..20 {
+        xadd(
+            &mut r,
+            &stream,
+            &[("event_id", &format!("e{i}")), ("payload", "p")],
+        );
+    }
+    let start = |db: &TestDb, group: &str, port: u16, extra: &[&str]| {
+        let mut cmd = taskhub(&redis_url(), &db.url);
+        cmd.args(["run", "--stream", &stream, "--group", group])
+            .args(["--block-ms", "100", "--http", &port.to_string()])
+            .args(extra);
+        Proc::spawn(cmd)
+    };
+    let (port_a, port_b) = (free_port(), free_port());
+    let mut a = start(&db_a, &group_a, port_a, &[]);
+    let slow = ["--sql", SLOW_SQL, "--workers", "1", "--count", "1"];
+    let mut b = start(&db_b, &group_b, port_b, &slow);
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            db_a.count("SELECT count(*) FROM notifications") == 20
+                && std::net::TcpStream::connect(("127.0.0.1", port_b)).is_ok()
+        }),
+        "{}\n{}",
+        a.stderr(),
+        b.stderr()
+    );
+    let scrape = |port: u16| get(&format!("http://127.0.0.1:{port}/metrics")).1;
+    let (text_a, text_b) = (scrape(port_a), scrape(port_b));
+    promtool_accepts(&text_a);
+    let (m_a, m_b) = (parse_metrics(&text_a), parse_metrics(&text_b));
+    let of = |name: &str, group: &str| format!(r#"{name}{{stream="{stream}",group="{group}"}}"#);
+    assert_eq!(
+        sample(&m_a, &of("taskhub_events_applied_total", &group_a)),
+        20.0
+    );
+    assert_eq!(sample(&m_a, &of("taskhub_pending", &group_a)), 0.0);
+    assert_eq!(sample(&m_a, &of("taskhub_stream_lag", &group_a)), 0.0);
+    assert!(sample(&m_b, &of("taskhub_events_applied_total", &group_b)) < 20.0);
+    assert!(
+        sample(&m_b, &of("taskhub_stream_lag", &group_b)) > 0.0,
+        "{text_b}"
+    );
+    assert_eq!(
+        sample(
+            &m_a,
+            &format!(
+                r#"taskhub_dead_lettered_total{{stream="{stream}",group="{group_a}",kind="permanent"}}"#
+            )
+        ),
+        0.0
+    );
+    // Neither instance speaks for the other group.
+    assert!(!text_a.contains(&group_b), "{text_a}");
+    assert!(
+        !text_b.contains(&format!("group=\"{group_a}\"")),
+        "{text_b}"
+    );
+    for m in [&m_a, &m_b] {
+        assert_eq!(
+            sample(m, &format!(r#"taskhub_dead_letters{{stream="{stream}"}}"#)),
+            0.0
+        );
+    }
+    for p in [&mut a, &mut b] {
+        p.signal("TERM");
+        assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+    }
 }
