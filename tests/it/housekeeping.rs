@@ -203,3 +203,42 @@ fn a_redis_that_may_evict_streams_is_warned_about() {
         );
     }
 }
+
+/// A prune that cannot remove a consumer says so and fails. (The refusals
+/// it passes over, "still has pending entries" and "no consumer", were
+/// told apart from other errors by their text, and any error naming a
+/// stream like `jobs-pending` passed for one: a Redis user without EVAL
+/// pruned nothing and exited 0; seen failing.)
+#[test]
+fn a_prune_that_cannot_remove_fails_whatever_the_streams_name() {
+    let server = PrivateRedis::start();
+    let mut r = redis(&server.url());
+    let stream = format!("{}-pending-no consumer", unique("jobs"));
+    let _: () = redis::cmd("XGROUP")
+        .arg(&["CREATE", &stream, "g", "$", "MKSTREAM"])
+        .query(&mut r)
+        .unwrap();
+    let _: i64 = redis::cmd("XGROUP")
+        .arg(&["CREATECONSUMER", &stream, "g", "gone"])
+        .query(&mut r)
+        .unwrap();
+    redis::cmd("ACL")
+        .arg(&[
+            "SETUSER", "noeval", "on", ">pw", "~*", "&*", "+@all", "-eval",
+        ])
+        .query::<()>(&mut r)
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1100));
+    let url = format!("redis://noeval:pw@127.0.0.1:{}", server.port);
+    let mut cmd = taskhub(&url, "postgres://unused");
+    cmd.args(["consumers", "--stream", &stream, "--group", "g"])
+        .args(["--prune-idle", "1s"]);
+    let out = output(cmd, None, Duration::from_secs(30));
+    assert_eq!(out.code(), Some(1), "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains("cannot remove consumer gone"),
+        "{}",
+        out.stderr
+    );
+    assert!(!out.stderr.contains(":pw@"), "no password: {}", out.stderr);
+}
