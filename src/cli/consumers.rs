@@ -1,5 +1,6 @@
 //! `taskhub consumers`: list a group's consumers, remove one that left.
 
+use super::format::one_line;
 use super::report;
 use clap::Args;
 
@@ -68,9 +69,13 @@ pub fn consumers(servers: &Servers, args: ConsumersArgs) -> Result<(), String> {
         )
         .map_err(|e| report(&e))?;
         for name in &removed {
+            // Consumer names are any client's text: no terminal escapes
+            // through, no line that passes for another.
             println!(
-                "removed consumer {name} from {}/{}",
-                args.stream, args.group
+                "removed consumer {} from {}/{}",
+                one_line(name, 200),
+                args.stream,
+                args.group
             );
         }
         println!(
@@ -96,12 +101,19 @@ pub fn consumers(servers: &Servers, args: ConsumersArgs) -> Result<(), String> {
         println!("{}", serde_json::Value::Array(items));
         return Ok(());
     }
-    let width = list.iter().map(|c| c.name.len()).max().unwrap_or(4).max(8);
+    // As above: names shown on one line, control characters escaped.
+    let names: Vec<String> = list.iter().map(|c| one_line(&c.name, 200)).collect();
+    let width = names
+        .iter()
+        .map(|n| n.chars().count())
+        .max()
+        .unwrap_or(4)
+        .max(8);
     println!("{:<width$}  {:>8}  {:>12}", "consumer", "pending", "idle");
-    for c in &list {
+    for (c, name) in list.iter().zip(&names) {
         let idle = humantime::format_duration(std::time::Duration::from_secs(c.idle.as_secs()))
             .to_string();
-        println!("{:<width$}  {:>8}  {:>12}", c.name, c.pending, idle);
+        println!("{name:<width$}  {:>8}  {:>12}", c.pending, idle);
     }
     Ok(())
 }

@@ -189,3 +189,45 @@ fn urls_can_come_from_files() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Consumer names are any client's text: the list and a prune show them on
+/// one line with control characters escaped (a name with terminal escapes
+/// and a newline cleared the screen and forged a row of its own; seen
+/// failing).
+#[test]
+fn cli_shows_a_hostile_consumer_name_escaped_on_one_line() {
+    let url = redis_url();
+    let (stream, group) = (unique("cons-evil"), unique("g"));
+    let mut conn = redis(&url);
+    redis::cmd("XGROUP")
+        .arg(&["CREATE", &stream, &group, "$", "MKSTREAM"])
+        .query::<()>(&mut conn)
+        .unwrap();
+    let evil = "evil\x1b[2J\x1b[31mRED\nc9        999";
+    let _: i64 = redis::cmd("XGROUP")
+        .arg(&["CREATECONSUMER", &stream, &group, evil])
+        .query(&mut conn)
+        .unwrap();
+    let db_url = "postgres://nobody@127.0.0.1:1/none";
+    let run = |extra: &[&str]| {
+        let out = taskhub(&url, db_url)
+            .args(["consumers", "--stream", &stream, "--group", &group])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let table = run(&[]);
+    assert!(!table.contains('\x1b'), "{table:?}");
+    assert_eq!(table.lines().count(), 2, "a header and one row: {table:?}");
+    assert!(
+        table.lines().nth(1).unwrap().starts_with("evil\\u{1b}[2J"),
+        "{table:?}"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    let pruned = run(&["--prune-idle", "1s"]);
+    assert!(!pruned.contains('\x1b'), "{pruned:?}");
+    assert_eq!(pruned.lines().count(), 2, "{pruned:?}");
+    assert!(pruned.contains("1 consumer removed"), "{pruned:?}");
+}
