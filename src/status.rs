@@ -12,8 +12,8 @@ use crate::redis::keys::dead_letter_stream;
 use crate::redis::RedisConn;
 use crate::tls::Tls;
 
-/// At most this many pending entries are looked at to count the retrying
-/// ones (a healthy group holds far fewer).
+/// At most this many pending entries are looked at to count the
+/// redelivered ones (a healthy group holds far fewer).
 const RETRY_SCAN: usize = 10_000;
 
 /// One stream as one consumer group sees it.
@@ -36,10 +36,12 @@ pub struct GroupStatus {
     /// Age of the oldest pending entry (from its id's time); `None` when
     /// nothing is pending.
     pub oldest_pending: Option<Duration>,
-    /// Pending entries delivered more than once: waiting for a retry, or
-    /// taken over from a consumer that died. Counted over the first 10,000
-    /// pending entries.
-    pub retrying: u64,
+    /// Pending entries delivered more than once: taken over from another
+    /// consumer, or read again by their own after a restart or a crash.
+    /// Counted over the first 10,000 pending entries. A retry keeps its
+    /// delivery count: the retries an instance holds are its own to tell
+    /// (`Monitor::retrying`, the overview page, `taskhub_retries_waiting`).
+    pub redelivered: u64,
     /// Entries in the dead-letter stream: every group's letters, when
     /// several groups read the stream (see `other_groups`).
     pub dead_letters: u64,
@@ -128,7 +130,7 @@ pub(crate) fn group_status(
         ));
     };
     let pending = int(found, "pending").unwrap_or(0);
-    let (retrying, oldest) = if pending == 0 {
+    let (redelivered, oldest) = if pending == 0 {
         (0, None)
     } else {
         scan_pending(conn, stream, group)?
@@ -145,7 +147,7 @@ pub(crate) fn group_status(
         lag: int(found, "lag"),
         pending,
         oldest_pending: oldest.as_deref().and_then(|id| age(id, now)),
-        retrying,
+        redelivered,
         dead_letters,
         other_groups: groups
             .iter()
@@ -215,7 +217,7 @@ fn scan_pending(
     group: &str,
 ) -> Result<(u64, Option<String>), Error> {
     const PAGE: usize = 1000;
-    let mut retrying = 0;
+    let mut redelivered = 0;
     let mut oldest = None;
     let mut start = "-".to_owned();
     let mut seen = 0;
@@ -233,11 +235,11 @@ fn scan_pending(
             oldest = page.first().map(|p| p.0.clone());
         }
         seen += page.len();
-        retrying += page.iter().filter(|p| p.3 > 1).count() as u64;
+        redelivered += page.iter().filter(|p| p.3 > 1).count() as u64;
         match page.last() {
             Some(last) if page.len() == PAGE => start = format!("({}", last.0),
             _ => break,
         }
     }
-    Ok((retrying, oldest))
+    Ok((redelivered, oldest))
 }

@@ -118,6 +118,13 @@ pub(crate) fn metrics(monitor: &Monitor) -> String {
         "Entries read and not finished by this instance.",
     );
     let _ = writeln!(out, "taskhub_in_flight {}", monitor.in_flight());
+    head(
+        &mut out,
+        "taskhub_retries_waiting",
+        "gauge",
+        "Deliveries waiting in this instance for a retry (sum over instances for the group's).",
+    );
+    let _ = writeln!(out, "taskhub_retries_waiting {}", monitor.retrying().0);
     group_gauges(&mut out, monitor);
     process(&mut out, monitor);
     out

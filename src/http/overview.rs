@@ -94,15 +94,19 @@ pub(crate) fn overview_page(monitor: &Monitor, rates: &Rates) -> Response {
 }
 
 fn streams_table(monitor: &Monitor) -> String {
-    let mut out = String::from(
-        "<h2>Streams</h2><table><tr><th>stream</th><th>length</th><th>lag</th><th>pending</th>\
-         <th>oldest pending</th><th>retrying</th><th>dead letters</th><th>consumers (pending, idle)</th></tr>",
+    let group = monitor.group();
+    let mut out = format!(
+        "<h2>Streams (group {})</h2><table><tr><th>stream</th><th>length</th><th>lag</th><th>pending</th>\
+         <th>oldest pending</th><th>redelivered</th><th>dead letters</th><th>consumers (pending, idle)</th></tr>",
+        escape(group)
     );
     let now = SystemTime::now();
     let mut conn = monitor.redis_conn();
+    // Streams other groups read too: their dead letters are every group's.
+    let mut shared: Vec<(String, Vec<String>)> = Vec::new();
     for stream in monitor.streams() {
         let found: Result<GroupStatus, String> = match &mut conn {
-            Ok(conn) => group_status(conn, stream, monitor.group(), now).map_err(|e| e.chain()),
+            Ok(conn) => group_status(conn, stream, group, now).map_err(|e| e.chain()),
             Err(e) => Err(format!("Redis: {e}")),
         };
         let link = format!("/dlq?stream={}", encode(stream));
@@ -113,18 +117,27 @@ fn streams_table(monitor: &Monitor) -> String {
                     .iter()
                     .map(|c| format!("{} ({}, {})", escape(&c.name), c.pending, seconds(c.idle)))
                     .collect();
+                let mut letters = format!("<a href=\"{}\">{}</a>", escape(&link), s.dead_letters);
+                if !s.other_groups.is_empty() {
+                    let ours = format!("{link}&group={}", encode(group));
+                    let _ = write!(
+                        letters,
+                        " (every group's; <a href=\"{}\">this group's</a>)",
+                        escape(&ours)
+                    );
+                    shared.push((stream.clone(), s.other_groups.clone()));
+                }
                 let _ = write!(
                     out,
                     "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
-                     <td><a href=\"{}\">{}</a></td><td>{}</td></tr>",
+                     <td>{}</td><td>{}</td></tr>",
                     escape(stream),
                     s.length,
                     s.lag.map_or("?".into(), |n| n.to_string()),
                     s.pending,
                     s.oldest_pending.map_or("-".into(), seconds),
-                    s.retrying,
-                    escape(&link),
-                    s.dead_letters,
+                    s.redelivered,
+                    letters,
                     consumers.join(", ")
                 );
             }
@@ -139,6 +152,21 @@ fn streams_table(monitor: &Monitor) -> String {
         }
     }
     out.push_str("</table>");
+    out.push_str(
+        "<p>Redelivered: pending entries delivered more than once (taken over from \
+         another consumer, or read again after a restart or a crash). Retries keep \
+         their delivery count: the ones this instance holds are below.</p>",
+    );
+    for (stream, others) in shared {
+        let others: Vec<String> = others.iter().map(|g| escape(g)).collect();
+        let _ = write!(
+            out,
+            "<p class=\"msg\">The dead letters of {} are every group's: the stream is \
+             also read by {}.</p>",
+            escape(&stream),
+            others.join(", ")
+        );
+    }
     out
 }
 

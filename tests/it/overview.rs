@@ -58,6 +58,11 @@ fn the_overview_shows_streams_counters_and_what_waits_for_a_retry() {
         &stream,
         &[("event_id", "busy-1"), ("payload", "busy")],
     );
+    // Another group reads the stream too: the dead letters are shared.
+    let _: () = redis::cmd("XGROUP")
+        .arg(&["CREATE", &stream, "other<b>", "$"])
+        .query(&mut r)
+        .unwrap();
     let port = free_port();
     let mut cmd = run_on(&db.url, &stream);
     cmd.args(["--sql", SQL, "--http", &port.to_string()])
@@ -89,6 +94,29 @@ fn the_overview_shows_streams_counters_and_what_waits_for_a_retry() {
     assert!(
         row.contains(&format!("href=\"/dlq?stream={stream}\">1</a>")),
         "{row}"
+    );
+    // Every group's letters, said so, with a link to this group's (run_on
+    // names the group after the stream); the other group named, escaped.
+    assert!(
+        row.contains(&format!(
+            "(every group's; <a href=\"/dlq?stream={stream}&amp;group={stream}\">this group's</a>)"
+        )),
+        "{row}"
+    );
+    assert!(
+        dom.contains(&format!(
+            "The dead letters of {stream} are every group's: the stream is also read by other&lt;b&gt;."
+        )),
+        "{dom}"
+    );
+    // A retry held in this process keeps its first delivery: redelivered
+    // counts none, and the instance tells its own.
+    assert!(dom.contains("<th>redelivered</th>"), "{dom}");
+    assert_eq!(cells[5], "0", "{row}");
+    let metrics = get(port, "/metrics").1;
+    assert!(
+        metrics.lines().any(|l| l == "taskhub_retries_waiting 1"),
+        "{metrics}"
     );
     // The counters, and the retry with its attempt count and error.
     assert!(dom.contains("<td>applied</td><td>1</td>"), "{dom}");

@@ -43,7 +43,7 @@ fn json_reports_what_the_stream_and_group_hold() {
         .query(&mut r)
         .unwrap();
     // c1 reads six (lag 4), acks the last two (pending 4); c2 takes over
-    // the first one (delivered twice: retrying 1).
+    // the first one (delivered twice: redelivered 1).
     let read: redis::Value = redis::cmd("XREADGROUP")
         .arg("GROUP")
         .arg("g")
@@ -98,7 +98,7 @@ fn json_reports_what_the_stream_and_group_hold() {
             "oldest_pending_seconds",
             "other_groups",
             "pending",
-            "retrying",
+            "redelivered",
             "stream"
         ]
     );
@@ -108,7 +108,7 @@ fn json_reports_what_the_stream_and_group_hold() {
     assert_eq!(doc["last_id"], format!("{}-0", first + 9));
     assert_eq!(doc["lag"], 4);
     assert_eq!(doc["pending"], 4);
-    assert_eq!(doc["retrying"], 1);
+    assert_eq!(doc["redelivered"], 1);
     assert_eq!(doc["dead_letters"], 3);
     assert_eq!(doc["other_groups"], serde_json::json!([]));
     let oldest = doc["oldest_pending_seconds"].as_u64().unwrap();
