@@ -335,6 +335,18 @@ impl Builder {
                 ));
             }
         }
+        for s in &c.streams {
+            // Its entries are letters, not events: consumed, each would be
+            // applied as an event (inserted as one) and acked, gone from the
+            // dead letters for good.
+            if let Some(of) = s.strip_suffix(":dlq") {
+                return err(format!(
+                    "stream {s:?} is the dead-letter stream of {of:?}: its letters are not events \
+                     (see them with `taskhub dlq --stream {of} list`, put them back with \
+                     `taskhub dlq --stream {of} replay`)"
+                ));
+            }
+        }
         let mut seen = std::collections::HashSet::new();
         for s in &c.streams {
             if !seen.insert(s) {
@@ -453,6 +465,10 @@ mod tests {
             (b().shutdown_timeout(Duration::ZERO), "shutdown timeout"),
             (b().stream("s"), "twice"),
             (b().start_id("7"), "start id"),
+            (
+                Builder::default().stream("orders:dlq"),
+                "the dead-letter stream of \"orders\"",
+            ),
         ] {
             let e = builder.validate().unwrap_err();
             assert!(

@@ -507,3 +507,35 @@ fn a_redis_user_without_taskhubs_own_keys_is_a_start_up_error() {
         assert!(!out.stderr.contains(":pw@"), "{}", out.stderr);
     }
 }
+
+/// `run` on a dead-letter stream is refused before it reads: its letters
+/// would each be applied as an event and acked (seen: 35 letters inserted
+/// as notifications, a group made on the `:dlq` stream).
+#[test]
+fn running_on_a_dead_letter_stream_is_refused() {
+    let db = TestDb::new();
+    let stream = unique("dlq-as-events");
+    let dlq = taskhub::dlq::dead_letter_stream(&stream);
+    let mut r = redis(&redis_url());
+    xadd(
+        &mut r,
+        &dlq,
+        &[("kind", "permanent"), ("event_id", "e1"), ("payload", "p")],
+    );
+    let mut cmd = taskhub(&redis_url(), &db.url);
+    cmd.args(["run", "--stream", &dlq, "--until-idle", "--block-ms", "100"]);
+    let out = output(cmd, None, Duration::from_secs(30));
+    assert_eq!(out.code(), Some(1), "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr
+            .contains(&format!("is the dead-letter stream of {stream:?}")),
+        "{}",
+        out.stderr
+    );
+    let groups: Vec<redis::Value> = redis::cmd("XINFO")
+        .arg(&["GROUPS", &dlq])
+        .query(&mut r)
+        .unwrap();
+    assert!(groups.is_empty(), "{groups:?}");
+    assert_eq!(db.count("SELECT count(*) FROM notifications"), 0);
+}
