@@ -64,6 +64,21 @@ pub(crate) fn list_page(
         let _ = write!(body, "<p class=\"msg\" id=\"msg\">{}</p>", escape(&msg));
     }
     body.push_str(&bulk.status(stream).unwrap_or_default());
+    // A group the stream does not have (a typo, or a group gone): say so,
+    // as `taskhub dlq --group` does, rather than an empty list that reads
+    // as "no letters for this group".
+    if let Some(group) = &chosen.filter.group {
+        let known = crate::redis::streams::group_names(&mut conn, stream);
+        if known.is_ok_and(|names| !names.iter().any(|n| n == group.as_bytes())) {
+            let _ = write!(
+                body,
+                "<p class=\"msg\" id=\"unknown-group\">{} has no consumer group {}: \
+                 only letters it wrote before it went can match.</p>",
+                escape(stream),
+                escape(group)
+            );
+        }
+    }
     let _ = write!(
         body,
         "<p>{total} in <code>{}</code>, newest first. <a href=\"/\">Overview</a></p>",

@@ -852,6 +852,17 @@ fn the_page_narrows_to_one_group_and_its_bulk_actions_keep_to_it() {
         "{narrowed}"
     );
     let emails = get("group=emails");
+    // The letters name groups the stream does not have (here only the
+    // worker's, named after the stream): said, as `dlq --group` says it,
+    // rather than a list that reads as complete.
+    assert!(
+        emails.contains(&format!(
+            "id=\"unknown-group\">{stream} has no consumer group emails"
+        )),
+        "{emails}"
+    );
+    let real = get(&format!("group={}", encode(&stream)));
+    assert!(!real.contains("unknown-group"), "{real}");
     for (event_id, shown) in [("mail-1", true), ("mail-2", true), ("bill-1", false)] {
         assert_eq!(
             emails.contains(&format!("<td>{event_id}</td>")),
