@@ -19,6 +19,15 @@ const PAGE_SIZE: usize = 50;
 /// Entries the reasons table looks at, at most, and for how long.
 const REASONS_BUDGET: (usize, std::time::Duration) = (10_000, std::time::Duration::from_secs(1));
 
+/// A filter the page cannot read: 400, saying why.
+fn bad_filter(why: &str) -> Response {
+    html(
+        400,
+        "Bad filter",
+        &format!("<p class=\"msg\" id=\"msg\">{}</p>", escape(why)),
+    )
+}
+
 pub(crate) fn list_page(
     monitor: &Monitor,
     access: &Access,
@@ -31,13 +40,7 @@ pub(crate) fn list_page(
     };
     let chosen = match PageFilter::read(query, SystemTime::now()) {
         Ok(f) => f,
-        Err(e) => {
-            return html(
-                400,
-                "Bad filter",
-                &format!("<p class=\"msg\" id=\"msg\">{}</p>", escape(&e)),
-            )
-        }
+        Err(e) => return bad_filter(&e),
     };
     let filter = Filter {
         limit: Some(PAGE_SIZE),
@@ -259,13 +262,7 @@ pub(crate) fn show_page(
     };
     let list = match PageFilter::read(query, SystemTime::now()) {
         Ok(f) => f,
-        Err(e) => {
-            return html(
-                400,
-                "Bad filter",
-                &format!("<p class=\"msg\" id=\"msg\">{}</p>", escape(&e)),
-            )
-        }
+        Err(e) => return bad_filter(&e),
     };
     let mut conn = match redis(monitor) {
         Ok(c) => c,

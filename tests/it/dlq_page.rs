@@ -325,6 +325,27 @@ fn put(r: &mut redis::Connection, letter: &taskhub::DeadLetter) {
 
 /// A worker on `stream` with the page and the admin token, ready; its
 /// process and the page's base URL.
+/// One permanent letter ("HTTP 422") per (event id, group) pair.
+fn put_group_letters(r: &mut redis::Connection, stream: &str, letters: &[(&str, &str)]) {
+    for (event_id, group) in letters {
+        let fields = vec![
+            (b"event_id".to_vec(), event_id.as_bytes().to_vec()),
+            (b"payload".to_vec(), b"{}".to_vec()),
+        ];
+        let mut l = taskhub::DeadLetter::new(
+            stream,
+            "1-0",
+            taskhub::DeadLetterKind::Permanent,
+            "HTTP 422",
+            fields,
+        );
+        l.event_id = Some((*event_id).into());
+        l.group = (*group).into();
+        l.attempts = 1;
+        put(r, &l);
+    }
+}
+
 fn page_worker(db: &TestDb, stream: &str) -> (Proc, String) {
     let port = free_port();
     let mut cmd = run_on(&db.url, stream);
@@ -798,29 +819,17 @@ fn the_page_narrows_to_one_group_and_its_bulk_actions_keep_to_it() {
     let db = TestDb::new();
     let stream = unique("page-groups");
     let mut r = redis(&redis_url());
-    for (event_id, group) in [
-        ("bill-1", "billing"),
-        ("mail-1", "emails"),
-        ("bill-2", "billing"),
-        ("mail-2", "emails"),
-        ("bill-3", "billing"),
-    ] {
-        let fields = vec![
-            (b"event_id".to_vec(), event_id.as_bytes().to_vec()),
-            (b"payload".to_vec(), b"{}".to_vec()),
-        ];
-        let mut l = taskhub::DeadLetter::new(
-            &stream,
-            "1-0",
-            taskhub::DeadLetterKind::Permanent,
-            "HTTP 422",
-            fields,
-        );
-        l.event_id = Some(event_id.into());
-        l.group = group.into();
-        l.attempts = 1;
-        put(&mut r, &l);
-    }
+    put_group_letters(
+        &mut r,
+        &stream,
+        &[
+            ("bill-1", "billing"),
+            ("mail-1", "emails"),
+            ("bill-2", "billing"),
+            ("mail-2", "emails"),
+            ("bill-3", "billing"),
+        ],
+    );
     let (mut p, base) = page_worker(&db, &stream);
 
     // Every group's letters, counted by group, each a link to its own.
@@ -912,27 +921,15 @@ fn a_letter_opened_from_a_filtered_list_leads_back_to_that_list() {
     let db = TestDb::new();
     let stream = unique("page-back");
     let mut r = redis(&redis_url());
-    for (event_id, group) in [
-        ("bill-1", "billing"),
-        ("mail-1", "emails"),
-        ("mail-2", "emails"),
-    ] {
-        let fields = vec![
-            (b"event_id".to_vec(), event_id.as_bytes().to_vec()),
-            (b"payload".to_vec(), b"{}".to_vec()),
-        ];
-        let mut l = taskhub::DeadLetter::new(
-            &stream,
-            "1-0",
-            taskhub::DeadLetterKind::Permanent,
-            "HTTP 422",
-            fields,
-        );
-        l.event_id = Some(event_id.into());
-        l.group = group.into();
-        l.attempts = 1;
-        put(&mut r, &l);
-    }
+    put_group_letters(
+        &mut r,
+        &stream,
+        &[
+            ("bill-1", "billing"),
+            ("mail-1", "emails"),
+            ("mail-2", "emails"),
+        ],
+    );
     let (mut p, base) = page_worker(&db, &stream);
     let get = |path: &str| {
         ureq::get(format!("{base}{path}"))
