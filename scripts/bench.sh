@@ -47,6 +47,10 @@ STEADY_SECS=${STEADY_SECS:-30}
 # Pairs of batch runs, clean and with failures (then with no failure),
 # side by side.
 PAIRS=${PAIRS:-3}
+if ! [[ $PAIRS =~ ^[1-9][0-9]*$ ]]; then
+    echo "bench: PAIRS must be a whole number of at least 1, not '$PAIRS'" >&2
+    exit 2
+fi
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379}
 DATABASE_URL=${DATABASE_URL:-postgres://postgres:taskhub@127.0.0.1:5432/taskhub}
 DATABASE_URL=${DATABASE_URL%%\?*}
@@ -178,7 +182,8 @@ batch_before=$(($(pgbench_tps "$work/batch50.sql") * 50))
     # The clean run and the one with failures side by side, PAIRS times:
     # the machine drifts by 10% from one minute to the next, more than
     # what the comparison is after, so each pair is compared on its own
-    # and the spread shown. The first pair is the table's.
+    # and the spread shown. The first pair's clean run is the one the
+    # steady load's rate and the other ratios are taken from.
     for pair in $(seq 1 "$PAIRS"); do
         suffix=""
         [[ $pair -gt 1 ]] && suffix="#$pair"

@@ -340,8 +340,10 @@ impl Builder {
             // applied as an event (inserted as one) and acked, gone from the
             // dead letters for good.
             if let Some(of) = s.strip_suffix(":dlq") {
+                // One shell word (control characters are refused above).
+                let of = format!("'{}'", of.replace('\'', "'\\''"));
                 return err(format!(
-                    "stream {s:?} is the dead-letter stream of {of:?}: its letters are not events \
+                    "stream {s:?} is the dead-letter stream of {of}: its letters are not events \
                      (see them with `taskhub dlq --stream {of} list`, put them back with \
                      `taskhub dlq --stream {of} replay`)"
                 ));
@@ -467,7 +469,7 @@ mod tests {
             (b().start_id("7"), "start id"),
             (
                 Builder::default().stream("orders:dlq"),
-                "the dead-letter stream of \"orders\"",
+                "the dead-letter stream of 'orders'",
             ),
         ] {
             let e = builder.validate().unwrap_err();

@@ -105,12 +105,12 @@ pub fn remove_consumer(
         Removal::Removed => Ok(()),
         Removal::NoConsumer => Err(Error::new(
             ErrorKind::Redis,
-            format!("{stream}: no consumer {consumer} in group {group} (a name that is not UTF-8 is listed with U+FFFD in place of its bytes: remove such a consumer with redis-cli XGROUP DELCONSUMER)"),
+            format!("{stream}: no consumer {consumer:?} in group {group} (a name that is not UTF-8 is listed with U+FFFD in place of its bytes: remove such a consumer with redis-cli XGROUP DELCONSUMER)"),
         )),
         Removal::Pending => Err(Error::new(
             ErrorKind::Redis,
             format!(
-                "{stream}: consumer {consumer} still has pending entries; \
+                "{stream}: consumer {consumer:?} still has pending entries; \
                  a running instance reclaims them after --reclaim-min-idle, then retry"
             ),
         )),
@@ -174,7 +174,9 @@ fn remove_if_idle(
         Err(e) if e.code() == Some("NOCONSUMER") => Ok(Removal::NoConsumer),
         Err(e) if e.code() == Some("PENDING") => Ok(Removal::Pending),
         Err(e) => Err(redis_error(
-            format!("{stream}: cannot remove consumer {consumer}"),
+            // The name is any client's text: quoted, control characters
+            // escaped.
+            format!("{stream}: cannot remove consumer {consumer:?}"),
             e,
         )),
     }

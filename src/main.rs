@@ -69,7 +69,7 @@ enum Command {
     Man,
     /// Delete processed_events rows older than a retention, in small transactions.
     Prune(cli::prune::PruneArgs),
-    /// Where each stream and its group stand: length, lag, pending, retrying, dead letters, consumers.
+    /// Where each stream and its group stand: length, lag, pending, redelivered, dead letters, consumers.
     Status(cli::status::StatusArgs),
     /// List a group's consumers (pending entries, idle time), or remove one that left for good.
     Consumers(cli::consumers::ConsumersArgs),

@@ -1,5 +1,5 @@
-//! Where a stream and its group stand: length, lag, pending, what waits for
-//! a retry, dead letters, and each consumer. What `taskhub status` prints
+//! Where a stream and its group stand: length, lag, pending, the entries
+//! delivered more than once, dead letters, and each consumer. What `taskhub status` prints
 //! and the `/` page of `--http` shows; a handful of read-only commands on
 //! the stream's node.
 
@@ -14,7 +14,7 @@ use crate::tls::Tls;
 
 /// At most this many pending entries are looked at to count the
 /// redelivered ones (a healthy group holds far fewer).
-const RETRY_SCAN: usize = 10_000;
+const REDELIVERED_SCAN: usize = 10_000;
 
 /// One stream as one consumer group sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -210,7 +210,7 @@ fn age(id: &str, now: SystemTime) -> Option<Duration> {
 }
 
 /// Counts the pending entries delivered more than once (over the first
-/// [`RETRY_SCAN`]), and returns the oldest pending id.
+/// [`REDELIVERED_SCAN`]), and returns the oldest pending id.
 fn scan_pending(
     conn: &mut RedisConn,
     stream: &str,
@@ -221,7 +221,7 @@ fn scan_pending(
     let mut oldest = None;
     let mut start = "-".to_owned();
     let mut seen = 0;
-    while seen < RETRY_SCAN {
+    while seen < REDELIVERED_SCAN {
         // (id, consumer, idle ms, deliveries)
         let page: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
             .arg(stream)

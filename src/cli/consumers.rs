@@ -1,6 +1,5 @@
 //! `taskhub consumers`: list a group's consumers, remove one that left.
 
-use super::format::one_line;
 use super::report;
 use clap::Args;
 
@@ -73,7 +72,7 @@ pub fn consumers(servers: &Servers, args: ConsumersArgs) -> Result<(), String> {
             // through, no line that passes for another.
             println!(
                 "removed consumer {} from {}/{}",
-                one_line(name, 200),
+                shown(name),
                 args.stream,
                 args.group
             );
@@ -102,7 +101,7 @@ pub fn consumers(servers: &Servers, args: ConsumersArgs) -> Result<(), String> {
         return Ok(());
     }
     // As above: names shown on one line, control characters escaped.
-    let names: Vec<String> = list.iter().map(|c| one_line(&c.name, 200)).collect();
+    let names: Vec<String> = list.iter().map(|c| shown(&c.name)).collect();
     let width = names
         .iter()
         .map(|n| n.chars().count())
@@ -116,4 +115,18 @@ pub fn consumers(servers: &Servers, args: ConsumersArgs) -> Result<(), String> {
         println!("{name:<width$}  {:>8}  {:>12}", c.pending, idle);
     }
     Ok(())
+}
+
+/// A consumer name on one line: control characters escaped (`\n`,
+/// `\u{1b}`), nothing cut, so that two names never look alike.
+fn shown(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for c in name.chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }

@@ -124,7 +124,12 @@ pub(crate) fn metrics(monitor: &Monitor) -> String {
         "gauge",
         "Deliveries waiting in this instance for a retry (sum over instances for the group's).",
     );
-    let _ = writeln!(out, "taskhub_retries_waiting {}", monitor.retrying().0);
+    let _ = writeln!(
+        out,
+        "taskhub_retries_waiting{{group=\"{}\"}} {}",
+        label(monitor.group()),
+        monitor.retrying().0
+    );
     group_gauges(&mut out, monitor);
     process(&mut out, monitor);
     out

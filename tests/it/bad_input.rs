@@ -528,7 +528,7 @@ fn running_on_a_dead_letter_stream_is_refused() {
     assert_eq!(out.code(), Some(1), "{}\n{}", out.stdout, out.stderr);
     assert!(
         out.stderr
-            .contains(&format!("is the dead-letter stream of {stream:?}")),
+            .contains(&format!("is the dead-letter stream of '{stream}'")),
         "{}",
         out.stderr
     );

@@ -221,8 +221,13 @@ fn cli_shows_a_hostile_consumer_name_escaped_on_one_line() {
     let table = run(&[]);
     assert!(!table.contains('\x1b'), "{table:?}");
     assert_eq!(table.lines().count(), 2, "a header and one row: {table:?}");
+    // Escaped, not blanked: `a\nb` and `a b` must not look alike.
     assert!(
-        table.lines().nth(1).unwrap().starts_with("evil\\u{1b}[2J"),
+        table
+            .lines()
+            .nth(1)
+            .unwrap()
+            .starts_with(r"evil\u{1b}[2J\u{1b}[31mRED\nc9"),
         "{table:?}"
     );
     std::thread::sleep(std::time::Duration::from_millis(1100));

@@ -219,7 +219,7 @@ fn a_prune_that_cannot_remove_fails_whatever_the_streams_name() {
         .query(&mut r)
         .unwrap();
     let _: i64 = redis::cmd("XGROUP")
-        .arg(&["CREATECONSUMER", &stream, "g", "gone"])
+        .arg(&["CREATECONSUMER", &stream, "g", "gone\x1b[2J\nforged"])
         .query(&mut r)
         .unwrap();
     redis::cmd("ACL")
@@ -236,9 +236,12 @@ fn a_prune_that_cannot_remove_fails_whatever_the_streams_name() {
     let out = output(cmd, None, Duration::from_secs(30));
     assert_eq!(out.code(), Some(1), "{}\n{}", out.stdout, out.stderr);
     assert!(
-        out.stderr.contains("cannot remove consumer gone"),
+        out.stderr
+            .contains(r#"cannot remove consumer "gone\u{1b}[2J\nforged""#),
         "{}",
         out.stderr
     );
     assert!(!out.stderr.contains(":pw@"), "no password: {}", out.stderr);
+    // The name is any client's text: no terminal escape through.
+    assert!(!out.stderr.contains('\x1b'), "{:?}", out.stderr);
 }

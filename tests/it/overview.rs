@@ -115,7 +115,9 @@ fn the_overview_shows_streams_counters_and_what_waits_for_a_retry() {
     assert_eq!(cells[5], "0", "{row}");
     let metrics = get(port, "/metrics").1;
     assert!(
-        metrics.lines().any(|l| l == "taskhub_retries_waiting 1"),
+        metrics
+            .lines()
+            .any(|l| l == format!(r#"taskhub_retries_waiting{{group="{stream}"}} 1"#)),
         "{metrics}"
     );
     // The counters, and the retry with its attempt count and error.
