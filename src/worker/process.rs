@@ -22,6 +22,7 @@
 //! its redelivery finds the `processed_events` row. Nothing is acked that was
 //! not committed.
 
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -384,9 +385,32 @@ impl Processor {
         // guards its batches.
         let failures = self.apply_batches(&stream, batch, &mut one_by_one, &mut done);
         self.record_batch(handlers, failures);
+        // A copy of an event after a copy of it that failed here (to a
+        // retry or a dead letter) is acked as a duplicate, unmarked: the
+        // event is the failed copy's, as in a batch (`apply_batch`). Tracked
+        // only where the job holds more than one delivery.
+        let mut failed: Option<HashSet<String>> = (one_by_one.len() > 1).then(HashSet::new);
         for delivery in one_by_one {
             self.ack_if_overdue(&stream, &mut done);
-            self.apply_one(delivery, &mut done);
+            if let Some(failed) = &mut failed {
+                let id = delivery.event_id().map(str::to_owned);
+                if id.as_ref().is_some_and(|id| failed.contains(id)) {
+                    Stats::add(&self.stage.common.stats.of(&stream).duplicates, 1);
+                    log::debug!(
+                        "{}/{}: a copy of an event whose earlier copy failed here; acked as a duplicate",
+                        delivery.stream,
+                        delivery.entry_id
+                    );
+                    // No marker: the failed copy's retry must still run.
+                    done.push(delivery, false);
+                    continue;
+                }
+                if self.apply_one(delivery, &mut done) == Outcome::Failed {
+                    failed.extend(id);
+                }
+            } else {
+                self.apply_one(delivery, &mut done);
+            }
         }
         // Step 4: markers, then acks (with the next jobs' finished entries,
         // for a few milliseconds at most).
@@ -728,7 +752,7 @@ impl Processor {
     /// `apply.rs`). Run side by side, the events that happened to be in
     /// progress next to a crash-looping event were charged one attempt per
     /// crash and dead-lettered with it (found by scripts/chaos.sh).
-    fn apply_one(&mut self, mut delivery: Delivery, done: &mut Finished) {
+    fn apply_one(&mut self, mut delivery: Delivery, done: &mut Finished) -> Outcome {
         let stage = self.stage.clone();
         let suspect = delivery.delivery_count > 1 && delivery.failures.is_empty();
         if suspect {
@@ -748,16 +772,19 @@ impl Processor {
                 // outage, its run did not crash the process: the next
                 // delivery must not count it.
                 crate::worker::apply::take_back_start(&self.stage, &delivery);
+                Outcome::Other
             }
             Flow::Struck => {
                 let reason = format!(
                     "the database connection was lost {strikes} times while this event ran, as other events committed (max attempts {max}): the event likely kills its database session"
                 );
                 self.dead_letter(delivery, Kind::CrashLoop, reason);
+                Outcome::Failed
             }
             Flow::Done(Ok(Applied::New)) => {
                 Stats::add(&self.stage.common.stats.of(&delivery.stream).applied, 1);
                 done.push(delivery, true);
+                Outcome::Other
             }
             Flow::Done(Ok(Applied::Duplicate)) => {
                 Stats::add(&self.stage.common.stats.of(&delivery.stream).duplicates, 1);
@@ -767,6 +794,7 @@ impl Processor {
                     delivery.entry_id
                 );
                 done.push(delivery, true);
+                Outcome::Other
             }
             Flow::Done(Ok(Applied::CrashLoop)) => {
                 let reason = format!(
@@ -774,11 +802,29 @@ impl Processor {
                     delivery.delivery_count
                 );
                 self.dead_letter(delivery, Kind::CrashLoop, reason);
+                Outcome::Failed
             }
-            Flow::Done(Ok(other)) => self.not_applied(delivery, other),
-            Flow::Done(Err(e)) => self.failed(delivery, e),
+            // Trimmed (dead-lettered) or no longer ours: the event is not
+            // this copy's to decide.
+            Flow::Done(Ok(other)) => {
+                self.not_applied(delivery, other);
+                Outcome::Other
+            }
+            Flow::Done(Err(e)) => {
+                self.failed(delivery, e);
+                Outcome::Failed
+            }
         }
     }
+}
+
+/// What became of a delivery applied on its own.
+#[derive(Debug, PartialEq, Eq)]
+enum Outcome {
+    /// Failed here: gone to a retry or a dead letter.
+    Failed,
+    /// Applied, a duplicate, left pending, or not ours any more.
+    Other,
 }
 
 /// Waits for this worker's turn to apply a suspect (a redelivered entry),
