@@ -8,7 +8,7 @@ use crate::error::Error;
 use crate::redact::redact;
 use crate::tls::Tls;
 
-/// The validated settings of a [`Worker`]. Build one with [`Worker::builder`].
+/// The validated settings of a [`Worker`](crate::Worker). Build one with [`Worker::builder`](crate::Worker::builder).
 #[derive(Clone)]
 pub struct Config {
     pub(crate) redis_url: String,
@@ -138,7 +138,7 @@ pub(crate) fn default_consumer_name() -> String {
     }
 }
 
-/// Builds a [`Worker`]. Every setter documents its default.
+/// Builds a [`Worker`](crate::Worker). Every setter documents its default.
 #[derive(Debug, Clone)]
 pub struct Builder {
     config: Config,
@@ -404,6 +404,23 @@ impl Builder {
         if c.handler_timeout < Duration::from_millis(1) {
             return err("handler timeout must be at least 1 ms".into());
         }
+        // PostgreSQL's statement_timeout is a 32-bit count of milliseconds.
+        if c.handler_timeout > Duration::from_millis(i32::MAX as u64) {
+            return err(format!(
+                "handler timeout must be at most 24 days (PostgreSQL's statement_timeout), not {:?}",
+                c.handler_timeout
+            ));
+        }
+        // Sent to Redis as milliseconds (XAUTOCLAIM) and seconds (SET EX).
+        const TEN_YEARS: Duration = Duration::from_secs(10 * 365 * 86_400);
+        for (name, d) in [
+            ("reclaim min-idle", c.reclaim_min_idle),
+            ("marker TTL", c.marker_ttl),
+        ] {
+            if d > TEN_YEARS {
+                return err(format!("{name} must be at most 10 years, not {d:?}"));
+            }
+        }
         if c.reclaim_min_idle < Duration::from_secs(2) {
             return err(format!(
                 "reclaim min-idle must be at least 2s, not {:?} (entries held for up to 1 s are \
@@ -467,6 +484,15 @@ mod tests {
             (b().shutdown_timeout(Duration::ZERO), "shutdown timeout"),
             (b().stream("s"), "twice"),
             (b().start_id("7"), "start id"),
+            (
+                b().handler_timeout(Duration::from_secs(40 * 86_400)),
+                "24 days",
+            ),
+            (b().marker_ttl(Duration::MAX), "marker TTL must be at most"),
+            (
+                b().reclaim_min_idle(Duration::MAX),
+                "min-idle must be at most",
+            ),
             (
                 Builder::default().stream("orders:dlq"),
                 "the dead-letter stream of 'orders'",

@@ -36,7 +36,12 @@ pub enum ErrorKind {
     Postgres,
     /// A migration failed.
     Migration,
-    /// Shutdown did not finish before its deadline.
+    /// Shutdown did not finish before its deadline. The threads still
+    /// running are left detached: in a program that goes on after
+    /// `Worker::run` returned, they may yet finish what they hold (commit
+    /// and ack, a handler's effect included) or stop at their next step;
+    /// end the process, or give them time, before dropping what they use.
+    /// Ending the process loses nothing: what was not acked stays pending.
     ShutdownTimeout,
     /// A thread of the worker died in a way it could not recover from.
     Thread,

@@ -42,7 +42,7 @@ impl Shutdown {
     /// Sleeps for `duration`, or less if a shutdown is asked for meanwhile.
     /// Returns `true` when woken by a shutdown.
     pub fn sleep(&self, duration: Duration) -> bool {
-        let deadline = Instant::now() + duration;
+        let deadline = deadline_after(duration);
         let mut guard = self.inner.lock.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if self.is_shutdown() {
@@ -60,6 +60,15 @@ impl Shutdown {
                 .0;
         }
     }
+}
+
+/// `after` from now; a time too far off for the clock (`Duration::MAX`,
+/// which callers give for "no limit") is a century from now instead of a
+/// panic.
+pub(crate) fn deadline_after(after: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(after)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
 }
 
 #[cfg(test)]

@@ -389,7 +389,7 @@ impl Handler for SqlHandler {
     /// Prepares the statement once at start-up, so a typo or a missing
     /// table is a start-up error instead of a dead letter per event; an
     /// empty statement, or transaction control (COMMIT, ROLLBACK, ...),
-    /// is refused too (see [`check_statement`]).
+    /// is refused too (see `check_statement`).
     fn on_start(
         &self,
         client: &mut postgres::Client,

@@ -558,7 +558,7 @@ impl Worker {
     /// and exits.
     fn stop(&self, threads: Threads) -> Result<(), Error> {
         let timeout = self.config.shutdown_timeout;
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::shutdown::deadline_after(timeout);
         let Threads {
             readers,
             reclaimer,
@@ -575,7 +575,7 @@ impl Worker {
                         return Err(Error::new(
                             ErrorKind::ShutdownTimeout,
                             format!(
-                                "shutdown did not finish within {timeout:?} ({} still running); unfinished entries stay pending",
+                                "shutdown did not finish within {timeout:?} ({} still running); entries not finished stay pending, but a thread still running may yet finish what it holds (commit and ack) unless the process ends",
                                 handle.thread().name().unwrap_or("a thread")
                             ),
                         ));

@@ -54,7 +54,7 @@ impl Slots {
     /// A place, waiting for one up to `wait`, or until `stop()`; `None`
     /// if none came free.
     fn take(self: &Arc<Slots>, wait: Duration, stop: &dyn Fn() -> bool) -> Option<Slot> {
-        let deadline = Instant::now() + wait;
+        let deadline = crate::shutdown::deadline_after(wait);
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
         while *free == 0 {
             let left = deadline.saturating_duration_since(Instant::now());

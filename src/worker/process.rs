@@ -832,7 +832,7 @@ enum Outcome {
 /// goes ahead anyway with a warning, so a hung suspect cannot stall every
 /// other redelivery.
 fn suspect_turn(lock: &Mutex<()>, patience: Duration) -> Option<MutexGuard<'_, ()>> {
-    let deadline = Instant::now() + patience;
+    let deadline = crate::shutdown::deadline_after(patience);
     loop {
         match lock.try_lock() {
             Ok(guard) => return Some(guard),

@@ -2293,3 +2293,33 @@ fn a_copy_after_a_failed_first_copy_is_not_dead_lettered_again() {
         assert_eq!(pending(&mut s.conn, &s.stream, &s.group), 0);
     }
 }
+
+/// `Duration::MAX` is how a Rust caller writes "no limit": for the shutdown
+/// timeout and the reclaim interval it is taken as that (`run` panicked
+/// computing the stop's deadline, and the reclaim thread died computing
+/// its sleep's; seen failing); for the settings sent to a server it is a
+/// clear error from `build`.
+#[test]
+fn no_limit_written_as_duration_max_works_or_is_refused_clearly() {
+    let mut s = Scenario::new("duration-max");
+    let events = s.produce(&event_ids("ev", 20));
+    let summary = s.run_until_idle(
+        s.builder()
+            .shutdown_timeout(Duration::MAX)
+            .reclaim_interval(Duration::MAX),
+        SqlHandler::default(),
+    );
+    assert_eq!(summary.applied, 20);
+    s.assert_applied_once(&events);
+    for (builder, says) in [
+        (
+            s.builder().handler_timeout(Duration::MAX),
+            "at most 24 days",
+        ),
+        (s.builder().marker_ttl(Duration::MAX), "at most 10 years"),
+    ] {
+        let e = builder.build(SqlHandler::default()).err().expect("refused");
+        assert_eq!(e.kind(), taskhub::ErrorKind::Config, "{e}");
+        assert!(e.to_string().contains(says), "{e}");
+    }
+}
