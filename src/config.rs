@@ -519,5 +519,23 @@ mod tests {
             !text.contains("secret") && !text.contains("hunter2"),
             "{text}"
         );
+        // A worker and its monitor show what they run, no password either.
+        let worker = crate::Worker::builder()
+            .stream("orders")
+            .group("billing")
+            .database_url("postgres://u:secret@h/db")
+            .redis_url("redis://:hunter2@h:6379")
+            .build(crate::SqlHandler::default())
+            .unwrap();
+        for text in [format!("{worker:?}"), format!("{:?}", worker.monitor())] {
+            assert!(
+                text.contains("orders") && text.contains("billing"),
+                "{text}"
+            );
+            assert!(
+                !text.contains("secret") && !text.contains("hunter2"),
+                "{text}"
+            );
+        }
     }
 }

@@ -63,6 +63,15 @@ pub struct Worker {
     monitor: Monitor,
 }
 
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The configuration's Debug hides passwords.
+        f.debug_struct("Worker")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Builder {
     /// Validates the configuration and returns a worker that runs `handler`.
     /// Nothing is connected yet; [`Worker::run`] does that.

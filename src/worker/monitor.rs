@@ -113,6 +113,16 @@ pub struct Monitor {
     pub(crate) inner: Arc<Inner>,
 }
 
+impl std::fmt::Debug for Monitor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Monitor")
+            .field("streams", &self.streams())
+            .field("group", &self.group())
+            .field("in_flight", &self.in_flight())
+            .finish_non_exhaustive()
+    }
+}
+
 pub(crate) struct Inner {
     pub stats: Arc<Stats>,
     pub health: Arc<Health>,
