@@ -2318,7 +2318,7 @@ fn no_limit_written_as_duration_max_works_or_is_refused_clearly() {
         ),
         (s.builder().marker_ttl(Duration::MAX), "at most 10 years"),
     ] {
-        let e = builder.build(SqlHandler::default()).err().expect("refused");
+        let e = builder.build(SqlHandler::default()).expect_err("refused");
         assert_eq!(e.kind(), taskhub::ErrorKind::Config, "{e}");
         assert!(e.to_string().contains(says), "{e}");
     }
