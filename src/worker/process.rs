@@ -359,13 +359,7 @@ impl Processor {
                 );
                 done.push(delivery, false);
             } else if marked {
-                Stats::add(&self.stage.common.stats.of(&stream).duplicates, 1);
-                log::debug!(
-                    "{}/{}: duplicate (marker)",
-                    delivery.stream,
-                    delivery.entry_id
-                );
-                done.push(delivery, false);
+                self.acked_as_duplicate(delivery, "duplicate (marker)", &mut done);
             } else if batch_mode && (delivery.delivery_count <= 1 || !delivery.failures.is_empty())
             {
                 // First deliveries and retries are batched; retries always
@@ -395,14 +389,10 @@ impl Processor {
             if let Some(failed) = &mut failed {
                 let id = delivery.event_id().map(str::to_owned);
                 if id.as_ref().is_some_and(|id| failed.contains(id)) {
-                    Stats::add(&self.stage.common.stats.of(&stream).duplicates, 1);
-                    log::debug!(
-                        "{}/{}: a copy of an event whose earlier copy failed here; acked as a duplicate",
-                        delivery.stream,
-                        delivery.entry_id
-                    );
                     // No marker: the failed copy's retry must still run.
-                    done.push(delivery, false);
+                    let why =
+                        "a copy of an event whose earlier copy failed here; acked as a duplicate";
+                    self.acked_as_duplicate(delivery, why, &mut done);
                     continue;
                 }
                 if self.apply_one(delivery, &mut done) == Outcome::Failed {
@@ -415,6 +405,14 @@ impl Processor {
         // Step 4: markers, then acks (with the next jobs' finished entries,
         // for a few milliseconds at most).
         self.hold(&stream, done);
+    }
+
+    /// Counts `delivery` as a duplicate and acks it, without a marker (the
+    /// event's marker, if any, is already there or is not this copy's).
+    fn acked_as_duplicate(&self, delivery: Delivery, why: &str, done: &mut Finished) {
+        Stats::add(&self.stage.common.stats.of(&delivery.stream).duplicates, 1);
+        log::debug!("{}/{}: {why}", delivery.stream, delivery.entry_id);
+        done.push(delivery, false);
     }
 
     /// Marks and acks what the job finished so far if the oldest has waited
