@@ -335,7 +335,11 @@ impl Builder {
                 ));
             }
         }
+        let mut seen = std::collections::HashSet::new();
         for s in &c.streams {
+            if !seen.insert(s) {
+                return err(format!("stream {s:?} is given twice"));
+            }
             // Its entries are letters, not events: consumed, each would be
             // applied as an event (inserted as one) and acked, gone from the
             // dead letters for good.
@@ -347,12 +351,6 @@ impl Builder {
                      (see them with `taskhub dlq --stream {of} list`, put them back with \
                      `taskhub dlq --stream {of} replay`)"
                 ));
-            }
-        }
-        let mut seen = std::collections::HashSet::new();
-        for s in &c.streams {
-            if !seen.insert(s) {
-                return err(format!("stream {s:?} is given twice"));
             }
         }
         if c.scope.as_deref() == Some("") {

@@ -1,7 +1,7 @@
 //! Where a stream and its group stand: length, lag, pending, the entries
-//! delivered more than once, dead letters, and each consumer. What `taskhub status` prints
-//! and the `/` page of `--http` shows; a handful of read-only commands on
-//! the stream's node.
+//! delivered more than once, dead letters, and each consumer. What
+//! `taskhub status` prints and the `/` page of `--http` shows; a handful of
+//! read-only commands on the stream's node.
 
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

@@ -126,11 +126,10 @@ pub(crate) fn metrics(monitor: &Monitor) -> String {
     );
     let _ = writeln!(
         out,
-        "taskhub_retries_waiting{{group=\"{}\"}} {}",
-        label(monitor.group()),
+        "taskhub_retries_waiting{{group=\"{group}\"}} {}",
         monitor.retrying().0
     );
-    group_gauges(&mut out, monitor);
+    group_gauges(&mut out, monitor, &group);
     process(&mut out, monitor);
     out
 }
@@ -160,7 +159,7 @@ fn durations(out: &mut String, monitor: &Monitor) {
 
 /// The group-wide gauges of every stream; a stream Redis cannot answer for
 /// is left out of this scrape.
-fn group_gauges(out: &mut String, monitor: &Monitor) {
+fn group_gauges(out: &mut String, monitor: &Monitor, group: &str) {
     let now = SystemTime::now();
     // A scrape waits a second at most for its place beside the page's
     // requests (Prometheus gives up on the whole scrape after ten).
@@ -176,48 +175,48 @@ fn group_gauges(out: &mut String, monitor: &Monitor) {
         })
         .collect();
     type Pick = fn(&Gauges) -> Option<f64>;
-    // (name, help, the group's or every group's, value)
-    let all: [(&str, &str, bool, Pick); 4] = [
+    let all: [(&str, &str, Pick); 3] = [
         (
             "taskhub_pending",
             "Entries pending in the group (all consumers; the same from every instance).",
-            true,
             |g| Some(g.pending as f64),
         ),
         (
             "taskhub_stream_lag",
             "Entries in the stream not yet delivered to the group.",
-            true,
             |g| g.lag.map(|n| n as f64),
         ),
         (
             "taskhub_oldest_pending_seconds",
             "Age of the oldest pending entry of the group (0 when none).",
-            true,
             |g| Some(g.oldest_pending.map_or(0.0, |d| d.as_secs_f64())),
         ),
-        (
-            "taskhub_dead_letters",
-            "Length of the dead-letter stream (every group's letters: groups reading one stream share it).",
-            false,
-            |g| Some(g.dead_letters as f64),
-        ),
     ];
-    let group = label(monitor.group());
-    for (name, help, of_group, pick) in all {
+    for (name, help, pick) in all {
         head(out, name, "gauge", help);
         for (stream, g) in &found {
             if let Some(value) = pick(g) {
-                if of_group {
-                    let _ = writeln!(
-                        out,
-                        "{name}{{stream=\"{stream}\",group=\"{group}\"}} {value}"
-                    );
-                } else {
-                    let _ = writeln!(out, "{name}{{stream=\"{stream}\"}} {value}");
-                }
+                let _ = writeln!(
+                    out,
+                    "{name}{{stream=\"{stream}\",group=\"{group}\"}} {value}"
+                );
             }
         }
+    }
+    // Every group's letters: groups reading one stream share it, so no
+    // group label.
+    head(
+        out,
+        "taskhub_dead_letters",
+        "gauge",
+        "Length of the dead-letter stream (every group's letters: groups reading one stream share it).",
+    );
+    for (stream, g) in &found {
+        let _ = writeln!(
+            out,
+            "taskhub_dead_letters{{stream=\"{stream}\"}} {}",
+            g.dead_letters
+        );
     }
 }
 

@@ -380,26 +380,19 @@ impl Processor {
         let failures = self.apply_batches(&stream, batch, &mut one_by_one, &mut done);
         self.record_batch(handlers, failures);
         // A copy of an event after a copy of it that failed here (to a
-        // retry or a dead letter) is acked as a duplicate, unmarked: the
-        // event is the failed copy's, as in a batch (`apply_batch`). Tracked
-        // only where the job holds more than one delivery.
-        let mut failed: Option<HashSet<String>> = (one_by_one.len() > 1).then(HashSet::new);
+        // retry or a dead letter) is acked as a duplicate, unmarked (the
+        // failed copy's retry must still run): the event is the failed
+        // copy's, as in a batch (`apply_batch`).
+        let mut failed: HashSet<String> = HashSet::new();
         for delivery in one_by_one {
             self.ack_if_overdue(&stream, &mut done);
-            if let Some(failed) = &mut failed {
-                let id = delivery.event_id().map(str::to_owned);
-                if id.as_ref().is_some_and(|id| failed.contains(id)) {
-                    // No marker: the failed copy's retry must still run.
-                    let why =
-                        "a copy of an event whose earlier copy failed here; acked as a duplicate";
-                    self.acked_as_duplicate(delivery, why, &mut done);
-                    continue;
-                }
-                if self.apply_one(delivery, &mut done) == Outcome::Failed {
-                    failed.extend(id);
-                }
-            } else {
-                self.apply_one(delivery, &mut done);
+            if delivery.event_id().is_some_and(|id| failed.contains(id)) {
+                let why = "a copy of an event whose earlier copy failed here; acked as a duplicate";
+                self.acked_as_duplicate(delivery, why, &mut done);
+                continue;
+            }
+            if let Outcome::Failed(Some(id)) = self.apply_one(delivery, &mut done) {
+                failed.insert(id);
             }
         }
         // Step 4: markers, then acks (with the next jobs' finished entries,
@@ -776,8 +769,9 @@ impl Processor {
                 let reason = format!(
                     "the database connection was lost {strikes} times while this event ran, as other events committed (max attempts {max}): the event likely kills its database session"
                 );
+                let id = delivery.event_id().map(str::to_owned);
                 self.dead_letter(delivery, Kind::CrashLoop, reason);
-                Outcome::Failed
+                Outcome::Failed(id)
             }
             Flow::Done(Ok(Applied::New)) => {
                 Stats::add(&self.stage.common.stats.of(&delivery.stream).applied, 1);
@@ -799,8 +793,9 @@ impl Processor {
                     "delivered {} times without finishing (max attempts {max}): the event likely crashes its consumer",
                     delivery.delivery_count
                 );
+                let id = delivery.event_id().map(str::to_owned);
                 self.dead_letter(delivery, Kind::CrashLoop, reason);
-                Outcome::Failed
+                Outcome::Failed(id)
             }
             // Trimmed (dead-lettered) or no longer ours: the event is not
             // this copy's to decide.
@@ -809,18 +804,18 @@ impl Processor {
                 Outcome::Other
             }
             Flow::Done(Err(e)) => {
+                let id = delivery.event_id().map(str::to_owned);
                 self.failed(delivery, e);
-                Outcome::Failed
+                Outcome::Failed(id)
             }
         }
     }
 }
 
 /// What became of a delivery applied on its own.
-#[derive(Debug, PartialEq, Eq)]
 enum Outcome {
-    /// Failed here: gone to a retry or a dead letter.
-    Failed,
+    /// Failed here, gone to a retry or a dead letter: its event id.
+    Failed(Option<String>),
     /// Applied, a duplicate, left pending, or not ours any more.
     Other,
 }

@@ -2323,3 +2323,52 @@ fn no_limit_written_as_duration_max_works_or_is_refused_clearly() {
         assert!(e.to_string().contains(says), "{e}");
     }
 }
+
+/// As above, but the first copy's failure is retryable and its retry
+/// succeeds: the copy acked meanwhile must not have cost the event (no
+/// marker for it, so the retry is not taken for a duplicate), and the event
+/// is applied once, with no dead letter.
+#[test]
+fn a_copy_acked_after_a_retryable_failure_leaves_the_retry_to_apply_the_event() {
+    struct FailsOnce(AtomicUsize);
+    impl Handler for FailsOnce {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            self.handle_batch(&[event], tx)
+        }
+        fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            // The first two calls with it fail: in batch mode the batch's
+            // (which names no event, so the batch goes one by one) and
+            // then its own, which goes to a retry.
+            if events.iter().any(|e| e.event_id() == "flaky")
+                && self.0.fetch_add(1, Ordering::SeqCst) < 2
+            {
+                return Err(HandlerError::retryable("not yet"));
+            }
+            for event in events {
+                insert(event, tx)?;
+            }
+            Ok(())
+        }
+    }
+    for mode in [taskhub::Mode::Batch, taskhub::Mode::PerEvent] {
+        let mut s = Scenario::new("copy-after-retry");
+        let mut ids = Vec::new();
+        for id in ["a", "flaky", "b"] {
+            for _copy in 0..2 {
+                xadd(
+                    &mut s.conn,
+                    &s.stream,
+                    &[("event_id", id), ("payload", "p")],
+                );
+            }
+            ids.push(id.to_owned());
+        }
+        let summary = s.run_until_idle(
+            s.builder().mode(mode).workers(1).count(10),
+            FailsOnce(AtomicUsize::new(0)),
+        );
+        s.assert_applied_once(&ids);
+        assert!(summary.retries >= 1, "{mode:?}: {summary:?}");
+        assert_eq!(summary.duplicates, 3, "{mode:?}: {summary:?}");
+    }
+}
