@@ -105,10 +105,18 @@ pub(crate) fn metrics(monitor: &Monitor) -> String {
         "counter",
         "Handler panics caught.",
     );
+    let summary = monitor.summary();
+    let _ = writeln!(out, "taskhub_handler_panics_total {}", summary.panics);
+    head(
+        &mut out,
+        "taskhub_consumer_name_clashes_total",
+        "counter",
+        "Times another running instance was found using this instance's consumer name (each instance needs a name of its own).",
+    );
     let _ = writeln!(
         out,
-        "taskhub_handler_panics_total {}",
-        monitor.summary().panics
+        "taskhub_consumer_name_clashes_total{{group=\"{group}\"}} {}",
+        summary.name_clashes
     );
     durations(&mut out, monitor);
     head(

@@ -14,6 +14,10 @@
 //! - The start set of a redelivered entry (one member per delivery; a new
 //!   name since it was a counter),
 //!   `th:d:<len>:<group>:<len>:<stream>:<entry_id>` (see `process.rs`).
+//! - The record of the instance running as a consumer,
+//!   `th:c:<len>:<group>:<len>:<stream>:<consumer>`: its token, process id
+//!   and host, refreshed every few seconds by the reader, with a TTL (see
+//!   `worker/name_check.rs`).
 //! - The index of a group's dead-lettered entries, the hash
 //!   `<stream>:dlq:index:<len>:<group>` (entry id → dead-letter id), in the
 //!   stream's hash slot: an entry delivered again after its group was
@@ -157,6 +161,17 @@ pub(crate) fn marker_tag(key: &str) -> String {
     format!("m:{:016x}", fnv1a(key.as_bytes()))
 }
 
+/// The record of the instance running as `consumer` in `group` on
+/// `stream`, refreshed by its reader (see `worker/name_check.rs`): two
+/// instances under one consumer name overwrite each other's.
+pub(crate) fn consumer_record(group: &str, stream: &str, consumer: &str) -> String {
+    format!(
+        "th:c:{}:{group}:{}:{stream}:{consumer}",
+        group.len(),
+        stream.len()
+    )
+}
+
 /// The start counter of one entry of `stream` in `group`.
 pub(crate) fn started(group: &str, stream: &str, entry_id: &str) -> String {
     format!(
@@ -247,6 +262,10 @@ mod tests {
         assert_ne!(marker("n", "g", "x:1"), marker("n", "g:x", "1"));
         assert_ne!(started("a:b", "c", "1-0"), started("a", "b:c", "1-0"));
         assert_ne!(started("a", "b:1-0", "2-0"), started("a", "b", "1-0:2-0"));
+        assert_ne!(
+            consumer_record("a", "b:c", "d"),
+            consumer_record("a", "b", "c:d")
+        );
         assert_eq!(marker("00ff", "g", "e"), "th:00ff:1:g:e");
         assert_eq!(
             format!("{}e:1", marker_prefix("00ff", "g:x")),

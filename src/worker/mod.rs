@@ -38,6 +38,7 @@ pub(crate) mod delivery;
 pub(crate) mod fail;
 pub(crate) mod flow;
 pub(crate) mod monitor;
+pub(crate) mod name_check;
 pub(crate) mod pool;
 pub(crate) mod process;
 pub(crate) mod read;
@@ -49,6 +50,7 @@ use context::{Claim, Common};
 use dead_letter::Writer;
 use flow::InFlight;
 use monitor::{Monitor, PG_ROOM, REDIS_ROOM};
+use name_check::NameCheck;
 use process::{Settings, Stage};
 use read::Reader;
 use reclaim::Reclaimer;
@@ -495,6 +497,8 @@ impl Worker {
         };
         let mut readers = Vec::new();
         let mut idle_flags = Vec::new();
+        // This start's token in its consumer records (see `name_check.rs`).
+        let token = format!("{:016x}", rand::random::<u64>());
         for (i, stream) in config.streams.iter().enumerate() {
             let idle = Arc::new(AtomicBool::new(false));
             idle_flags.push(idle.clone());
@@ -511,6 +515,7 @@ impl Worker {
                 idle,
                 namespace: namespace.clone(),
                 scope: config.scope().to_owned(),
+                name: NameCheck::new(&token, &claim.group, stream, &claim.consumer, config.block),
             };
             let tx = jobs_tx.clone();
             readers.push(spawn(format!("taskhub-reader-{i}"), move || {

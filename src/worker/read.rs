@@ -29,6 +29,7 @@ use crate::redis::{RedisClient, RedisConn};
 use crate::worker::context::{outage_backoff, Claim, Common};
 use crate::worker::delivery::{in_parts, Delivery, Job};
 use crate::worker::flow::InFlight;
+use crate::worker::name_check::NameCheck;
 use crate::worker::reclaim::take;
 use crate::worker::stats::Server;
 
@@ -54,6 +55,8 @@ pub(crate) struct Reader {
     /// looks the markers of what it reads up in the same step.
     pub namespace: Namespace,
     pub scope: String,
+    /// Its record as this consumer (two instances under one name).
+    pub name: NameCheck,
 }
 
 /// Where the reader is in its stream.
@@ -113,6 +116,17 @@ impl Reader {
                     continue;
                 }
                 unrecorded.clear();
+            }
+            if let Err(e) = self.name.refresh(common, c) {
+                back_off(
+                    common,
+                    stream,
+                    "writing this consumer's record",
+                    &e,
+                    &mut failures,
+                );
+                conn = None;
+                continue;
             }
             let Some(room) = flow.reserve(self.count, &common.shutdown) else {
                 break;

@@ -35,6 +35,9 @@ pub(crate) struct Stats {
     /// connection while others commit is a crash loop, not an outage).
     pub commits: AtomicU64,
     pub panics: AtomicU64,
+    /// Refreshes of a consumer record that found another instance's (see
+    /// `name_check.rs`).
+    pub name_clashes: AtomicU64,
     pub handler_seconds: Histogram,
     /// Which failed attempts are logged at warn level.
     pub failures_shown: Sampled,
@@ -69,6 +72,9 @@ pub struct Summary {
     pub reclaimed: u64,
     /// Handler panics caught.
     pub panics: u64,
+    /// Times another running instance was found using this one's consumer
+    /// name (each instance needs its own).
+    pub name_clashes: u64,
 }
 
 impl Stats {
@@ -102,6 +108,7 @@ impl Stats {
     pub fn snapshot(&self) -> Summary {
         let mut total = Summary {
             panics: self.panics.load(Ordering::Relaxed),
+            name_clashes: self.name_clashes.load(Ordering::Relaxed),
             ..Summary::default()
         };
         for (_, c) in &self.streams {
@@ -154,6 +161,7 @@ impl Counters {
             dead_trimmed: dead[4],
             reclaimed: get(&self.reclaimed),
             panics: 0,
+            name_clashes: 0,
         }
     }
 }
@@ -172,6 +180,7 @@ impl Summary {
         self.dead_trimmed += other.dead_trimmed;
         self.reclaimed += other.reclaimed;
         self.panics += other.panics;
+        self.name_clashes += other.name_clashes;
     }
 }
 

@@ -930,3 +930,84 @@ fn metrics_of_groups_sharing_a_stream_carry_their_group() {
         assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
     }
 }
+
+/// Two instances started under one consumer name (two on one host, both
+/// with the default, the host name) share one pending list: each is told,
+/// in its log and in /metrics. An instance that replaces one killed under
+/// the same name is not (the record of the killed one is there when it
+/// starts, and is never written again).
+#[test]
+fn two_instances_under_one_consumer_name_are_told() {
+    let db = TestDb::new();
+    let stream = unique("same-name");
+    let start = |port: Option<u16>| {
+        let mut cmd = run_on(&db.url, &stream);
+        cmd.args(["--sql", INT_SQL])
+            .env("TASKHUB_CONSUMER", "vm-same");
+        if let Some(port) = port {
+            cmd.args(["--http", &port.to_string()]);
+        }
+        Proc::spawn(cmd)
+    };
+    let told = "another instance runs as consumer \"vm-same\"";
+    let mut r = redis(&redis_url());
+    let record = format!(
+        "th:c:{}:{stream}:{}:{stream}:vm-same",
+        stream.len(),
+        stream.len()
+    );
+    let value = |r: &mut redis::Connection| -> Option<String> {
+        redis::cmd("GET").arg(&record).query(r).unwrap()
+    };
+    let mut killed = start(None);
+    assert!(
+        wait_until(Duration::from_secs(15), || value(&mut r).is_some()),
+        "{}",
+        killed.stderr()
+    );
+    killed.kill();
+    let port = free_port();
+    let replacement = start(Some(port));
+    // Its first write finds the killed one's record, the next ones its own.
+    let written = value(&mut r);
+    assert!(
+        wait_until(Duration::from_secs(15), || value(&mut r) != written),
+        "{}",
+        replacement.stderr()
+    );
+    std::thread::sleep(Duration::from_secs(11));
+    assert!(
+        !replacement.stderr().contains(told),
+        "{}",
+        replacement.stderr()
+    );
+
+    let twin = start(None);
+    xadd(&mut r, &stream, &[("event_id", "e-1"), ("payload", "1")]);
+    for p in [&replacement, &twin] {
+        assert!(
+            wait_until(Duration::from_secs(30), || p.stderr().contains(told)),
+            "{}",
+            p.stderr()
+        );
+    }
+    let pid = twin.pid().to_string();
+    assert!(
+        replacement.stderr().contains(&format!("\"pid {pid} on ")),
+        "{}",
+        replacement.stderr()
+    );
+    let (_, metrics) = get(&format!("http://127.0.0.1:{port}/metrics"));
+    let clashes = sample(
+        &parse_metrics(&metrics),
+        &format!("taskhub_consumer_name_clashes_total{{group=\"{stream}\"}}"),
+    );
+    assert!(clashes >= 1.0, "{metrics}");
+    // Outcomes stay exact.
+    assert!(wait_until(Duration::from_secs(15), || db.effects("e-1") == 1));
+    for mut p in [replacement, twin] {
+        p.signal("TERM");
+        assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+    }
+    assert_eq!(db.effects("e-1"), 1);
+}

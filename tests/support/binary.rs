@@ -71,6 +71,10 @@ impl Proc {
         wait_until(timeout, || self.stderr().contains(needle))
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// SIGKILL.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
