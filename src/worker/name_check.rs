@@ -36,7 +36,11 @@ pub(crate) struct NameCheck {
     token: String,
     /// How long the record outlives its last write.
     ttl: Duration,
-    written: Cell<Option<Instant>>,
+    /// Whether a write went through: the first one's find is no sign.
+    written: Cell<bool>,
+    /// When the next write is due: [`EVERY`] after the last try, whatever
+    /// came of it.
+    due: Cell<Option<Instant>>,
     warned: Cell<Option<Instant>>,
     /// Set when the Redis user may not write the record.
     off: Cell<bool>,
@@ -55,7 +59,8 @@ impl NameCheck {
             value: format!("{token} pid {} on {host}", std::process::id()),
             token: token.to_owned(),
             ttl: 3 * (EVERY + block),
-            written: Cell::new(None),
+            written: Cell::new(false),
+            due: Cell::new(None),
             warned: Cell::new(None),
             off: Cell::new(false),
             who: format!("consumer {consumer:?} of group {group:?} on {stream:?}"),
@@ -63,14 +68,20 @@ impl NameCheck {
     }
 
     /// Writes the record when it is due; warns when another instance wrote
-    /// it since the last write. A lost connection is the caller's to handle,
-    /// as for a read; any other error (a user that may not write `th:*`, a
-    /// server before Redis 6.2 without `SET ... GET`) turns the check off,
-    /// said once: it must never keep a reader from reading.
+    /// it since the last write. It must never keep a reader from reading.
+    /// A refusal that lasts (a user that may not write `th:*`, a server
+    /// before Redis 6.2 without `SET ... GET`) turns the check off, said
+    /// once. Any other refusal (a full `maxmemory` under `noeviction`, a
+    /// busy script) skips this turn. A lost connection is returned: the
+    /// caller drops that connection (a late reply would answer its next
+    /// command) and reads on a new one, without backing off, since in a
+    /// cluster the record may live on another node than the stream.
     pub fn refresh(&self, common: &Common, c: &mut RedisConn) -> redis::RedisResult<()> {
-        if self.off.get() || self.written.get().is_some_and(|at| at.elapsed() < EVERY) {
+        let now = Instant::now();
+        if self.off.get() || self.due.get().is_some_and(|due| now < due) {
             return Ok(());
         }
+        self.due.set(Some(now + EVERY));
         let ttl = u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX);
         let before: Option<String> = match redis::cmd("SET")
             .arg(&self.key)
@@ -82,7 +93,7 @@ impl NameCheck {
         {
             Ok(before) => before,
             Err(e) if crate::redis::is_outage(&e) => return Err(e),
-            Err(e) => {
+            Err(e) if refused_for_good(&e) => {
                 log::info!(
                     "redis: cannot check that no other instance runs as {} ({e}); the check is off",
                     self.who
@@ -90,8 +101,15 @@ impl NameCheck {
                 self.off.set(true);
                 return Ok(());
             }
+            Err(e) => {
+                log::debug!(
+                    "redis: the record of {} was not written this time ({e})",
+                    self.who
+                );
+                return Ok(());
+            }
         };
-        let first = self.written.replace(Some(Instant::now())).is_none();
+        let first = !self.written.replace(true);
         let Some(other) = before.filter(|b| !first && !self.is_ours(b)) else {
             return Ok(());
         };
@@ -114,5 +132,53 @@ impl NameCheck {
 
     fn is_ours(&self, value: &str) -> bool {
         value.split(' ').next() == Some(self.token.as_str())
+    }
+}
+
+/// Whether Redis will refuse the record's `SET ... GET` every time: the
+/// user may not write it (`NOPERM`), or the server does not know the `GET`
+/// option (before 6.2: a syntax error).
+fn refused_for_good(e: &redis::RedisError) -> bool {
+    match e.code() {
+        Some("NOPERM") => true,
+        Some("ERR") => e.detail().is_some_and(|d| {
+            let d = d.to_ascii_lowercase();
+            d.contains("syntax error") || d.contains("wrong number of arguments")
+        }),
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refused_for_good;
+    use crate::redis::streams::tests::conn;
+
+    #[test]
+    fn only_a_refusal_that_lasts_turns_the_check_off() {
+        let mut c = conn();
+        let key = format!("th:test:name-check:{}", std::process::id());
+        // What a server before 6.2 answers `SET ... GET`.
+        let syntax = redis::cmd("SET")
+            .arg(&key)
+            .arg("v")
+            .arg("GETX")
+            .query::<()>(&mut c)
+            .unwrap_err();
+        assert!(refused_for_good(&syntax), "{syntax}");
+        // Another kind of refusal: skipped, not for good.
+        let _: () = redis::cmd("RPUSH")
+            .arg(&key)
+            .arg("x")
+            .query(&mut c)
+            .unwrap();
+        let wrong = redis::cmd("SET")
+            .arg(&key)
+            .arg("v")
+            .arg("GET")
+            .query::<()>(&mut c)
+            .unwrap_err();
+        let _: () = redis::cmd("DEL").arg(&key).query(&mut c).unwrap();
+        assert!(!refused_for_good(&wrong), "{wrong}");
     }
 }

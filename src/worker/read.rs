@@ -118,13 +118,10 @@ impl Reader {
                 unrecorded.clear();
             }
             if let Err(e) = self.name.refresh(common, c) {
-                back_off(
-                    common,
-                    stream,
-                    "writing this consumer's record",
-                    &e,
-                    &mut failures,
-                );
+                // Not a reason to stop reading (see `NameCheck::refresh`):
+                // a new connection, and the read; a server that is down
+                // shows there.
+                log::debug!("{stream}: writing this consumer's record: {e}");
                 conn = None;
                 continue;
             }

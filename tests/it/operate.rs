@@ -960,18 +960,24 @@ fn two_instances_under_one_consumer_name_are_told() {
         redis::cmd("GET").arg(&record).query(r).unwrap()
     };
     let mut killed = start(None);
+    let of = |pid: u32| format!(" pid {pid} on ");
+    let killed_pid = killed.pid();
     assert!(
-        wait_until(Duration::from_secs(15), || value(&mut r).is_some()),
+        wait_until(Duration::from_secs(15), || value(&mut r)
+            .is_some_and(|v| v.contains(&of(killed_pid)))),
         "{}",
         killed.stderr()
     );
     killed.kill();
+    // The killed one's record is still there when the replacement writes
+    // its first: that find must not be taken for a clash.
+    let left: i64 = redis::cmd("PTTL").arg(&record).query(&mut r).unwrap();
+    assert!(left > 5_000, "{left} ms left");
     let port = free_port();
     let replacement = start(Some(port));
-    // Its first write finds the killed one's record, the next ones its own.
-    let written = value(&mut r);
     assert!(
-        wait_until(Duration::from_secs(15), || value(&mut r) != written),
+        wait_until(Duration::from_secs(15), || value(&mut r)
+            .is_some_and(|v| v.contains(&of(replacement.pid())))),
         "{}",
         replacement.stderr()
     );
@@ -1010,4 +1016,71 @@ fn two_instances_under_one_consumer_name_are_told() {
         assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
     }
     assert_eq!(db.effects("e-1"), 1);
+}
+
+/// A refusal of the record's write that passes (here a full `maxmemory`
+/// under `noeviction`, which Redis lifts again) skips a turn of the check;
+/// it used to turn the check off until a restart, and a twin started later
+/// went untold.
+#[test]
+fn a_passing_refusal_does_not_turn_the_name_check_off() {
+    let db = TestDb::new();
+    let server = PrivateRedis::start();
+    let stream = unique("same-name-oom");
+    let start = || {
+        let mut cmd = taskhub(&server.url(), &db.url);
+        cmd.args(["run", "--stream", &stream, "--group", &stream])
+            .args(["--block-ms", "100", "--sql", INT_SQL])
+            .env("TASKHUB_CONSUMER", "vm-oom")
+            .env("RUST_LOG", "info,taskhub::worker::name_check=debug");
+        Proc::spawn(cmd)
+    };
+    let mut r = redis(&server.url());
+    let record = format!(
+        "th:c:{}:{stream}:{}:{stream}:vm-oom",
+        stream.len(),
+        stream.len()
+    );
+    let first = start();
+    assert!(
+        wait_until(Duration::from_secs(15), || redis::cmd("EXISTS")
+            .arg(&record)
+            .query::<bool>(&mut r)
+            .unwrap()),
+        "{}",
+        first.stderr()
+    );
+    let config = |r: &mut redis::Connection, name: &str, value: &str| {
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query::<()>(r)
+            .unwrap();
+    };
+    config(&mut r, "maxmemory-policy", "noeviction");
+    config(&mut r, "maxmemory", "1");
+    let refused = "was not written this time";
+    let seen = wait_until(Duration::from_secs(12), || first.stderr().contains(refused));
+    config(&mut r, "maxmemory", "0");
+    assert!(seen, "no refresh while Redis was full: {}", first.stderr());
+    assert!(
+        !first.stderr().contains("the check is off"),
+        "{}",
+        first.stderr()
+    );
+
+    let twin = start();
+    let told = "another instance runs as consumer \"vm-oom\"";
+    for p in [&first, &twin] {
+        assert!(
+            wait_until(Duration::from_secs(30), || p.stderr().contains(told)),
+            "{}",
+            p.stderr()
+        );
+    }
+    for mut p in [first, twin] {
+        p.signal("TERM");
+        assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+    }
 }
