@@ -44,6 +44,10 @@ pub(crate) struct NameCheck {
     warned: Cell<Option<Instant>>,
     /// Set when the Redis user may not write the record.
     off: Cell<bool>,
+    /// Whether a skipped turn was said at info level (once).
+    skip_told: Cell<bool>,
+    /// Outages of the check in a row (see `refresh`).
+    outages: Cell<u32>,
     /// For the message.
     who: String,
 }
@@ -63,6 +67,8 @@ impl NameCheck {
             due: Cell::new(None),
             warned: Cell::new(None),
             off: Cell::new(false),
+            skip_told: Cell::new(false),
+            outages: Cell::new(0),
             who: format!("consumer {consumer:?} of group {group:?} on {stream:?}"),
         }
     }
@@ -92,7 +98,15 @@ impl NameCheck {
             .query(c)
         {
             Ok(before) => before,
-            Err(e) if crate::redis::is_outage(&e) => return Err(e),
+            Err(e) if crate::redis::is_outage(&e) => {
+                // In a cluster the record's node may be down while the
+                // stream's answers: each try may wait out a timeout, so
+                // the tries space out (10 s, 20 s, ... up to 80 s).
+                let n = self.outages.get().saturating_add(1);
+                self.outages.set(n);
+                self.due.set(Some(now + EVERY * (1 << n.min(4))));
+                return Err(e);
+            }
             Err(e) if refused_for_good(&e) => {
                 log::info!(
                     "redis: cannot check that no other instance runs as {} ({e}); the check is off",
@@ -102,13 +116,24 @@ impl NameCheck {
                 return Ok(());
             }
             Err(e) => {
-                log::debug!(
-                    "redis: the record of {} was not written this time ({e})",
-                    self.who
+                // Said once at info level: a refusal that never passes
+                // (a renamed SET, the record's key of another type) would
+                // otherwise keep the check off unseen.
+                let level = if self.skip_told.replace(true) {
+                    log::Level::Debug
+                } else {
+                    log::Level::Info
+                };
+                log::log!(
+                    level,
+                    "redis: the record of {} was not written this time ({e}); tried again in {}s",
+                    self.who,
+                    EVERY.as_secs()
                 );
                 return Ok(());
             }
         };
+        self.outages.set(0);
         let first = !self.written.replace(true);
         let Some(other) = before.filter(|b| !first && !self.is_ours(b)) else {
             return Ok(());

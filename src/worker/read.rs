@@ -337,12 +337,13 @@ fn newer(a: &str, b: &str) -> bool {
 /// A read that came back full while jobs wait in the channel is a backlog:
 /// every worker is busy anyway, and the read goes whole to one worker (a
 /// drain of 100,000 events in per-event mode ran 5–8% slower with its reads
-/// cut). A read that came back short is the live traffic of a stream that
-/// is caught up, and is cut even while jobs wait: whole in one worker, its
-/// events would run one after another while the other workers are free. At
-/// 70% of its capacity under a steady producer, per-event mode's jobs of
-/// about 14 events made its p99 (a median 14.8 ms over eight runs, against
-/// 8.6 ms cut, lower in seven pairs of eight: see docs/performance-log.md).
+/// cut). A read that came back short (the live traffic of a stream that is
+/// caught up, or entries this process holds already left out) is cut even
+/// while jobs wait: whole in one worker, its events would run one after
+/// another while the other workers are free. At 70% of its capacity under a
+/// steady producer, per-event mode's whole reads of about 14 events kept
+/// its p99 at a median 14.8 ms over eight runs, against 8.6 ms cut (lower
+/// in seven pairs of eight: see docs/performance-log.md).
 fn parts_of(parts: usize, read: usize, asked: usize, queued: bool) -> usize {
     if queued && read >= asked {
         1
