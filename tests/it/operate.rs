@@ -1079,8 +1079,12 @@ fn a_passing_refusal_does_not_turn_the_name_check_off() {
             p.stderr()
         );
     }
+    // Reading went on through it all: an event after it is applied once.
+    xadd(&mut r, &stream, &[("event_id", "e-1"), ("payload", "1")]);
+    assert!(wait_until(Duration::from_secs(15), || db.effects("e-1") == 1));
     for mut p in [first, twin] {
         p.signal("TERM");
         assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
     }
+    assert_eq!(db.effects("e-1"), 1);
 }
