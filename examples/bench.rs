@@ -15,7 +15,11 @@
 //! `--rate R --duration S` runs a steady load instead of a backlog: a producer
 //! thread sends R events per second for S seconds (in a small pipeline each
 //! millisecond) while the worker runs, and the latency is measured from each
-//! event's send, in microseconds, to its commit.
+//! event's send, in microseconds, to its commit. It also reports the rate
+//! sustained: the commits per second while the producer ran (its first
+//! quarter left out). With R above what the worker keeps up with, that is
+//! the capacity under a producer, which `scripts/bench.sh` takes the steady
+//! runs' rates from.
 //!
 //! `--trace FILE` writes one line per committed event: the commit time and
 //! the latency, in microseconds, to see how latency moves during a run.
@@ -64,7 +68,8 @@ RESULT line for scripts. scripts/bench.sh runs it next to pgbench.
   --backoff-base D     first retry's backoff, e.g. 1s [1s]
   --poison-ratio F     share of events the database rejects (needs the
                        bench_poison CHECK constraint) [0]
-  --rate R             steady load: R events per second instead of a backlog
+  --rate R             steady load: R events per second instead of a backlog;
+                       also prints the rate sustained while it ran
   --duration D         how long the steady load runs [30s]
   --trace FILE         one line per commit: its time and latency (us)
   -h, --help           this text
@@ -122,6 +127,11 @@ struct BenchHandler {
     fail_times: u32,
     /// Microseconds from XADD to commit, per event.
     latencies: Mutex<Vec<u64>>,
+    /// The commit time of each event, in microseconds, under a steady load
+    /// (the rate sustained while the producer ran is counted from them);
+    /// not kept for a drain, whose peak RSS is a measurement.
+    commit_times: Mutex<Vec<u64>>,
+    steady: bool,
     last_healthy_commit: Mutex<Option<Instant>>,
     /// `--trace`: "commit time, latency" in microseconds, a line per event.
     trace: Option<Mutex<std::io::BufWriter<std::fs::File>>>,
@@ -190,6 +200,9 @@ impl Handler for BenchHandler {
         let now = now_micros();
         let latency = now.saturating_sub(sent_us);
         self.latencies.lock().unwrap().push(latency);
+        if self.steady {
+            self.commit_times.lock().unwrap().push(now);
+        }
         if let Some(trace) = &self.trace {
             use std::io::Write;
             let _ = writeln!(trace.lock().unwrap(), "{now} {latency}");
@@ -224,6 +237,23 @@ fn usage() -> (f64, u64) {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     (cpu, rss)
+}
+
+/// (steal, total) jiffies of the whole machine, from /proc/stat: the share
+/// of time the host gave this VM's CPUs to someone else. A run with much
+/// of it measured the neighbours as much as taskhub.
+fn machine_ticks() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let ticks: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1) // "cpu"
+        .take(8) // user nice system idle iowait irq softirq steal
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    (ticks.get(7).copied().unwrap_or(0), ticks.iter().sum())
 }
 
 fn percentile(sorted: &[u64], p: f64) -> u64 {
@@ -311,6 +341,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         failures: Mutex::default(),
         fail_times: args.fail_times,
         latencies: Mutex::new(Vec::with_capacity(args.events)),
+        commit_times: Mutex::default(),
+        steady: args.rate > 0,
         last_healthy_commit: Mutex::default(),
         trace: match &args.trace {
             Some(path) => Some(Mutex::new(std::io::BufWriter::new(
@@ -336,7 +368,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let shutdown = worker.shutdown_handle();
     let monitor = worker.monitor();
     let (cpu_before, _) = usage();
+    let machine_before = machine_ticks();
     let started = Instant::now();
+    // While the producer ran (steady load), in microseconds.
+    let mut producing: Option<(u64, u64)> = None;
     let summary = std::thread::scope(|scope| -> Result<_, Box<dyn std::error::Error>> {
         let running = scope.spawn(|| worker.run());
         if steady {
@@ -347,6 +382,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 std::thread::sleep(Duration::from_millis(5));
             }
             let began = Instant::now();
+            let began_us = now_micros();
             // One small pipeline per millisecond, each event stamped with
             // the producer's clock; then wait for the last commit.
             let total = (args.rate as f64 * args.duration.as_secs_f64()) as usize;
@@ -368,6 +404,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 }
                 std::thread::sleep(Duration::from_millis(1));
             }
+            producing = Some((began_us, now_micros()));
             while handler.latencies.lock().unwrap().len() < sent && !running.is_finished() {
                 std::thread::sleep(Duration::from_millis(10));
             }
@@ -377,6 +414,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     })?;
     let elapsed = started.elapsed();
     let (cpu_after, peak_rss_kb) = usage();
+    let machine_after = machine_ticks();
+    let steal_pct = (machine_after.0 - machine_before.0) as f64 * 100.0
+        / (machine_after.1 - machine_before.1).max(1) as f64;
     if let Some(trace) = &handler.trace {
         use std::io::Write;
         trace.lock().unwrap().flush()?;
@@ -405,6 +445,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map_or(elapsed, |t| t - started);
     let healthy_rate = healthy as f64 / healthy_elapsed.as_secs_f64();
     let ms = |p: f64| percentile(&latencies, p) as f64 / 1000.0;
+    // Steady load: the commits per second while the producer ran, its first
+    // quarter left out (the worker's start, the first reads). With a
+    // producer faster than the worker, this is what the machine commits
+    // with a producer on it, which a drain of preloaded events overstates
+    // (there the events were sent before the clock started).
+    let sustained = producing.map_or(0.0, |(began, ended)| {
+        let from = began + (ended - began) / 4;
+        let times = handler.commit_times.lock().unwrap();
+        let n = times.iter().filter(|t| (from..=ended).contains(*t)).count();
+        n as f64 * 1e6 / (ended - from).max(1) as f64
+    });
     let cpu_us = (cpu_after - cpu_before) * 1e6 / events.max(1) as f64;
     println!("events            {events}");
     println!(
@@ -414,6 +465,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("applied           {applied} (verified in processed_events)");
     println!("elapsed           {:.2} s", elapsed.as_secs_f64());
     println!("rate              {rate:.0} events/s");
+    if producing.is_some() {
+        println!("sustained         {sustained:.0} events/s committed while the producer ran (its first quarter left out)");
+    }
     if failing > 0 {
         match poison_every {
             0 => println!(
@@ -443,9 +497,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if steady { ", producer included" } else { "" }
     );
     println!("peak rss          {:.1} MB", peak_rss_kb as f64 / 1024.0);
+    println!("cpu steal         {steal_pct:.1}% (of the machine's CPU time, taken by the host)");
     println!("summary           {summary}");
     println!(
-        "RESULT rate={rate:.0} healthy_rate={healthy_rate:.0} p50_ms={:.2} p99_ms={:.2} max_ms={:.2} cpu_us={cpu_us:.1} rss_kb={peak_rss_kb} applied={applied}",
+        "RESULT rate={rate:.0} healthy_rate={healthy_rate:.0} sustained={sustained:.0} p50_ms={:.2} p99_ms={:.2} max_ms={:.2} cpu_us={cpu_us:.1} rss_kb={peak_rss_kb} steal_pct={steal_pct:.1} applied={applied}",
         ms(0.5),
         ms(0.99),
         ms(1.0),

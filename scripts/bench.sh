@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # scripts/bench.sh — measure taskhub next to the database's own ceiling.
 #
-# Usage:  bash scripts/bench.sh    (EVENTS=100000 WORKERS=8 DURATION=15 STEADY_SECS=30 PAIRS=3 SSLMODE=disable)
+# Usage:  bash scripts/bench.sh    (EVENTS=100000 WORKERS=8 DURATION=15 CAPACITY_SECS=20 STEADY_SECS=30 PAIRS=3 SSLMODE=disable)
 #
 # 1. makes sure Redis and PostgreSQL run (scripts/services.sh) and builds the
 #    release benchmark (examples/bench.rs);
@@ -23,13 +23,16 @@
 #    database rejects (a CHECK constraint of the scratch notifications);
 #    the batch runs clean, with failures and with no failure go side by
 #    side PAIRS times, each pair compared on its own;
-# 5. steady load, both modes: a producer at 50%, 75% and 90% of the rate
-#    that mode drained in step 4, for STEADY_SECS seconds each, with the
-#    latency from XADD to commit (p50 / p99 / max); and, as its floor, the
-#    database alone at the same rate of events for as long (pgbench -R:
+# 5. steady load, both modes: the mode's capacity with a producer on the
+#    machine (a producer at 1.3x its drain rate for CAPACITY_SECS seconds;
+#    the rate committed while it ran); then a producer at 50%, 75% and 90%
+#    of that capacity, for STEADY_SECS seconds each, with the latency from
+#    XADD to commit (p50 / p99 / max); and, as its floor, the database
+#    alone at the same rate of events for as long (pgbench -R, prepared:
 #    per-event, one statement per event, taskhub's fused form; batch, 50
 #    events per transaction), latency from each transaction's scheduled
-#    start to its end;
+#    start to its end; and the database alone at 75% of its own ceiling in
+#    those forms;
 # 6. prints one table: events/s, latency, CPU per event, peak RSS, and each
 #    rate as a ratio of the matching ceiling.
 set -euo pipefail
@@ -44,6 +47,7 @@ EVENTS=${EVENTS:-100000}
 WORKERS=${WORKERS:-8}
 DURATION=${DURATION:-15}
 STEADY_SECS=${STEADY_SECS:-30}
+CAPACITY_SECS=${CAPACITY_SECS:-20}
 # Pairs of batch runs, clean and with failures (then with no failure),
 # side by side.
 PAIRS=${PAIRS:-3}
@@ -140,18 +144,23 @@ fresh_tables() {
         -c "TRUNCATE processed_events, notifications" -c "CHECKPOINT"
 }
 
-pgbench_tps() { # script
+pgbench_tps() { # script [pgbench flags...]
+    local script=$1
+    shift
     fresh_tables
-    pgbench -n -c "$WORKERS" -j 2 -T "$DURATION" -f "$1" "$BENCH_URL" 2>/dev/null |
+    pgbench -n "$@" -c "$WORKERS" -j 2 -T "$DURATION" -f "$script" "$BENCH_URL" 2>/dev/null |
         awk '/^tps = / { printf "%d\n", $3 }'
 }
 # The database alone at a steady rate: prints "p50_ms=.. p99_ms=.. max_ms=.."
 # over every transaction, from its scheduled start (so a stall's queue
-# counts, as it does for taskhub's events) to its end.
+# counts, as it does for taskhub's events) to its end. Prepared statements,
+# as taskhub sends them: pgbench's default (a simple query, parsed and
+# planned each time) costs the database about 40% more per event here, and
+# put the floor of the per-event runs at its own limit.
 pgbench_latency() { # script transactions-per-second
     fresh_tables
     rm -f "$work"/pgl.*
-    pgbench -n -c "$WORKERS" -j 2 -T "$STEADY_SECS" -R "$2" -l --log-prefix="$work/pgl" \
+    pgbench -n -M prepared -c "$WORKERS" -j 2 -T "$STEADY_SECS" -R "$2" -l --log-prefix="$work/pgl" \
         -f "$1" "$BENCH_URL" >/dev/null 2>&1
     cat "$work"/pgl.* | awk '{ print $3 }' | sort -n | awk '{ a[NR] = $1 } END {
         printf "p50_ms=%.2f p99_ms=%.2f max_ms=%.2f\n", a[int(NR * 0.5)] / 1000, a[int(NR * 0.99)] / 1000, a[NR] / 1000 }'
@@ -213,9 +222,25 @@ batch_after=$(($(pgbench_tps "$work/batch50.sql") * 50))
 ceiling_event=$(((event_before + event_after) / 2))
 ceiling_batch=$(((batch_before + batch_after) / 2))
 
-# Steady load at shares of what each mode drained above.
+# Steady load. The capacity is what each mode commits per second with a
+# producer on the machine: a producer at 1.3x the mode's drain rate for
+# CAPACITY_SECS (the rate sustained while it ran, its first quarter left
+# out). A drain of preloaded events overstates it: there the events were
+# sent before the clock started, and on two cores the producer's XADDs and
+# Redis's work for them take a share of the CPU (here the sustained rate
+# was 0.7-0.8x the drain rate in both modes). Then a producer at 50%, 75%
+# and 90% of that capacity for STEADY_SECS each, with the latency from
+# XADD to commit; and, as its floor, the database alone at the same rate
+# of events for as long (pgbench -R: per-event, one statement per event,
+# taskhub's fused form; batch, 50 events per transaction).
 for mode in per-event batch; do
-    capacity=$(awk -v m="$mode" '$1 == m { for (i = 2; i <= NF; i++) if ($i ~ /^rate=/) print substr($i, 6) }' "$work/results")
+    drain=$(awk -v m="$mode" '$1 == m { for (i = 2; i <= NF; i++) if ($i ~ /^rate=/) print substr($i, 6) }' "$work/results")
+    offered=$((drain * 13 / 10))
+    bench "capacity-$mode" --mode "$mode" --rate "$offered" --duration "${CAPACITY_SECS}s" >>"$work/results"
+    capacity=$(awk -v m="capacity-$mode" '$1 == m { for (i = 2; i <= NF; i++) if ($i ~ /^sustained=/) print substr($i, 11) }' "$work/results")
+    if ((capacity * 100 > offered * 95)); then
+        echo "bench: the producer at $offered events/s did not outrun $mode mode: its capacity is at least $capacity events/s" >&2
+    fi
     for share in 50 75 90; do
         rate=$((capacity * share / 100))
         bench "steady-$mode-$share%" --mode "$mode" --rate "$rate" --duration "${STEADY_SECS}s" \
@@ -229,24 +254,39 @@ for mode in per-event batch; do
         echo "steady-$mode-$share% rate=$rate $floor" >>"$work/floors"
     done
 done
+# The database alone at 75% of its own ceiling, in the forms of the floors
+# above (prepared): what 75% of capacity costs in latency on this machine
+# with no taskhub at all.
+echo "measuring the database alone at 75% of its own ceiling..." >&2
+own_event=$(pgbench_tps "$work/per_event_one.sql" -M prepared)
+own_batch=$(($(pgbench_tps "$work/floor50.sql" -M prepared) * 50))
+rate=$((own_event * 75 / 100))
+echo "database-per-event-75% rate=$rate $(pgbench_latency "$work/per_event_one.sql" "$rate")" >>"$work/floors"
+rate=$((own_batch * 75 / 100))
+echo "database-batch-75% rate=$rate $(pgbench_latency "$work/floor50.sql" $(((rate + 49) / 50)))" >>"$work/floors"
 
 field() { # line name
     sed -E "s/.* $2=([^ ]+).*/\1/" <<<"$1"
 }
 printf '\nceilings (pgbench, %d connections, %s; before / after the runs of that mode):\n' "$WORKERS" "$db_path"
-printf '  per-event transaction %d / %d tps; 50 per transaction %d / %d events/s\n\n' \
+printf '  per-event transaction %d / %d tps; 50 per transaction %d / %d events/s\n' \
     "$event_before" "$event_after" "$batch_before" "$batch_after"
-printf '%-22s %10s %10s %9s %9s %9s %9s %8s %s\n' run events/s healthy/s p50_ms p99_ms max_ms cpu_us rss_MB "vs ceiling"
+printf '  prepared, in the forms of the steady floors: one statement per event %d tps; 50 per transaction %d events/s\n\n' \
+    "$own_event" "$own_batch"
+printf '%-22s %10s %10s %9s %9s %9s %9s %8s %6s %s\n' run events/s healthy/s p50_ms p99_ms max_ms cpu_us rss_MB steal% "vs ceiling"
 while read -r label line; do
     rate=$(field "$line" rate)
+    # Under an overloading producer: what was committed while it ran.
+    [[ $label == capacity-* ]] && rate=$(field "$line" sustained)
     ceiling=$ceiling_batch
     [[ $label == *per-event* ]] && ceiling=$ceiling_event
     share=$(awk "BEGIN { printf \"%.0f%%\", 100 * $rate / $ceiling }")
     [[ $label == steady-* ]] && share=-
-    printf '%-22s %10s %10s %9s %9s %9s %9s %8.1f %s\n' "$label" "$rate" \
+    printf '%-22s %10s %10s %9s %9s %9s %9s %8.1f %6s %s\n' "$label" "$rate" \
         "$(field "$line" healthy_rate)" "$(field "$line" p50_ms)" "$(field "$line" p99_ms)" \
         "$(field "$line" max_ms)" \
-        "$(field "$line" cpu_us)" "$(awk "BEGIN { print $(field "$line" rss_kb) / 1024 }")" "$share"
+        "$(field "$line" cpu_us)" "$(awk "BEGIN { print $(field "$line" rss_kb) / 1024 }")" \
+        "$(field "$line" steal_pct)" "$share"
 done <"$work/results"
 healthy_rate() { # label
     grep "^$1 " "$work/results" | sed -E 's/.* healthy_rate=([^ ]+).*/\1/'
@@ -283,13 +323,14 @@ poison=$(healthy_rate poison-batch)
 clean=$(healthy_rate batch)
 printf 'healthy events with 1%% rejected by the database, batch: %s/s vs %s/s clean = %.2fx\n' \
     "$poison" "$clean" "$(awk "BEGIN { print $poison / $clean }")"
-printf '\nsteady load, taskhub next to the database alone at the same rate (pgbench -R):\n'
+printf '\nsteady load, taskhub next to the database alone at the same rate (pgbench -R, prepared):\n'
 printf '%-22s %10s %27s %27s\n' run events/s "taskhub p50 / p99 / max ms" "database p50 / p99 / max ms"
 while read -r label line; do
-    ours=$(grep "^$label " "$work/results")
+    ours=$(grep "^$label " "$work/results" || true)
+    taskhub=-
+    [[ -n $ours ]] && taskhub="$(field "$ours" p50_ms) / $(field "$ours" p99_ms) / $(field "$ours" max_ms)"
     line=" $line"
-    printf '%-22s %10s %27s %27s\n' "$label" "$(field "$line" rate)" \
-        "$(field "$ours" p50_ms) / $(field "$ours" p99_ms) / $(field "$ours" max_ms)" \
+    printf '%-22s %10s %27s %27s\n' "$label" "$(field "$line" rate)" "$taskhub" \
         "$(field "$line" p50_ms) / $(field "$line" p99_ms) / $(field "$line" max_ms)"
 done <"$work/floors"
 cat <<EOF
@@ -300,10 +341,16 @@ nofail-batch: the events of hol-batch with no failure (its tenth marked to
 fail are the handler's own events, in every read's transaction).
 poison-batch: 1% of events rejected by a CHECK constraint of notifications
 (dead-lettered); the built-in statement does not say which event failed.
-steady-*: a producer at that share of the mode's drain rate for ${STEADY_SECS} s;
-latency from XADD to commit; cpu_us includes the producer thread. The
-database alone: pgbench at the same rate of events (per-event: one statement
-per event, the fused form; batch: 50 events per transaction), latency from
-each transaction's scheduled start, so the stalls of the machine and the
-database show in both columns.
+steal%: the share of the machine's CPU time the host gave to other guests
+during the run (from /proc/stat); a run with much of it measured them too.
+capacity-*: a producer at 1.3x the mode's drain rate for ${CAPACITY_SECS} s; events/s is
+what was committed while it ran (its first quarter left out): the mode's
+capacity with a producer on the machine.
+steady-*: a producer at that share of the capacity for ${STEADY_SECS} s; latency
+from XADD to commit; cpu_us includes the producer thread. The database
+alone: pgbench at the same rate of events (per-event: one statement per
+event, the fused form; batch: 50 events per transaction; prepared), latency
+from each transaction's scheduled start, so the stalls of the machine and
+the database show in both columns. database-*-75%: the database alone at
+75% of its own ceiling in that form, with no taskhub.
 EOF

@@ -1,7 +1,7 @@
 //! A small smoke of the benchmark (examples/bench.rs, which scripts/bench.sh
 //! runs at full size): it drains, verifies the effect count and prints its
 //! RESULT line, in both modes, with scripted failures, with events the
-//! database rejects, and under a steady load.
+//! database rejects, and under a steady load (with the rate it sustained).
 
 use std::process::Command;
 use std::time::Duration;
@@ -119,6 +119,15 @@ fn the_benchmark_drains_and_verifies_in_both_modes() {
     assert!(lines.lines().all(|l| l.split(' ').count() == 2), "{lines}");
     assert!(stdout.contains("steady load of 200 events/s"), "{stdout}");
     assert!(stdout.contains("max_ms="), "{stdout}");
+    // The rate sustained while the producer ran (bench.sh's capacity):
+    // every event was committed, so some of them while it ran.
+    let sustained: f64 = stdout
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("sustained="))
+        .expect("a sustained rate")
+        .parse()
+        .unwrap();
+    assert!(sustained > 0.0, "{stdout}");
 }
 
 /// `--help` says how to run it (the README sends readers there) without
