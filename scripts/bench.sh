@@ -33,8 +33,9 @@
 #    events per transaction), latency from each transaction's scheduled
 #    start to its end; and the database alone at 75% of its own ceiling in
 #    those forms;
-# 6. prints one table: events/s, latency, CPU per event, peak RSS, and each
-#    rate as a ratio of the matching ceiling.
+# 6. prints one table: events/s, latency, CPU per event, peak RSS, the
+#    host's steal during each run, and each rate as a ratio of the matching
+#    ceiling.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -171,6 +172,15 @@ pgbench_latency() { # script transactions-per-second
         printf "p50_ms=%.2f p99_ms=%.2f max_ms=%.2f\n", a[int(NR * 0.5)] / 1000, a[int(NR * 0.99)] / 1000, a[NR] / 1000 }'
 }
 
+# A figure of a RESULT line ("rate", "sustained", ...).
+field() { # line name
+    sed -E "s/.* $2=([^ ]+).*/\1/" <<<"$1"
+}
+# The RESULT line of a run by its label (empty if there is none).
+result_of() { # label
+    grep "^$1 " "$work/results" || true
+}
+
 # One benchmark run; prints its RESULT line.
 bench() { # label args...
     local label=$1
@@ -239,11 +249,12 @@ ceiling_batch=$(((batch_before + batch_after) / 2))
 # of events for as long (pgbench -R: per-event, one statement per event,
 # taskhub's fused form; batch, 50 events per transaction).
 for mode in per-event batch; do
-    drain=$(awk -v m="$mode" '$1 == m { for (i = 2; i <= NF; i++) if ($i ~ /^rate=/) print substr($i, 6) }' "$work/results")
+    drain=$(field "$(result_of "$mode")" rate)
     offered=$((drain * 13 / 10))
     bench "capacity-$mode" --mode "$mode" --rate "$offered" --duration "${CAPACITY_SECS}s" >>"$work/results"
-    capacity=$(awk -v m="capacity-$mode" '$1 == m { for (i = 2; i <= NF; i++) if ($i ~ /^sustained=/) print substr($i, 11) }' "$work/results")
-    produced=$(awk -v m="capacity-$mode" '$1 == m { for (i = 2; i <= NF; i++) if ($i ~ /^produced=/) print substr($i, 10) }' "$work/results")
+    measured=$(result_of "capacity-$mode")
+    capacity=$(field "$measured" sustained)
+    produced=$(field "$measured" produced)
     if ! [[ $capacity =~ ^[1-9][0-9]*$ && $produced =~ ^[1-9][0-9]*$ ]]; then
         echo "bench: no capacity measured for $mode mode (sustained '$capacity', produced '$produced')" >&2
         exit 1
@@ -277,9 +288,6 @@ echo "database-per-event-75% rate=$rate $(pgbench_latency "$work/per_event_one.s
 rate=$((own_batch * 75 / 100))
 echo "database-batch-75% rate=$rate $(pgbench_latency "$work/floor50.sql" $(((rate + 49) / 50)))" >>"$work/floors"
 
-field() { # line name
-    sed -E "s/.* $2=([^ ]+).*/\1/" <<<"$1"
-}
 printf '\nceilings (pgbench, %d connections, %s; before / after the runs of that mode):\n' "$WORKERS" "$db_path"
 printf '  per-event transaction %d / %d tps; 50 per transaction %d / %d events/s\n' \
     "$event_before" "$event_after" "$batch_before" "$batch_after"
@@ -301,7 +309,7 @@ while read -r label line; do
         "$(field "$line" steal_pct)" "$share"
 done <"$work/results"
 healthy_rate() { # label
-    grep "^$1 " "$work/results" | sed -E 's/.* healthy_rate=([^ ]+).*/\1/'
+    field "$(result_of "$1")" healthy_rate
 }
 for mode in per-event batch batch-custom-sql; do
     clean=$(healthy_rate "$mode")
@@ -338,7 +346,7 @@ printf 'healthy events with 1%% rejected by the database, batch: %s/s vs %s/s cl
 printf '\nsteady load, taskhub next to the database alone at the same rate (pgbench -R, prepared):\n'
 printf '%-22s %10s %27s %27s\n' run events/s "taskhub p50 / p99 / max ms" "database p50 / p99 / max ms"
 while read -r label line; do
-    ours=$(grep "^$label " "$work/results" || true)
+    ours=$(result_of "$label")
     taskhub=-
     [[ -n $ours ]] && taskhub="$(field "$ours" p50_ms) / $(field "$ours" p99_ms) / $(field "$ours" max_ms)"
     line=" $line"
