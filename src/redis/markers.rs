@@ -111,7 +111,7 @@ static DEAD_OF_GROUP: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| 
 pub(crate) fn set(pipe: &mut Pipe, key: &str, ttl_secs: u64) {
     pipe.cmd("SET")
         .arg(key)
-        .arg(marker_tag(key))
+        .arg(&marker_tag(key)[..])
         .arg("EX")
         .arg(ttl_secs.max(1))
         .ignore();
@@ -155,7 +155,7 @@ pub(crate) fn set_and_ack(
         .arg(group)
         .arg(ttl_secs.max(1));
     for key in keys {
-        cmd.arg(marker_tag(key));
+        cmd.arg(&marker_tag(key)[..]);
     }
     cmd.arg(ids);
     MARK_AND_ACK_SCRIPT.query::<i64>(&cmd, conn).map(drop)
@@ -194,7 +194,7 @@ fn read(keys: &[String], entries: usize, mut replies: Vec<Value>) -> Result<Seen
         .zip(&replies)
         .map(|(key, reply)| match reply {
             Value::Nil => Ok(false),
-            Value::BulkString(value) => Ok(value.as_slice() == marker_tag(key).as_bytes()),
+            Value::BulkString(value) => Ok(value.as_slice() == marker_tag(key)),
             other => Err(format!("GET {key}: {other:?}")),
         })
         .collect::<Result<Vec<bool>, String>>()?;
@@ -204,7 +204,7 @@ fn read(keys: &[String], entries: usize, mut replies: Vec<Value>) -> Result<Seen
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::redis::keys::marker;
+    use crate::redis::keys::{marker, marker_tag_text};
 
     fn keys(n: usize) -> Vec<String> {
         (0..n)
@@ -213,7 +213,7 @@ mod tests {
     }
 
     fn tag(key: &str) -> Value {
-        Value::BulkString(marker_tag(key).into_bytes())
+        Value::BulkString(marker_tag_text(key).into_bytes())
     }
 
     fn index(items: &[Option<&str>]) -> Value {

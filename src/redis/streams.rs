@@ -1080,15 +1080,15 @@ pub(crate) mod tests {
         // b: a marker; c: an old `1`; e: a marker of another namespace;
         // d: in the dead-letter index (and marked: dead comes first).
         let b = marker(ns, scope, "b");
-        set(&mut c, &b, &crate::redis::keys::marker_tag(&b));
+        set(&mut c, &b, &crate::redis::keys::marker_tag_text(&b));
         set(&mut c, &marker(ns, scope, "c"), "1");
         // a: a key of another type where its marker would be (a shared
         // Redis): no marker, and no error that would fail the whole read.
         cmd(&mut c, &["HSET", &marker(ns, scope, "a"), "x", "1"]);
         let d = marker(ns, scope, "d");
-        set(&mut c, &d, &crate::redis::keys::marker_tag(&d));
+        set(&mut c, &d, &crate::redis::keys::marker_tag_text(&d));
         let e = marker("1111222233334444", scope, "e");
-        set(&mut c, &e, &crate::redis::keys::marker_tag(&e));
+        set(&mut c, &e, &crate::redis::keys::marker_tag_text(&e));
         cmd(&mut c, &["HSET", index, &ids[4], "1-0"]);
         let read = |c: &mut RedisConn, keys: &ReadKeys<'_>, from: &str| {
             read_group_bounded(c, stream, keys, ("g", "me"), 100, from, LIMITS, Vec::new()).unwrap()
@@ -1142,7 +1142,7 @@ pub(crate) mod tests {
     /// own entry's.
     #[test]
     fn a_long_read_looks_each_entry_up_in_its_place() {
-        use crate::redis::keys::{marker, marker_tag};
+        use crate::redis::keys::{marker, marker_tag_text};
         let mut c = conn();
         let setup = ReadSetup::new(&mut c, "read-long");
         let (stream, scope, ns) = (&setup.stream, &setup.scope, &setup.ns);
@@ -1167,7 +1167,7 @@ pub(crate) mod tests {
                 let key = marker(ns, scope, &format!("ev{i}"));
                 pipe.cmd("SET")
                     .arg(&key)
-                    .arg(marker_tag(&key))
+                    .arg(marker_tag_text(&key))
                     .arg("EX")
                     .arg(60);
             }
@@ -1208,7 +1208,7 @@ pub(crate) mod tests {
     /// as no marker. The entries come, unmarked.
     #[test]
     fn markers_the_user_may_not_read_are_no_markers() {
-        use crate::redis::keys::{marker, marker_tag};
+        use crate::redis::keys::{marker, marker_tag_text};
         let mut admin = conn();
         let setup = ReadSetup::new(&mut admin, "read-acl");
         let (stream, scope, ns) = (&setup.stream, &setup.scope, &setup.ns);
@@ -1220,7 +1220,10 @@ pub(crate) mod tests {
             .query(&mut admin)
             .unwrap();
         let key = marker(ns, scope, "a");
-        cmd(&mut admin, &["SET", &key, &marker_tag(&key), "EX", "60"]);
+        cmd(
+            &mut admin,
+            &["SET", &key, &marker_tag_text(&key), "EX", "60"],
+        );
         // Its stream and the keys beside it, not the markers.
         let user = format!("taskhub-test-{}", uuid::Uuid::new_v4().simple());
         let pattern = format!("~{stream}*");
@@ -1273,7 +1276,13 @@ pub(crate) mod tests {
         let b = marker(ns, scope, "b");
         cmd(
             &mut c,
-            &["SET", &b, &crate::redis::keys::marker_tag(&b), "EX", "60"],
+            &[
+                "SET",
+                &b,
+                &crate::redis::keys::marker_tag_text(&b),
+                "EX",
+                "60",
+            ],
         );
         let in_flight_of = |c: &mut RedisConn| -> Vec<(String, String)> {
             let mut all: Vec<(String, String)> = redis::cmd("HGETALL")

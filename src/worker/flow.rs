@@ -42,7 +42,7 @@ struct Inner {
 struct State {
     /// Held entries, with the delivery count Redis gave the latest delivery
     /// of each to this process (see [`Ticket::token`]).
-    entries: HashMap<String, Option<u64>>,
+    entries: HashMap<Arc<str>, Option<u64>>,
     reserved: usize,
     parked: usize,
     /// Bytes of the fields held by tickets that are not parked.
@@ -55,10 +55,15 @@ const MAX_PARKED: usize = 100_000;
 
 fn key(stream: &str, entry_id: &str) -> String {
     let mut k = String::with_capacity(stream.len() + entry_id.len() + 1);
+    write_key(&mut k, stream, entry_id);
+    k
+}
+
+fn write_key(k: &mut String, stream: &str, entry_id: &str) {
+    k.clear();
     k.push_str(stream);
     k.push('\n');
     k.push_str(entry_id);
-    k
 }
 
 impl Inner {
@@ -112,7 +117,7 @@ impl InFlight {
     pub fn holds<'a>(&self, stream: &str, ids: impl IntoIterator<Item = &'a str>) -> Vec<bool> {
         let state = self.inner.lock();
         ids.into_iter()
-            .map(|id| state.entries.contains_key(&key(stream, id)))
+            .map(|id| state.entries.contains_key(key(stream, id).as_str()))
             .collect()
     }
 
@@ -158,11 +163,14 @@ impl Reservation {
         let mut state = self.inner.lock();
         state.reserved = state.reserved.saturating_sub(self.places);
         self.places = 0;
+        // One allocation per entry admitted, shared by the set and the
+        // ticket: this runs for every entry read.
+        let mut scratch = String::new();
         let tickets = entries
             .into_iter()
             .map(|(id, count, bytes)| {
-                let key = key(stream, id);
-                match state.entries.get_mut(&key) {
+                write_key(&mut scratch, stream, id);
+                match state.entries.get_mut(scratch.as_str()) {
                     Some(held) => {
                         if count.is_some() {
                             *held = count;
@@ -170,6 +178,7 @@ impl Reservation {
                         None
                     }
                     None => {
+                        let key: Arc<str> = Arc::from(scratch.as_str());
                         state.entries.insert(key.clone(), count);
                         state.bytes += bytes;
                         Some(Ticket {
@@ -202,7 +211,7 @@ impl Drop for Reservation {
 pub(crate) struct Ticket {
     /// `None` once released.
     inner: Option<Arc<Inner>>,
-    key: String,
+    key: Arc<str>,
     parked: bool,
     /// Bytes of the entry's fields it holds (0 while parked).
     bytes: usize,
@@ -215,7 +224,7 @@ impl Ticket {
     /// here). `None` if unknown.
     pub fn token(&self) -> Option<u64> {
         let inner = self.inner.as_ref()?;
-        inner.lock().entries.get(&self.key).copied().flatten()
+        inner.lock().entries.get(&*self.key).copied().flatten()
     }
 
     /// The entry starts waiting for a retry: it no longer takes the readers'
@@ -245,7 +254,7 @@ impl Ticket {
 
     fn release(&mut self, state: &mut State) {
         if self.inner.take().is_some() {
-            state.entries.remove(&self.key);
+            state.entries.remove(&*self.key);
             state.bytes = state.bytes.saturating_sub(self.bytes);
             if self.parked {
                 state.parked = state.parked.saturating_sub(1);
