@@ -214,6 +214,19 @@ impl HandlerError {
             == Some(&postgres::error::SqlState::IN_FAILED_SQL_TRANSACTION)
     }
 
+    /// For a statement PostgreSQL refused because the transaction had
+    /// already failed (25P02): the error that aborted it, when known
+    /// (`Tx::failed`), added to the message. Anything else as it is.
+    pub(crate) fn aborted_by(mut self, cause: Option<&str>) -> HandlerError {
+        if let Some(cause) = cause.filter(|_| self.in_failed_transaction()) {
+            self.message = format!(
+                "{} (the statement that aborted the transaction: {cause})",
+                self.message
+            );
+        }
+        self
+    }
+
     pub(crate) fn is_panic(&self) -> bool {
         self.panicked
     }
@@ -316,11 +329,17 @@ pub fn classify_postgres(err: &postgres::Error) -> FailureClass {
 impl From<postgres::Error> for HandlerError {
     fn from(err: postgres::Error) -> HandlerError {
         let class = classify_postgres(&err);
-        let message = match err.as_db_error() {
-            Some(db) => format!("postgres {}: {}", db.code().code(), db.message()),
-            None => format!("postgres: {err}"),
-        };
+        let message = postgres_message(&err);
         HandlerError::new(class, message, Some(Box::new(err)))
+    }
+}
+
+/// What a PostgreSQL error says: its SQLSTATE and the server's message
+/// (the error's own `Display` is only "db error" for the server's).
+pub(crate) fn postgres_message(err: &postgres::Error) -> String {
+    match err.as_db_error() {
+        Some(db) => format!("postgres {}: {}", db.code().code(), db.message()),
+        None => format!("postgres: {err}"),
     }
 }
 

@@ -12,6 +12,9 @@ pub(crate) mod sql;
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
 
+use postgres::types::ToSql;
+use postgres::{Error, Row, ToStatement};
+
 use crate::error::HandlerError;
 use crate::event::Event;
 
@@ -144,9 +147,13 @@ impl RetryBudget {
 /// The open PostgreSQL transaction of one event, with a per-connection cache
 /// of prepared statements.
 ///
-/// It dereferences to [`postgres::Transaction`], so `tx.execute(...)` and
-/// `tx.query(...)` work as usual. [`prepare_cached`](Tx::prepare_cached) saves
-/// the parse round trip on every event after the first.
+/// It dereferences to [`postgres::Transaction`], so everything a transaction
+/// does works as usual. `execute`, `query`, `query_one`, `query_opt`,
+/// `batch_execute` and `prepare` are its own, with the same signatures: they
+/// also note a statement's error, so that a handler that ignores one and
+/// returns `Ok` has its attempt fail with that error named, not only with
+/// "the transaction was aborted". [`prepare_cached`](Tx::prepare_cached)
+/// saves the parse round trip on every event after the first.
 pub struct Tx<'a> {
     pub(crate) tx: postgres::Transaction<'a>,
     pub(crate) cache: &'a mut StatementCache,
@@ -154,12 +161,38 @@ pub struct Tx<'a> {
     /// since it was last cleared: a handler's failed call that sent nothing
     /// left the transaction as it found it (no return to a savepoint).
     pub(crate) touched: bool,
+    /// The last error of a statement sent through this handle, unless it
+    /// was PostgreSQL refusing a statement in a transaction already aborted
+    /// (25P02): so, in an aborted transaction, the error that aborted it.
+    pub(crate) failed: Option<String>,
+}
+
+/// A statement's result, the error noted in `failed` (see [`Tx`]).
+fn noted<T>(
+    failed: &mut Option<String>,
+    result: Result<T, postgres::Error>,
+) -> Result<T, postgres::Error> {
+    if let Err(e) = &result {
+        if e.code() != Some(&postgres::error::SqlState::IN_FAILED_SQL_TRANSACTION) {
+            *failed = Some(crate::error::postgres_message(e));
+        }
+    }
+    result
 }
 
 /// Prepared statements of one connection, by SQL text.
 pub(crate) type StatementCache = HashMap<String, postgres::Statement>;
 
-impl Tx<'_> {
+impl<'a> Tx<'a> {
+    pub(crate) fn new(tx: postgres::Transaction<'a>, cache: &'a mut StatementCache) -> Tx<'a> {
+        Tx {
+            tx,
+            cache,
+            touched: false,
+            failed: None,
+        }
+    }
+
     /// Prepares `sql` once per connection and returns the cached statement
     /// afterwards.
     pub fn prepare_cached(&mut self, sql: &str) -> Result<postgres::Statement, postgres::Error> {
@@ -168,7 +201,62 @@ impl Tx<'_> {
         }
         // A failed PREPARE aborts the transaction.
         self.touched = true;
-        prepare_cached(&mut self.tx, self.cache, sql)
+        noted(
+            &mut self.failed,
+            prepare_cached(&mut self.tx, self.cache, sql),
+        )
+    }
+
+    /// [`postgres::Transaction::execute`].
+    pub fn execute<T>(&mut self, query: &T, params: &[&(dyn ToSql + Sync)]) -> Result<u64, Error>
+    where
+        T: ?Sized + ToStatement,
+    {
+        self.touched = true;
+        noted(&mut self.failed, self.tx.execute(query, params))
+    }
+
+    /// [`postgres::Transaction::query`].
+    pub fn query<T>(&mut self, query: &T, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>, Error>
+    where
+        T: ?Sized + ToStatement,
+    {
+        self.touched = true;
+        noted(&mut self.failed, self.tx.query(query, params))
+    }
+
+    /// [`postgres::Transaction::query_one`].
+    pub fn query_one<T>(&mut self, query: &T, params: &[&(dyn ToSql + Sync)]) -> Result<Row, Error>
+    where
+        T: ?Sized + ToStatement,
+    {
+        self.touched = true;
+        noted(&mut self.failed, self.tx.query_one(query, params))
+    }
+
+    /// [`postgres::Transaction::query_opt`].
+    pub fn query_opt<T>(
+        &mut self,
+        query: &T,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Option<Row>, Error>
+    where
+        T: ?Sized + ToStatement,
+    {
+        self.touched = true;
+        noted(&mut self.failed, self.tx.query_opt(query, params))
+    }
+
+    /// [`postgres::Transaction::batch_execute`].
+    pub fn batch_execute(&mut self, query: &str) -> Result<(), Error> {
+        self.touched = true;
+        noted(&mut self.failed, self.tx.batch_execute(query))
+    }
+
+    /// [`postgres::Transaction::prepare`].
+    pub fn prepare(&mut self, query: &str) -> Result<postgres::Statement, Error> {
+        self.touched = true;
+        noted(&mut self.failed, self.tx.prepare(query))
     }
 }
 

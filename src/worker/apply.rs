@@ -177,11 +177,7 @@ impl Processor {
             unreachable!("connection() sets it")
         };
         let insert = prepare(&mut ***conn, cache, INSERT_PROCESSED)?;
-        let mut tx = Tx {
-            tx: conn.build_transaction().read_only(false).start()?,
-            cache,
-            touched: false,
-        };
+        let mut tx = Tx::new(conn.build_transaction().read_only(false).start()?, cache);
         let event_id = event(delivery).event_id().to_owned();
         let Some(row) = tx.query_opt(&insert, &[&scope, &event_id])? else {
             return Ok(Applied::Duplicate); // dropping tx rolls back
@@ -225,6 +221,7 @@ impl Processor {
                 true => ended(&mut tx, xid).unwrap_or(e),
                 false => e,
             };
+            let e = e.aborted_by(tx.failed.as_deref());
             if e.class() != FailureClass::Outage {
                 // The run is over (an outage runs it again, the same start).
                 take_back_start(&stage, delivery);
@@ -287,11 +284,7 @@ impl Processor {
             unreachable!("session() needs a connection")
         };
         let fused = prepare(&mut ***conn, cache, sql::DEDUP_AND_DEFAULT)?;
-        let mut tx = Tx {
-            tx: conn.build_transaction().read_only(false).start()?,
-            cache,
-            touched: false,
-        };
+        let mut tx = Tx::new(conn.build_transaction().read_only(false).start()?, cache);
         // The session worked when the event started: losing it from here
         // on may be the event's doing.
         self.reached_database = true;
@@ -561,11 +554,7 @@ impl Processor {
         } else {
             prepare(&mut ***conn, cache, INSERT_PROCESSED_BATCH)?
         };
-        let mut tx = Tx {
-            tx: conn.build_transaction().read_only(false).start()?,
-            cache,
-            touched: false,
-        };
+        let mut tx = Tx::new(conn.build_transaction().read_only(false).start()?, cache);
         let ids: Vec<&str> = batch.iter().map(|d| event(d).event_id()).collect();
         let rows = if folded {
             // The first copy of each event id: a later one is a duplicate
@@ -637,6 +626,7 @@ impl Processor {
                 .handler_seconds
                 .observe(started.elapsed());
             let Err(e) = handled else { break };
+            let e = e.aborted_by(tx.failed.as_deref());
             if e.is_panic() {
                 Stats::add(&stage.common.stats.panics, 1);
             }
@@ -655,6 +645,8 @@ impl Processor {
                             ended(&mut tx, xid).unwrap_or_else(ended_error),
                         );
                     }
+                    // Back where the transaction was healthy.
+                    tx.failed = None;
                     events.remove(i);
                     left_out.push((positions.remove(i), e.for_no_event()));
                 }
@@ -1071,7 +1063,7 @@ fn ended_error() -> HandlerError {
 /// transaction (25P02), and raises an error of its own when the transaction
 /// id is not the one of the dedup insert (another transaction, or none).
 fn commit(tx: Tx<'_>, xid: i64, before: &str) -> Result<(), HandlerError> {
-    let Tx { mut tx, .. } = tx;
+    let Tx { mut tx, failed, .. } = tx;
     match tx.batch_execute(&commit_if_ours(xid, before)) {
         Ok(()) => {
             // Committed by our own COMMIT: dropping the `Transaction` would
@@ -1091,8 +1083,12 @@ fn commit(tx: Tx<'_>, xid: i64, before: &str) -> Result<(), HandlerError> {
             Err(error)
         }
         Err(e) if e.code() == Some(&postgres::error::SqlState::IN_FAILED_SQL_TRANSACTION) => {
+            // The handler's own error, when it went through `Tx`: what the
+            // operator needs to see in the retry's log and the dead letter.
+            let cause = failed.map_or_else(String::new, |cause| format!(" ({cause})"));
+            let refused = crate::error::postgres_message(&e);
             Err(HandlerError::retryable(format!(
-                "a statement of the handler failed and the transaction was aborted, but the handler returned Ok; rolled back ({e})"
+                "a statement of the handler failed{cause} and the transaction was aborted, but the handler returned Ok; rolled back ({refused})"
             )))
         }
         Err(e) => Err(e.into()),

@@ -1112,49 +1112,67 @@ fn destroyed_group_is_recreated_and_new_events_are_processed() {
 // transaction with ROLLBACK and no error. A handler that swallowed a failed
 // statement and returned Ok had its event acked as applied with nothing
 // written: lost. Now the commit is refused and the event takes the retry path.
+//
+// And the failure names the statement that aborted the transaction: before,
+// the letter said only "the transaction was aborted" (or, for a handler that
+// returned the next statement's error, "current transaction is aborted"),
+// and the operator could not tell what had failed.
 #[test]
 fn a_handler_that_swallows_a_statement_error_is_not_acked_as_applied() {
     let db = TestDb::new();
     let (stream, group) = (unique("s"), unique("g"));
     let mut conn = redis(&redis_url());
-    xadd(
-        &mut conn,
-        &stream,
-        &[("event_id", "swallow"), ("payload", "p")],
-    );
-    xadd(
-        &mut conn,
-        &stream,
-        &[("event_id", "fine"), ("payload", "p")],
-    );
+    for id in ["swallow", "fine", "propagate"] {
+        xadd(&mut conn, &stream, &[("event_id", id), ("payload", "p")]);
+    }
     let worker = builder(&redis_url(), &db.url, &stream, &group)
         .max_attempts(2)
         .build(handler_fn(|event: &Event, tx: &mut Tx<'_>| {
-            if event.event_id() == "swallow" {
-                let _ = tx.execute("SELECT 1/0", &[]); // error ignored: the transaction is aborted
-                let _ = insert(event, tx);
-                return Ok(());
+            match event.event_id() {
+                "swallow" => {
+                    let _ = tx.execute("SELECT 1/0", &[]); // error ignored: the transaction is aborted
+                    let _ = insert(event, tx);
+                    Ok(())
+                }
+                "propagate" => {
+                    let _ = tx.execute("SELECT 1/0", &[]);
+                    insert(event, tx) // 25P02: the transaction is aborted
+                }
+                _ => insert(event, tx),
             }
-            insert(event, tx)
         }))
         .unwrap();
     let summary = Running::of(worker).join(Duration::from_secs(30));
     assert_eq!(summary.applied, 1, "{summary:?}");
-    // Only `swallow` failed an attempt (and was retried once): `fine`, whose
-    // statement PostgreSQL refused in the transaction `swallow` had left
-    // aborted (25P02), is not to blame.
-    assert_eq!(summary.retries, 1, "{summary:?}");
+    // Only `swallow` and `propagate` failed an attempt (and were retried
+    // once): `fine`, whose statement PostgreSQL may have refused in a
+    // transaction one of them had left aborted (25P02), is not to blame.
+    assert_eq!(summary.retries, 2, "{summary:?}");
     assert_eq!(db.effects("swallow"), 0);
+    assert_eq!(db.effects("propagate"), 0);
     assert_eq!(db.effects("fine"), 1);
-    let letters = dead_letters(&mut conn, &stream);
-    assert_eq!(letters.len(), 1, "{letters:?}");
-    assert_eq!(letters[0].event_id.as_deref(), Some("swallow"));
-    assert_eq!(letters[0].kind, DeadLetterKind::Exhausted);
-    assert!(
-        letters[0].reason.contains("aborted"),
-        "{}",
-        letters[0].reason
-    );
+    let mut letters = dead_letters(&mut conn, &stream);
+    letters.sort_by(|a, b| a.event_id.cmp(&b.event_id));
+    assert_eq!(letters.len(), 2, "{letters:?}");
+    assert_eq!(letters[0].event_id.as_deref(), Some("propagate"));
+    assert_eq!(letters[1].event_id.as_deref(), Some("swallow"));
+    for letter in &letters {
+        assert_eq!(letter.kind, DeadLetterKind::Exhausted);
+        assert!(letter.reason.contains("aborted"), "{}", letter.reason);
+        assert!(
+            letter.reason.contains("division by zero"),
+            "the letter names the statement that aborted the transaction: {}",
+            letter.reason
+        );
+        // And so does every attempt in its history.
+        for attempt in &letter.history {
+            assert!(
+                attempt.error.contains("division by zero"),
+                "{}",
+                attempt.error
+            );
+        }
+    }
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 }
 
