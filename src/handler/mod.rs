@@ -149,11 +149,14 @@ impl RetryBudget {
 ///
 /// It dereferences to [`postgres::Transaction`], so everything a transaction
 /// does works as usual. `execute`, `query`, `query_one`, `query_opt`,
-/// `batch_execute` and `prepare` are its own, with the same signatures: they
-/// also note a statement's error, so that a handler that ignores one and
-/// returns `Ok` has its attempt fail with that error named, not only with
-/// "the transaction was aborted". [`prepare_cached`](Tx::prepare_cached)
-/// saves the parse round trip on every event after the first.
+/// `batch_execute`, `prepare` and [`prepare_cached`](Tx::prepare_cached) are
+/// its own, with the same signatures: they also note the server's error of a
+/// statement, so that a handler that ignores one and returns `Ok` (or
+/// returns the next statement's "current transaction is aborted") has its
+/// attempt fail with that error named. Statements sent another way (through
+/// `&mut **tx` or a `GenericClient` helper, `query_raw`, `simple_query`,
+/// `copy_in`) are not seen. `prepare_cached` saves the parse round trip on
+/// every event after the first.
 pub struct Tx<'a> {
     pub(crate) tx: postgres::Transaction<'a>,
     pub(crate) cache: &'a mut StatementCache,
@@ -161,21 +164,26 @@ pub struct Tx<'a> {
     /// since it was last cleared: a handler's failed call that sent nothing
     /// left the transaction as it found it (no return to a savepoint).
     pub(crate) touched: bool,
-    /// The last error of a statement sent through this handle, unless it
-    /// was PostgreSQL refusing a statement in a transaction already aborted
-    /// (25P02): so, in an aborted transaction, the error that aborted it.
+    /// The server's error of the last statement sent through this handle,
+    /// unless PostgreSQL refused it because the transaction had already
+    /// failed (25P02); cleared by a statement that succeeds. So, in an
+    /// aborted transaction, the error that aborted it (every later
+    /// statement is refused with 25P02, and none succeeds).
     pub(crate) failed: Option<String>,
 }
 
-/// A statement's result, the error noted in `failed` (see [`Tx`]).
+/// A statement's result, noted in `failed` (see [`Tx`]). Errors of the
+/// client's own (`query_one` finding no row, a parameter of the wrong type)
+/// do not abort the transaction: not noted.
 fn noted<T>(
     failed: &mut Option<String>,
     result: Result<T, postgres::Error>,
 ) -> Result<T, postgres::Error> {
-    if let Err(e) = &result {
-        if e.code() != Some(&postgres::error::SqlState::IN_FAILED_SQL_TRANSACTION) {
-            *failed = Some(crate::error::postgres_message(e));
-        }
+    match &result {
+        Ok(_) => *failed = None,
+        Err(e) if e.code() == Some(&postgres::error::SqlState::IN_FAILED_SQL_TRANSACTION) => {}
+        Err(e) if e.as_db_error().is_some() => *failed = Some(crate::error::postgres_message(e)),
+        Err(_) => {}
     }
     result
 }

@@ -217,11 +217,12 @@ impl Processor {
             }
             // A call that sent nothing cannot have ended the transaction:
             // no round trip to ask.
+            // (Named before `ended` sends its check through `tx`.)
+            let e = e.aborted_by(tx.failed.as_deref());
             let e = match tx.touched {
                 true => ended(&mut tx, xid).unwrap_or(e),
                 false => e,
             };
-            let e = e.aborted_by(tx.failed.as_deref());
             if e.class() != FailureClass::Outage {
                 // The run is over (an outage runs it again, the same start).
                 take_back_start(&stage, delivery);
@@ -645,8 +646,6 @@ impl Processor {
                             ended(&mut tx, xid).unwrap_or_else(ended_error),
                         );
                     }
-                    // Back where the transaction was healthy.
-                    tx.failed = None;
                     events.remove(i);
                     left_out.push((positions.remove(i), e.for_no_event()));
                 }
