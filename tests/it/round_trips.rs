@@ -107,6 +107,72 @@ fn a_trickle_shares_its_reads_and_acks() {
     );
 }
 
+/// A steady load of small bursts (5 entries every 10 ms, the shape of a
+/// producer that sends in batches), in per-event mode: a read that comes
+/// back short of its room took all there was, so the next one blocks at
+/// once. A burst is then read in two calls (the blocking XREADGROUP, and the
+/// read script with the rest), not three: before, only a read that found
+/// nothing after its blocked entry counted as drained, so every burst was
+/// followed by a read script that found nothing (three XREADGROUPs a burst
+/// here, counting the scripts').
+#[test]
+fn bursts_are_read_in_two_calls_not_three() {
+    let r = PrivateRedis::start();
+    let db = TestDb::new();
+    let (stream, group) = (unique("bursts"), unique("g"));
+    let mut conn = redis(&r.url());
+    let running = Running::start(
+        fast_builder(&r.url(), &db.url, &stream, &group)
+            .mode(taskhub::Mode::PerEvent)
+            .workers(4)
+            .count(64),
+        taskhub::SqlHandler::default(),
+    );
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "warm"), ("payload", "p")],
+    );
+    assert!(
+        wait_until(Duration::from_secs(20), || pending(
+            &mut conn, &stream, &group
+        ) == 0
+            && db.count("SELECT count(*) FROM processed_events") == 1),
+        "the first event was not applied"
+    );
+    // Reading the stream idle may have sent a read script first: counted
+    // from a read that blocks.
+    std::thread::sleep(Duration::from_millis(300));
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query(&mut conn)
+        .unwrap();
+    let bursts = 40;
+    for b in 0..bursts {
+        let ids: Vec<String> = (0..5).map(|i| format!("b-{b}-{i}")).collect();
+        xadd_events(&mut conn, &stream, &ids);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let n = 1 + 5 * bursts;
+    assert!(
+        wait_until(Duration::from_secs(20), || pending(
+            &mut conn, &stream, &group
+        ) == 0
+            && db.count("SELECT count(*) FROM processed_events") == n),
+        "the bursts were not applied and acked: {} pending",
+        pending(&mut conn, &stream, &group)
+    );
+    let calls = calls(&mut conn);
+    let summary = running.stop();
+    assert_eq!(summary.applied, n as u64, "{summary}");
+    let reads = calls.get("xreadgroup").copied().unwrap_or(0);
+    // Two a burst, and a few to spare for a burst that came in two reads.
+    assert!(
+        reads <= 2 * bursts as u64 + 10,
+        "{reads} XREADGROUP calls for {bursts} bursts: {calls:?}"
+    );
+}
+
 /// A sparse trickle under a long BLOCK (the default is 2 s): an entry that
 /// comes late in the wait is still fresh when it is handed on, so the read
 /// script's marker letter is used (no marker check of its own) and the
