@@ -29,6 +29,51 @@ fn calls(conn: &mut redis::Connection) -> HashMap<String, u64> {
         .collect()
 }
 
+/// A worker in per-event mode (4 workers, reads of up to 64) on `stream` of
+/// the private Redis `r`, with one event applied first, so that it knows
+/// its marker namespace (the read script looks markers up from then on);
+/// the server's command counts are reset after `settle`.
+fn warm_worker(
+    r: &PrivateRedis,
+    db: &TestDb,
+    (stream, group): (&str, &str),
+    settle: Duration,
+) -> (redis::Connection, Running) {
+    let mut conn = redis(&r.url());
+    let running = Running::start(
+        fast_builder(&r.url(), &db.url, stream, group)
+            .mode(taskhub::Mode::PerEvent)
+            .workers(4)
+            .count(64),
+        taskhub::SqlHandler::default(),
+    );
+    xadd(&mut conn, stream, &[("event_id", "warm"), ("payload", "p")]);
+    applied_and_acked(&mut conn, db, (stream, group), 1, "the first event");
+    std::thread::sleep(settle);
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query(&mut conn)
+        .unwrap();
+    (conn, running)
+}
+
+/// Waits until `n` events are applied and nothing is pending.
+fn applied_and_acked(
+    conn: &mut redis::Connection,
+    db: &TestDb,
+    (stream, group): (&str, &str),
+    n: i64,
+    what: &str,
+) {
+    assert!(
+        wait_until(Duration::from_secs(20), || pending(conn, stream, group)
+            == 0
+            && db.count("SELECT count(*) FROM processed_events") == n),
+        "{what} not applied and acked: {} pending",
+        pending(conn, stream, group)
+    );
+}
+
 /// A trickle of 60 entries, one every 2 ms, to 4 workers in per-event mode.
 /// Each entry is read by a blocking read followed by one read script call,
 /// which records its event id in the in-flight ids and looks its marker up
@@ -43,32 +88,7 @@ fn a_trickle_shares_its_reads_and_acks() {
     let r = PrivateRedis::start();
     let db = TestDb::new();
     let (stream, group) = (unique("trickle"), unique("g"));
-    let mut conn = redis(&r.url());
-    let running = Running::start(
-        fast_builder(&r.url(), &db.url, &stream, &group)
-            .mode(taskhub::Mode::PerEvent)
-            .workers(4)
-            .count(64),
-        taskhub::SqlHandler::default(),
-    );
-    // One event first, so the worker knows its marker namespace (the
-    // read script looks markers up from then on).
-    xadd(
-        &mut conn,
-        &stream,
-        &[("event_id", "warm"), ("payload", "p")],
-    );
-    assert!(
-        wait_until(Duration::from_secs(20), || pending(
-            &mut conn, &stream, &group
-        ) == 0
-            && db.count("SELECT count(*) FROM processed_events") == 1),
-        "the first event was not applied"
-    );
-    let _: () = redis::cmd("CONFIG")
-        .arg("RESETSTAT")
-        .query(&mut conn)
-        .unwrap();
+    let (mut conn, running) = warm_worker(&r, &db, (&stream, &group), Duration::ZERO);
     let n = 60;
     for i in 0..n {
         xadd(
@@ -78,14 +98,7 @@ fn a_trickle_shares_its_reads_and_acks() {
         );
         std::thread::sleep(Duration::from_millis(2));
     }
-    assert!(
-        wait_until(Duration::from_secs(20), || pending(
-            &mut conn, &stream, &group
-        ) == 0
-            && db.count("SELECT count(*) FROM processed_events") == 1 + n),
-        "the trickle was not applied and acked: {} pending",
-        pending(&mut conn, &stream, &group)
-    );
+    applied_and_acked(&mut conn, &db, (&stream, &group), 1 + n, "the trickle");
     let calls = calls(&mut conn);
     let summary = running.stop();
     assert_eq!(summary.applied, 1 + n as u64, "{summary}");
@@ -120,33 +133,10 @@ fn bursts_are_read_in_two_calls_not_three() {
     let r = PrivateRedis::start();
     let db = TestDb::new();
     let (stream, group) = (unique("bursts"), unique("g"));
-    let mut conn = redis(&r.url());
-    let running = Running::start(
-        fast_builder(&r.url(), &db.url, &stream, &group)
-            .mode(taskhub::Mode::PerEvent)
-            .workers(4)
-            .count(64),
-        taskhub::SqlHandler::default(),
-    );
-    xadd(
-        &mut conn,
-        &stream,
-        &[("event_id", "warm"), ("payload", "p")],
-    );
-    assert!(
-        wait_until(Duration::from_secs(20), || pending(
-            &mut conn, &stream, &group
-        ) == 0
-            && db.count("SELECT count(*) FROM processed_events") == 1),
-        "the first event was not applied"
-    );
     // Reading the stream idle may have sent a read script first: counted
     // from a read that blocks.
-    std::thread::sleep(Duration::from_millis(300));
-    let _: () = redis::cmd("CONFIG")
-        .arg("RESETSTAT")
-        .query(&mut conn)
-        .unwrap();
+    let settle = Duration::from_millis(300);
+    let (mut conn, running) = warm_worker(&r, &db, (&stream, &group), settle);
     let bursts = 40;
     for b in 0..bursts {
         let ids: Vec<String> = (0..5).map(|i| format!("b-{b}-{i}")).collect();
@@ -154,14 +144,7 @@ fn bursts_are_read_in_two_calls_not_three() {
         std::thread::sleep(Duration::from_millis(10));
     }
     let n = 1 + 5 * bursts;
-    assert!(
-        wait_until(Duration::from_secs(20), || pending(
-            &mut conn, &stream, &group
-        ) == 0
-            && db.count("SELECT count(*) FROM processed_events") == n),
-        "the bursts were not applied and acked: {} pending",
-        pending(&mut conn, &stream, &group)
-    );
+    applied_and_acked(&mut conn, &db, (&stream, &group), n, "the bursts");
     let calls = calls(&mut conn);
     let summary = running.stop();
     assert_eq!(summary.applied, n as u64, "{summary}");
