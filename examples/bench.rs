@@ -129,9 +129,8 @@ struct BenchHandler {
     latencies: Mutex<Vec<u64>>,
     /// The commit time of each event, in microseconds, under a steady load
     /// (the rate sustained while the producer ran is counted from them);
-    /// not kept for a drain, whose peak RSS is a measurement.
-    commit_times: Mutex<Vec<u64>>,
-    steady: bool,
+    /// `None` for a drain, whose peak RSS is a measurement.
+    commit_times: Option<Mutex<Vec<u64>>>,
     last_healthy_commit: Mutex<Option<Instant>>,
     /// `--trace`: "commit time, latency" in microseconds, a line per event.
     trace: Option<Mutex<std::io::BufWriter<std::fs::File>>>,
@@ -200,8 +199,8 @@ impl Handler for BenchHandler {
         let now = now_micros();
         let latency = now.saturating_sub(sent_us);
         self.latencies.lock().unwrap().push(latency);
-        if self.steady {
-            self.commit_times.lock().unwrap().push(now);
+        if let Some(times) = &self.commit_times {
+            times.lock().unwrap().push(now);
         }
         if let Some(trace) = &self.trace {
             use std::io::Write;
@@ -341,8 +340,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         failures: Mutex::default(),
         fail_times: args.fail_times,
         latencies: Mutex::new(Vec::with_capacity(args.events)),
-        commit_times: Mutex::default(),
-        steady: args.rate > 0,
+        commit_times: (args.rate > 0).then(Mutex::default),
         last_healthy_commit: Mutex::default(),
         trace: match &args.trace {
             Some(path) => Some(Mutex::new(std::io::BufWriter::new(
@@ -453,7 +451,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // (there the events were sent before the clock started).
     let sustained = producing.map_or(0.0, |(began, ended, _)| {
         let from = began + ended.saturating_sub(began) / 4;
-        let times = handler.commit_times.lock().unwrap();
+        let Some(times) = &handler.commit_times else {
+            return 0.0;
+        };
+        let times = times.lock().unwrap();
         let n = times.iter().filter(|t| (from..=ended).contains(*t)).count();
         n as f64 * 1e6 / ended.saturating_sub(from).max(1) as f64
     });

@@ -215,10 +215,10 @@ impl Processor {
             if e.is_panic() {
                 Stats::add(&stage.common.stats.panics, 1);
             }
+            // Named before `ended` sends its check through `tx`.
+            let e = e.aborted_by(tx.failed.as_deref());
             // A call that sent nothing cannot have ended the transaction:
             // no round trip to ask.
-            // (Named before `ended` sends its check through `tx`.)
-            let e = e.aborted_by(tx.failed.as_deref());
             let e = match tx.touched {
                 true => ended(&mut tx, xid).unwrap_or(e),
                 false => e,
