@@ -99,7 +99,9 @@ pub trait Handler: Send + Sync + 'static {
     /// `event`, when this handler's whole effect for it is that handler's:
     /// taskhub may then skip [`handle`](Handler::handle) and fold the
     /// default statement into the dedup insert (one PostgreSQL round trip
-    /// less per event in per-event mode). `SqlHandler` returns itself; a
+    /// less per event in per-event mode); for any other statement, the
+    /// worker readies the session so that the `SqlHandler`'s batch form runs
+    /// it for a whole batch in one call. `SqlHandler` returns itself; a
     /// wrapper that adds nothing inside the transaction may return the one it
     /// wraps. Defaults to `None`: `handle` runs.
     fn sql_effect(&self, _event: &Event) -> Option<&crate::SqlHandler> {
@@ -170,6 +172,13 @@ pub struct Tx<'a> {
     /// aborted transaction, the error that aborted it (every later
     /// statement is refused with 25P02, and none succeeds).
     pub(crate) failed: Option<String>,
+    /// An error the SQL handler returned (one of its batch call, which
+    /// undid the statements it ran: the transaction is not aborted; or a
+    /// parameter refused before anything was sent), until the worker sees
+    /// the handler's result. A handler that wraps `SqlHandler` and returns
+    /// `Ok` while one is owed dropped it: its batch is rolled back, as one
+    /// that swallows a statement's error is.
+    pub(crate) owed: Option<String>,
 }
 
 /// A statement's result, noted in `failed` (see [`Tx`]). Errors of the
@@ -198,6 +207,7 @@ impl<'a> Tx<'a> {
             cache,
             touched: false,
             failed: None,
+            owed: None,
         }
     }
 

@@ -147,6 +147,7 @@ impl Processor {
                 .map_err(|e| HandlerError::outage(format!("no PostgreSQL connection: {e}")))?;
             self.cache.clear();
             (self.session, self.default_folds, self.each_function) = (None, None, None);
+            self.each_statement_refused = false;
             self.pg = Some(conn);
         }
         Ok(())
@@ -199,7 +200,10 @@ impl Processor {
         fault::hit(Point::InHandler, event.event_id());
         let started = Instant::now();
         tx.touched = false;
-        let handled = catch_panic(|| stage.handler.handle(event, &mut tx));
+        let handled = settled(
+            catch_panic(|| stage.handler.handle(event, &mut tx)),
+            &mut tx,
+        );
         stage
             .common
             .stats
@@ -461,6 +465,81 @@ impl Processor {
         Ok(Some(Batch::Applied(new, left_out)))
     }
 
+    /// Readies this connection for the SQL handler to run its statement
+    /// for a whole batch in one call (`SqlHandler::each`): the function
+    /// ([`sql::EACH_STATEMENT_FUNCTION`]), created outside any transaction
+    /// (one rolled back would take it away), and its call prepared for the
+    /// statement's parameter types, for each statement that is the whole
+    /// effect of one of the handler's events in `batch`
+    /// (`Handler::sql_effect`). Once per connection (again if a session
+    /// lost the function); where the function cannot be created (no right
+    /// to create temporary objects, a server before PostgreSQL 13), the
+    /// statements run event by event, as they did before.
+    fn ready_each_statement(
+        &mut self,
+        batch: &[Delivery],
+        fold: &[bool],
+    ) -> Result<(), HandlerError> {
+        if self.each_statement_refused {
+            return Ok(());
+        }
+        let stage = self.stage.clone();
+        let mut statements: Vec<&str> = Vec::new();
+        for (d, _) in batch.iter().zip(fold).filter(|(_, f)| !**f) {
+            if let Some(sql) = stage.handler.sql_effect(event(d)) {
+                if !statements.contains(&sql.statement()) {
+                    statements.push(sql.statement());
+                }
+            }
+        }
+        let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
+            unreachable!("connection() sets it")
+        };
+        for statement in statements {
+            // One that does not prepare fails in the handler's call, as
+            // it always did.
+            let Ok(prepared) = prepare(&mut ***conn, cache, statement) else {
+                continue;
+            };
+            let set_based = statement == sql::DEFAULT_STATEMENT
+                && sql::batch_statement(prepared.params()).is_some();
+            let Some(call) = sql::each_call(prepared.params()).filter(|_| !set_based) else {
+                continue;
+            };
+            if cache.contains_key(&call) {
+                continue;
+            }
+            let ready = match conn.batch_execute(sql::EACH_STATEMENT_FUNCTION) {
+                Ok(()) => prepare(&mut ***conn, cache, &call).map(drop),
+                Err(e) => {
+                    // The transaction the failed string opened.
+                    if classify_postgres(&e) != FailureClass::Outage {
+                        conn.batch_execute("ROLLBACK")?;
+                    }
+                    Err(e)
+                }
+            };
+            let Err(e) = ready else { continue };
+            if classify_postgres(&e) == FailureClass::Outage {
+                return Err(HandlerError::from(e).for_no_event());
+            }
+            // Refused for good (no right to create temporary objects, no
+            // `anycompatiblearray` before PostgreSQL 13: SQLSTATE class
+            // 42, or 0A), or only this time (a lock, a timeout: tried
+            // again with a later batch).
+            let code = e.code().map(|c| c.code()).unwrap_or_default();
+            let refused = code.starts_with("42") || code.starts_with("0A");
+            log::info!(
+                "postgres: cannot create the function that runs the SQL statement for a whole batch ({}); it runs event by event{}",
+                crate::error::postgres_message(&e),
+                if refused { "" } else { " for now" }
+            );
+            self.each_statement_refused = refused;
+            return Ok(());
+        }
+        Ok(())
+    }
+
     /// Whether the default statement can be fused on this database (see
     /// [`sql::folds`]); checked once per connection, from the statement
     /// cache.
@@ -547,6 +626,7 @@ impl Processor {
         let folded = fold.contains(&true);
         self.connection()?;
         self.session(Session::Handler)?;
+        self.ready_each_statement(batch, &fold)?;
         let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
             unreachable!("connection() sets it")
         };
@@ -621,6 +701,7 @@ impl Processor {
             let started = Instant::now();
             tx.touched = false;
             let handled = catch_panic(|| stage.handler.handle_batch(&events, &mut tx));
+            let handled = settled(handled, &mut tx);
             stage
                 .common
                 .stats
@@ -748,6 +829,17 @@ pub(crate) fn plain(handler: &dyn Handler, event: &Event) -> bool {
         .sql_effect(event)
         .is_some_and(sql::SqlHandler::is_default)
         && sql::payload(event).is_ok()
+}
+
+/// A handler's result, unless it returned `Ok` while it owed an error (see
+/// `Tx::owed`): then an error that rolls its transaction back.
+fn settled(handled: Result<(), HandlerError>, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+    match (handled, tx.owed.take()) {
+        (Ok(()), Some(cause)) => Err(HandlerError::retryable(format!(
+            "a statement of the handler failed ({cause}) and was undone, but the handler returned Ok; rolled back"
+        ))),
+        (handled, _) => handled,
+    }
 }
 
 /// What follows a batch's commit: its count, then, for each of its new

@@ -127,6 +127,10 @@ pub(crate) struct Processor {
     /// the events of a rejected batch apart (`sql::APPLY_EACH_FUNCTION`;
     /// `None`: not created yet).
     pub(crate) each_function: Option<bool>,
+    /// Whether this connection refused the function that runs the SQL
+    /// handler's statement for a whole batch (see `ready_each_statement`
+    /// in `apply.rs`).
+    pub(crate) each_statement_refused: bool,
     /// How many more batches of the built-in statement go straight to
     /// `sql::APPLY_EACH`: set when one was rejected (see `apply.rs`).
     pub(crate) each_batches: u32,
@@ -214,6 +218,7 @@ impl Processor {
             session: None,
             default_folds: None,
             each_function: None,
+            each_statement_refused: false,
             each_batches: 0,
             savepoint_batches: 0,
             held: None,

@@ -2392,3 +2392,312 @@ fn a_copy_acked_after_a_retryable_failure_leaves_the_retry_to_apply_the_event() 
         assert_eq!(summary.duplicates, 3, "{mode:?}: {summary:?}");
     }
 }
+
+// The SQL handler's statement for a whole batch in one call -------------
+
+/// A table of `db` for the tests below: the event, the time of the
+/// statement that wrote it, a number from its payload.
+fn timed_table(db: &TestDb) -> String {
+    let table = unique("timed").to_lowercase();
+    db.client()
+        .batch_execute(&format!(
+            "CREATE TABLE {table} (event_id text NOT NULL, at timestamptz NOT NULL, n int NOT NULL)"
+        ))
+        .unwrap();
+    table
+}
+
+/// Writes the event with its statement's time; a payload that is not a
+/// number fails in SQL (22P02).
+fn timed_statement(table: &str) -> String {
+    format!(
+        "INSERT INTO {table} (event_id, at, n) VALUES ($1, statement_timestamp(), $2::text::int)"
+    )
+}
+
+/// In batch mode a custom statement runs for the whole batch in one call
+/// (one round trip, where it was one per event): every row of a batch has
+/// the time of one statement. A failing event costs only itself (here two,
+/// permanent): the call that met it undid what it did, the transaction
+/// went on, and the others were written once. Before, each event's
+/// statement was a round trip of its own, and 38 rows had 38 times.
+#[test]
+fn an_sql_statement_runs_for_a_whole_batch_in_one_call() {
+    if !batch_mode() {
+        return;
+    }
+    let db = TestDb::new();
+    let table = timed_table(&db);
+    let (stream, group) = (unique("each"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let mut good = Vec::new();
+    for i in 0..40 {
+        let id = format!("e-{i:02}");
+        let payload = match i {
+            17 => "x".to_owned(),
+            30 => "y".to_owned(),
+            _ => {
+                good.push(id.clone());
+                i.to_string()
+            }
+        };
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &id), ("payload", &payload)],
+        );
+    }
+    let summary = Running::of(
+        builder(&redis_url(), &db.url, &stream, &group)
+            .workers(1)
+            .count(64)
+            .build(SqlHandler::new(timed_statement(&table)))
+            .unwrap(),
+    )
+    .join(Duration::from_secs(60));
+    assert_eq!(summary.applied, 38, "{summary}");
+    assert_eq!(summary.dead_permanent, 2, "{summary}");
+    let rows = db
+        .client()
+        .query(
+            &format!("SELECT event_id, n FROM {table} ORDER BY event_id"),
+            &[],
+        )
+        .unwrap();
+    let written: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(written, good, "each good event written once");
+    let times = db.count(&format!("SELECT count(DISTINCT at) FROM {table}"));
+    assert!(times <= 2, "38 events written by {times} statements");
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 38);
+    let letters = dead_letters(&mut conn, &stream);
+    for (id, bad) in [("e-17", "\"x\""), ("e-30", "\"y\"")] {
+        let letter = letter_for(&letters, id);
+        assert_eq!(letter.kind, DeadLetterKind::Permanent);
+        assert!(
+            letter.reason.contains("22P02") && letter.reason.contains(bad),
+            "the letter names its own failure: {}",
+            letter.reason
+        );
+    }
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
+/// `--handler-timeout` bounds one statement. Run for a whole batch in one
+/// call, statements that each take well under it can take longer together:
+/// that call is cut short and its batch applied one by one at once (as any
+/// batch whose failure names no event), and from then on the handler runs
+/// its statement event by event, so later batches do not each spend the
+/// timeout first. Here batches of 4 of 0.4 s each under a 1 s timeout: one
+/// cut, not three (without the switch every batch was).
+#[test]
+fn a_batch_whose_statements_outlast_the_handler_timeout_together_runs_them_one_by_one() {
+    if !batch_mode() {
+        return;
+    }
+    let mut s = Scenario::new("slow-batch");
+    let table = timed_table(&s.db);
+    let ids = s.produce(&event_ids("slow", 10));
+    let statement = format!(
+        "INSERT INTO {table} (event_id, at, n) SELECT $1, statement_timestamp(), 0 FROM pg_sleep(0.4)"
+    );
+    let mut cmd = s.command();
+    cmd.args(["--sql", &statement, "--workers", "1", "--count", "4"])
+        .args(["--handler-timeout", "1s", "--until-idle"])
+        .env("RUST_LOG", "taskhub=debug");
+    let out = output(cmd, None, Duration::from_secs(120));
+    assert!(out.status.success(), "{}\n{}", out.status, out.stderr);
+    let cut = out
+        .stderr
+        .lines()
+        .filter(|l| l.contains("applying its events one by one") && l.contains("57014"))
+        .count();
+    assert_eq!(cut, 1, "batches cut short by the timeout:\n{}", out.stderr);
+    assert_eq!(
+        out.stderr
+            .matches("run the statement event by event")
+            .count(),
+        1,
+        "{}",
+        out.stderr
+    );
+    let rows =
+        s.db.client()
+            .query(
+                &format!("SELECT event_id FROM {table} ORDER BY event_id"),
+                &[],
+            )
+            .unwrap();
+    let mut written: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    let mut expected = ids.clone();
+    written.sort();
+    expected.sort();
+    assert_eq!(written, expected, "each event written once");
+    assert!(s.dead_letters().is_empty());
+    assert_eq!(s.pending(), 0);
+}
+
+/// A handler that wraps the SQL handler and drops its error: the batch's
+/// call undid every effect it wrote (the failing event's and the others'),
+/// so the `Ok` must not commit their `processed_events` rows without them.
+/// The batch is rolled back instead, as for a handler that swallows a
+/// statement's error, and its events applied one by one: no event is ever
+/// recorded without its effect, and the bad one is dead-lettered. (Without
+/// the check, the first batch committed all three as applied with no row at
+/// all.)
+#[test]
+fn a_handler_that_drops_the_sql_handler_s_batch_error_commits_nothing_without_its_effect() {
+    if !batch_mode() {
+        return;
+    }
+    struct Drops(SqlHandler);
+    impl Handler for Drops {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            self.0.handle(event, tx)
+        }
+        fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            let _ = self.0.handle_batch(events, tx); // dropped
+            Ok(())
+        }
+        fn sql_effect(&self, _event: &Event) -> Option<&SqlHandler> {
+            Some(&self.0)
+        }
+    }
+    // A statement that fails in SQL (the call undoes it), and a payload
+    // refused before anything is sent (not JSON for a `jsonb` parameter).
+    for (column, bad_payload, kind, reason) in [
+        ("n int", "x", DeadLetterKind::Permanent, "22P02"),
+        ("n jsonb", "not json", DeadLetterKind::Invalid, "not JSON"),
+    ] {
+        let db = TestDb::new();
+        let table = unique("dropped").to_lowercase();
+        db.client()
+            .batch_execute(&format!(
+                "CREATE TABLE {table} (event_id text NOT NULL, {column})"
+            ))
+            .unwrap();
+        let statement = if column.contains("jsonb") {
+            format!("INSERT INTO {table} (event_id, n) VALUES ($1, $2)")
+        } else {
+            format!("INSERT INTO {table} (event_id, n) VALUES ($1, $2::text::int)")
+        };
+        let (stream, group) = (unique("drops"), unique("g"));
+        let mut conn = redis(&redis_url());
+        for (id, payload) in [("a", "1"), ("bad", bad_payload), ("c", "3")] {
+            xadd(
+                &mut conn,
+                &stream,
+                &[("event_id", id), ("payload", payload)],
+            );
+        }
+        let summary = Running::of(
+            builder(&redis_url(), &db.url, &stream, &group)
+                .workers(1)
+                .max_attempts(3)
+                .build(Drops(SqlHandler::new(statement)))
+                .unwrap(),
+        )
+        .join(Duration::from_secs(60));
+        let without = db.count(&format!(
+            "SELECT count(*) FROM processed_events p WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE t.event_id = p.event_id)"
+        ));
+        assert_eq!(
+            without, 0,
+            "{column}: events recorded as applied with no effect: {summary}"
+        );
+        assert_eq!(
+            db.count("SELECT count(*) FROM processed_events WHERE event_id = 'bad'"),
+            0
+        );
+        // The batch went one by one after that: the bad event failed
+        // alone, the others were applied once.
+        let letters = dead_letters(&mut conn, &stream);
+        assert_eq!(letters.len(), 1, "{letters:?}");
+        let bad = letter_for(&letters, "bad");
+        assert_eq!(bad.kind, kind);
+        assert!(bad.reason.contains(reason), "{}", bad.reason);
+        for id in ["a", "c"] {
+            let rows = db.count(&format!(
+                "SELECT count(*) FROM {table} WHERE event_id = '{id}'"
+            ));
+            assert_eq!(rows, 1, "{column}, {id}: {summary}");
+        }
+        assert_eq!(pending(&mut conn, &stream, &group), 0);
+    }
+}
+
+/// Where the worker's role may not create temporary objects (`REVOKE
+/// TEMP`), the function that runs the statement for a whole batch cannot be
+/// created: the statement runs event by event, as it did before, and a
+/// failing event still costs only itself.
+#[test]
+fn without_temporary_objects_an_sql_statement_runs_event_by_event() {
+    if !batch_mode() {
+        return;
+    }
+    let s = Scenario::new("each-no-temp");
+    let table = timed_table(&s.db);
+    let role = unique("no_temp").to_lowercase();
+    s.db.client()
+        .batch_execute(&format!(
+            "REVOKE TEMP ON DATABASE {db} FROM PUBLIC;
+             CREATE ROLE {role} LOGIN PASSWORD 'taskhub';
+             GRANT USAGE ON SCHEMA public TO {role};
+             GRANT SELECT, INSERT, DELETE ON processed_events TO {role};
+             GRANT SELECT, INSERT ON {table} TO {role};",
+            db = s.db.name
+        ))
+        .unwrap();
+    let worker_url =
+        s.db.url
+            .replacen("postgres://postgres", &format!("postgres://{role}"), 1);
+    let mut conn = redis(&s.redis_url);
+    let mut good = Vec::new();
+    for i in 0..20 {
+        let id = format!("t-{i:02}");
+        let payload = if i == 7 {
+            "x".to_owned()
+        } else {
+            i.to_string()
+        };
+        if i != 7 {
+            good.push(id.clone());
+        }
+        xadd(
+            &mut conn,
+            &s.stream,
+            &[("event_id", &id), ("payload", &payload)],
+        );
+    }
+    let summary = Running::of(
+        fast_builder(&s.redis_url, &worker_url, &s.stream, &s.group)
+            .until_idle(true)
+            .workers(1)
+            .count(64)
+            .build(SqlHandler::new(timed_statement(&table)))
+            .unwrap(),
+    )
+    .join(Duration::from_secs(60));
+    assert_eq!(summary.applied, 19, "{summary}");
+    assert_eq!(summary.dead_permanent, 1, "{summary}");
+    let rows =
+        s.db.client()
+            .query(
+                &format!("SELECT event_id FROM {table} ORDER BY event_id"),
+                &[],
+            )
+            .unwrap();
+    let written: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(written, good);
+    // A statement per event.
+    let times =
+        s.db.count(&format!("SELECT count(DISTINCT at) FROM {table}"));
+    assert_eq!(times, 19);
+    assert_eq!(s.pending(), 0);
+    s.db.client()
+        .batch_execute(&format!(
+            "REVOKE ALL ON ALL TABLES IN SCHEMA public FROM {role}; \
+             REVOKE ALL ON SCHEMA public FROM {role};"
+        ))
+        .unwrap();
+    s.db.admin(&format!("DROP OWNED BY {role}; DROP ROLE {role}"));
+}
