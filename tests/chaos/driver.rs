@@ -634,7 +634,16 @@ struct Chaos {
     /// `handle` runs too. Handing it out through `sql_effect` puts the
     /// one-round-trip transactions under every fault of the run.
     sql: SqlHandler,
+    /// The effect of every other plain event in batch mode: the same row,
+    /// through a statement of the handler's own, which taskhub runs for a
+    /// whole batch in one call (`SqlHandler::handle_batch`); so the calls
+    /// that undo a failed statement are under every fault too.
+    custom: SqlHandler,
 }
+
+/// The statement of [`Chaos::custom`]: the built-in statement's effect,
+/// written another way.
+const CUSTOM_SQL: &str = "INSERT INTO notifications (event_id, payload) SELECT $1, $2::text";
 
 impl Chaos {
     /// Counts a call of `event` in Redis (outside the transaction, so a
@@ -723,8 +732,34 @@ impl Handler for Chaos {
         Ok(())
     }
 
+    /// The plain events whose effect is [`CUSTOM_SQL`] go to that
+    /// handler's batch form together (their failures named by their place
+    /// in `events`), the others to `handle`, one by one.
+    fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        let custom: Vec<usize> = (0..events.len())
+            .filter(|i| {
+                self.sql_effect(events[*i])
+                    .is_some_and(|s| std::ptr::eq(s, &self.custom))
+            })
+            .collect();
+        let batch: Vec<&Event> = custom.iter().map(|i| events[*i]).collect();
+        self.custom
+            .handle_batch(&batch, tx)
+            .map_err(|e| match e.event_index() {
+                Some(k) if k < custom.len() => e.for_event(custom[k]),
+                _ => e,
+            })?;
+        for (i, event) in events.iter().enumerate() {
+            if !custom.contains(&i) {
+                self.handle(event, tx).map_err(|e| e.for_event(i))?;
+            }
+        }
+        Ok(())
+    }
+
     /// A plain event's whole effect is the built-in statement (see
-    /// `handle`): taskhub may run it in one round trip.
+    /// `handle`): taskhub may run it in one round trip. Every other one
+    /// (by its id's last byte) has [`CUSTOM_SQL`] instead.
     fn sql_effect(&self, event: &Event) -> Option<&SqlHandler> {
         let value: serde_json::Value = serde_json::from_str(event.payload()?).ok()?;
         let special = [
@@ -737,7 +772,13 @@ impl Handler for Chaos {
             "abort",
         ];
         let kind = value["kind"].as_str().unwrap_or("plain");
-        (!special.contains(&kind)).then_some(&self.sql)
+        if special.contains(&kind) {
+            return None;
+        }
+        match event.event_id().bytes().last().unwrap_or(0) % 2 {
+            0 => Some(&self.sql),
+            _ => Some(&self.custom),
+        }
     }
 
     fn name(&self) -> &str {
@@ -750,6 +791,7 @@ fn work(redis_url: &str, db_url: &str, a: &WorkArgs) -> Res<()> {
         redis: redis::Client::open(redis_url)?,
         conns: std::sync::Mutex::new(Vec::new()),
         sql: SqlHandler::default(),
+        custom: SqlHandler::new(CUSTOM_SQL),
     };
     let worker = Worker::builder()
         .redis_url(redis_url)
