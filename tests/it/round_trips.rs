@@ -333,3 +333,27 @@ fn retries_keep_at_most_a_few_megabytes_of_events() {
     let reads = retry_reads(12, 700_000, Duration::from_secs(1), Duration::from_secs(10));
     assert!(reads >= 1, "no retry of 700 kB read back");
 }
+
+/// An idle stream costs one blocking read per BLOCK and nothing else: a
+/// read that waited a whole BLOCK for nothing leaves the stream drained, so
+/// the next one blocks at once. Before, each was followed by a read script
+/// that found nothing: 16 XREADGROUPs (counting the scripts') and 8 script
+/// calls in these 2 s at the tests' 200 ms BLOCK, where it is now 9 and none.
+#[test]
+fn an_idle_stream_costs_one_blocking_read_per_block() {
+    let r = PrivateRedis::start();
+    let db = TestDb::new();
+    let (stream, group) = (unique("idle"), unique("g"));
+    let settle = Duration::from_millis(300);
+    let (mut conn, running) = warm_worker(&r, &db, (&stream, &group), settle);
+    std::thread::sleep(Duration::from_secs(2));
+    let calls = calls(&mut conn);
+    running.stop();
+    let get = |name: &str| calls.get(name).copied().unwrap_or(0);
+    let reads = get("xreadgroup");
+    assert!(
+        (5..=12).contains(&reads),
+        "{reads} reads in 2 s of an idle stream with a 200 ms BLOCK: {calls:?}"
+    );
+    assert_eq!(get("evalsha"), 0, "a read script while idle: {calls:?}");
+}
