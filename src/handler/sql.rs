@@ -444,21 +444,20 @@ impl SqlHandler {
                 fields.push(text);
             }
         }
-        let payloads_json: Vec<Option<RawJson<'_>>> = match json(1) {
-            true => payloads.iter().map(|p| p.map(RawJson)).collect(),
-            false => Vec::new(),
+        // Bound as text, or as it is through `RawJson` for a JSON type.
+        let payloads_json: Vec<Option<RawJson<'_>>>;
+        let payloads: &(dyn ToSql + Sync) = if json(1) {
+            payloads_json = payloads.iter().map(|p| p.map(RawJson)).collect();
+            &payloads_json
+        } else {
+            &payloads
         };
-        let fields_json: Vec<RawJson<'_>> = match json(2) {
-            true => fields.iter().map(|f| RawJson(f)).collect(),
-            false => Vec::new(),
-        };
-        let payloads: &(dyn ToSql + Sync) = match json(1) {
-            true => &payloads_json,
-            false => &payloads,
-        };
-        let fields: &(dyn ToSql + Sync) = match json(2) {
-            true => &fields_json,
-            false => &fields,
+        let fields_json: Vec<RawJson<'_>>;
+        let fields: &(dyn ToSql + Sync) = if json(2) {
+            fields_json = fields.iter().map(|f| RawJson(f)).collect();
+            &fields_json
+        } else {
+            &fields
         };
         let rows = match tx.query(&each, &[&self.statement, &ids, payloads, fields]) {
             Ok(rows) => rows,

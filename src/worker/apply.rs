@@ -836,7 +836,7 @@ pub(crate) fn plain(handler: &dyn Handler, event: &Event) -> bool {
 fn settled(handled: Result<(), HandlerError>, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
     match (handled, tx.owed.take()) {
         (Ok(()), Some(cause)) => Err(HandlerError::retryable(format!(
-            "a statement of the handler failed ({cause}) and was undone, but the handler returned Ok; rolled back"
+            "the SQL handler failed ({cause}) without aborting the transaction, but the handler returned Ok; rolled back"
         ))),
         (handled, _) => handled,
     }

@@ -2482,6 +2482,65 @@ fn an_sql_statement_runs_for_a_whole_batch_in_one_call() {
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 }
 
+/// Event data reaches the one-call statement only as its parameters: ids
+/// and payloads made of quotes, comments, `$1` and the function's own
+/// dollar quote are stored as they came, and nothing else runs.
+#[test]
+fn hostile_values_reach_the_one_call_statement_as_they_came() {
+    if !batch_mode() {
+        return;
+    }
+    let db = TestDb::new();
+    let table = unique("hostile").to_lowercase();
+    db.client()
+        .batch_execute(&format!(
+            "CREATE TABLE {table} (event_id text, body text, at timestamptz)"
+        ))
+        .unwrap();
+    let (stream, group) = (unique("hostile"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let events = [
+        ("a$f$b", format!("x'); DROP TABLE {table}; --")),
+        ("q';--", "$1 $2 $f$ END $f$; COMMIT".to_owned()),
+        ("/* c", "\\'\"".to_owned()),
+    ];
+    for (id, payload) in &events {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", id), ("payload", payload)],
+        );
+    }
+    let summary = Running::of(
+        builder(&redis_url(), &db.url, &stream, &group)
+            .workers(1)
+            .count(64)
+            .build(SqlHandler::new(format!(
+                "INSERT INTO {table} VALUES ($1, $2, statement_timestamp())"
+            )))
+            .unwrap(),
+    )
+    .join(Duration::from_secs(60));
+    assert_eq!(summary.applied, 3, "{summary}");
+    let mut stored: Vec<(String, String)> = db
+        .client()
+        .query(&format!("SELECT event_id, body FROM {table}"), &[])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    stored.sort();
+    let mut sent: Vec<(String, String)> = events
+        .iter()
+        .map(|(i, p)| (i.to_string(), p.clone()))
+        .collect();
+    sent.sort();
+    assert_eq!(stored, sent);
+    // In one call.
+    let times = db.count(&format!("SELECT count(DISTINCT at) FROM {table}"));
+    assert_eq!(times, 1);
+}
+
 /// `--handler-timeout` bounds one statement. Run for a whole batch in one
 /// call, statements that each take well under it can take longer together:
 /// that call is cut short and its batch applied one by one at once (as any
