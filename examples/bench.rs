@@ -24,9 +24,22 @@
 //! `--trace FILE` writes one line per committed event: the commit time and
 //! the latency, in microseconds, to see how latency moves during a run.
 //!
+//! The host's steal (the CPU time it gave this VM's cores to other guests)
+//! is sampled every 100 ms while a run lasts. On a shared host it comes in
+//! bursts: a tenth of a second with a quarter of the cores taken, then none
+//! for seconds. A run reports how long those bursts lasted and, under a
+//! steady load, the latency of the events whose whole flight (XADD to
+//! commit) met none of them: what the machine gives when the host takes
+//! nothing. Events sent after a burst that queued behind its backlog count
+//! as calm, so the figure flatters nothing. `--watch-steal FILE` samples
+//! alone (for `scripts/bench.sh` to put pgbench under the same rule), and
+//! `--calm-latency FILE` applies that rule to "end latency" lines (in
+//! microseconds) read from standard input.
+//!
 //! Run: `cargo run --release --example bench -- --events 100000`.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -48,6 +61,11 @@ struct Args {
     duration: Duration,
     /// Where to write each commit's time and latency.
     trace: Option<String>,
+    /// Only sample the host's steal for `duration`, into this file.
+    watch_steal: Option<String>,
+    /// Only compute the latency of the lines on stdin that met no burst of
+    /// the steal samples in this file.
+    calm_latency: Option<String>,
 }
 
 const USAGE: &str = "\
@@ -72,6 +90,11 @@ RESULT line for scripts. scripts/bench.sh runs it next to pgbench.
                        also prints the rate sustained while it ran
   --duration D         how long the steady load runs [30s]
   --trace FILE         one line per commit: its time and latency (us)
+  --watch-steal FILE   only sample the host's steal every 100 ms for
+                       --duration, into FILE (start end share, us and %)
+  --calm-latency FILE  only read \"end latency\" lines (us) from stdin and
+                       print the latency of those that met no steal burst
+                       of FILE (a 100 ms sample with over 5% taken)
   -h, --help           this text
 ";
 
@@ -90,6 +113,8 @@ fn parse_args() -> Result<Option<Args>, String> {
         rate: 0,
         duration: Duration::from_secs(30),
         trace: None,
+        watch_steal: None,
+        calm_latency: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -110,6 +135,8 @@ fn parse_args() -> Result<Option<Args>, String> {
             "--mode" => args.mode = value()?.parse()?,
             "--rate" => args.rate = value()?.parse().map_err(|e| bad(&e))?,
             "--trace" => args.trace = Some(value()?),
+            "--watch-steal" => args.watch_steal = Some(value()?),
+            "--calm-latency" => args.calm_latency = Some(value()?),
             "--duration" => {
                 args.duration = humantime::parse_duration(&value()?).map_err(|e| bad(&e))?
             }
@@ -127,10 +154,11 @@ struct BenchHandler {
     fail_times: u32,
     /// Microseconds from XADD to commit, per event.
     latencies: Mutex<Vec<u64>>,
-    /// The commit time of each event, in microseconds, under a steady load
-    /// (the rate sustained while the producer ran is counted from them);
-    /// `None` for a drain, whose peak RSS is a measurement.
-    commit_times: Option<Mutex<Vec<u64>>>,
+    /// The commit time and latency of each event, in microseconds, under a
+    /// steady load (the rate sustained while the producer ran is counted
+    /// from them, and the latency of the calm flights); `None` for a
+    /// drain, whose peak RSS is a measurement.
+    commit_times: Option<Mutex<Vec<(u64, u64)>>>,
     last_healthy_commit: Mutex<Option<Instant>>,
     /// `--trace`: "commit time, latency" in microseconds, a line per event.
     trace: Option<Mutex<std::io::BufWriter<std::fs::File>>>,
@@ -200,7 +228,7 @@ impl Handler for BenchHandler {
         let latency = now.saturating_sub(sent_us);
         self.latencies.lock().unwrap().push(latency);
         if let Some(times) = &self.commit_times {
-            times.lock().unwrap().push(now);
+            times.lock().unwrap().push((now, latency));
         }
         if let Some(trace) = &self.trace {
             use std::io::Write;
@@ -255,6 +283,127 @@ fn machine_ticks() -> (u64, u64) {
     (ticks.get(7).copied().unwrap_or(0), ticks.iter().sum())
 }
 
+/// A sample of 100 ms in which the host took more than this share of the
+/// machine's CPU time is a burst: more than one tick of the 20 that two
+/// cores count in it.
+const BURST_PCT: f64 = 5.0;
+
+/// One sample of the host's steal: its start and end, in microseconds since
+/// the epoch, and the share of the machine's CPU time the host took.
+type StealSample = (u64, u64, f64);
+
+/// Samples the host's steal every 100 ms until `stop` is set.
+fn watch_steal(stop: &AtomicBool) -> Vec<StealSample> {
+    let mut samples = Vec::new();
+    let (mut at, mut ticks) = (now_micros(), machine_ticks());
+    while !stop.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(100));
+        let (now, next) = (now_micros(), machine_ticks());
+        let total = next.1.saturating_sub(ticks.1);
+        if total > 0 {
+            let steal = next.0.saturating_sub(ticks.0) as f64 * 100.0 / total as f64;
+            samples.push((at, now, steal));
+            (at, ticks) = (now, next);
+        }
+    }
+    samples
+}
+
+/// The bursts among `samples` (in time order): their start and end.
+fn bursts(samples: &[StealSample]) -> Vec<(u64, u64)> {
+    samples
+        .iter()
+        .filter(|s| s.2 > BURST_PCT)
+        .map(|s| (s.0, s.1))
+        .collect()
+}
+
+/// Whether a flight from `start` to `end` met none of `bursts`.
+fn calm(bursts: &[(u64, u64)], start: u64, end: u64) -> bool {
+    let first_not_over = bursts.partition_point(|b| b.1 < start);
+    bursts.get(first_not_over).is_none_or(|b| b.0 > end)
+}
+
+/// "burst_s=.. steal_max_pct=..": how long the bursts of `samples` lasted
+/// in all, and the most the host took in one sample.
+fn steal_fields(samples: &[StealSample]) -> String {
+    let burst_us: u64 = bursts(samples).iter().map(|b| b.1 - b.0).sum();
+    let most = samples.iter().map(|s| s.2).fold(0.0, f64::max);
+    format!(
+        "burst_s={:.1} steal_max_pct={most:.0}",
+        burst_us as f64 / 1e6
+    )
+}
+
+/// "calm_p50_ms=.. calm_p99_ms=.. calm_max_ms=.. calm_share=..": the
+/// latency of the events of `flights` (end, latency; microseconds) whose
+/// flight met no burst, and their share of all.
+fn calm_fields(samples: &[StealSample], flights: &[(u64, u64)]) -> String {
+    let bursts = bursts(samples);
+    let mut calm: Vec<u64> = flights
+        .iter()
+        .filter(|(end, latency)| calm(&bursts, end.saturating_sub(*latency), *end))
+        .map(|f| f.1)
+        .collect();
+    calm.sort_unstable();
+    let ms = |p: f64| percentile(&calm, p) as f64 / 1000.0;
+    format!(
+        "calm_p50_ms={:.2} calm_p99_ms={:.2} calm_max_ms={:.2} calm_share={:.0}",
+        ms(0.5),
+        ms(0.99),
+        ms(1.0),
+        calm.len() as f64 * 100.0 / flights.len().max(1) as f64
+    )
+}
+
+/// `--watch-steal FILE`: samples for `duration`, a line per sample.
+fn watch_steal_into(path: &str, duration: Duration) -> Result<(), Box<dyn std::error::Error>> {
+    let stop = AtomicBool::new(false);
+    let samples = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            std::thread::sleep(duration);
+            stop.store(true, Ordering::Relaxed);
+        });
+        watch_steal(&stop)
+    });
+    let lines: String = samples
+        .iter()
+        .map(|(start, end, steal)| format!("{start} {end} {steal:.1}\n"))
+        .collect();
+    std::fs::write(path, lines).map_err(|e| format!("--watch-steal {path}: {e}"))?;
+    Ok(())
+}
+
+/// `--calm-latency FILE`: the samples of FILE (`--watch-steal`'s), the
+/// flights from standard input, one line of figures.
+fn calm_latency(path: &str) -> Result<(), Box<dyn std::error::Error>> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("--calm-latency {path}: {e}"))?;
+    let numbers = |line: &str| -> Vec<f64> {
+        line.split_whitespace()
+            .filter_map(|v| v.parse().ok())
+            .collect()
+    };
+    let samples: Vec<StealSample> = text
+        .lines()
+        .map(numbers)
+        .filter(|v| v.len() == 3)
+        .map(|v| (v[0] as u64, v[1] as u64, v[2]))
+        .collect();
+    let flights: Vec<(u64, u64)> = std::io::stdin()
+        .lines()
+        .map_while(Result::ok)
+        .map(|line| numbers(&line))
+        .filter(|v| v.len() == 2)
+        .map(|v| (v[0] as u64, v[1] as u64))
+        .collect();
+    println!(
+        "{} {}",
+        calm_fields(&samples, &flights),
+        steal_fields(&samples)
+    );
+    Ok(())
+}
+
 fn percentile(sorted: &[u64], p: f64) -> u64 {
     if sorted.is_empty() {
         return 0;
@@ -270,6 +419,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         print!("{USAGE}");
         return Ok(());
     };
+    if let Some(path) = &args.watch_steal {
+        return watch_steal_into(path, args.duration);
+    }
+    if let Some(path) = &args.calm_latency {
+        return calm_latency(path);
+    }
     let redis_url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
     let database_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres:taskhub@127.0.0.1:5432/taskhub".into());
@@ -371,7 +526,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // While the producer ran (steady load), in microseconds, and how many
     // events it sent.
     let mut producing: Option<(u64, u64, usize)> = None;
-    let summary = std::thread::scope(|scope| -> Result<_, Box<dyn std::error::Error>> {
+    let stop_watching = AtomicBool::new(false);
+    let (summary, steal) = std::thread::scope(|scope| -> Result<_, Box<dyn std::error::Error>> {
+        let watching = scope.spawn(|| watch_steal(&stop_watching));
         let running = scope.spawn(|| worker.run());
         if steady {
             // The steady state, not the start: events sent while the
@@ -409,7 +566,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             shutdown.shutdown();
         }
-        Ok(running.join().expect("the worker thread panicked")?)
+        let summary = running.join().expect("the worker thread panicked");
+        stop_watching.store(true, Ordering::Relaxed);
+        let steal = watching.join().expect("the steal sampler panicked");
+        Ok((summary?, steal))
     })?;
     let elapsed = started.elapsed();
     let (cpu_after, peak_rss_kb) = usage();
@@ -455,7 +615,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             return 0.0;
         };
         let times = times.lock().unwrap();
-        let n = times.iter().filter(|t| (from..=ended).contains(*t)).count();
+        let n = times
+            .iter()
+            .filter(|t| (from..=ended).contains(&t.0))
+            .count();
         n as f64 * 1e6 / ended.saturating_sub(from).max(1) as f64
     });
     // What the producer managed (on two shared cores it may fall short of
@@ -506,9 +669,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     println!("peak rss          {:.1} MB", peak_rss_kb as f64 / 1024.0);
     println!("cpu steal         {steal_pct:.1}% (of the machine's CPU time, taken by the host)");
+    let steal_figures = steal_fields(&steal);
+    println!("steal bursts      {steal_figures} (100 ms samples with over {BURST_PCT}% taken)");
+    // Under a steady load, the latency of the flights that met no burst.
+    let calm_figures = match &handler.commit_times {
+        Some(times) => format!(" {}", calm_fields(&steal, &times.lock().unwrap())),
+        None => String::new(),
+    };
+    if !calm_figures.is_empty() {
+        println!("latency, calm    {calm_figures} (XADD to commit through no burst)");
+    }
     println!("summary           {summary}");
     println!(
-        "RESULT rate={rate:.0} healthy_rate={healthy_rate:.0} sustained={sustained:.0} produced={produced:.0} p50_ms={:.2} p99_ms={:.2} max_ms={:.2} cpu_us={cpu_us:.1} rss_kb={peak_rss_kb} steal_pct={steal_pct:.1} applied={applied}",
+        "RESULT rate={rate:.0} healthy_rate={healthy_rate:.0} sustained={sustained:.0} produced={produced:.0} p50_ms={:.2} p99_ms={:.2} max_ms={:.2} cpu_us={cpu_us:.1} rss_kb={peak_rss_kb} steal_pct={steal_pct:.1} {steal_figures}{calm_figures} applied={applied}",
         ms(0.5),
         ms(0.99),
         ms(1.0),

@@ -159,17 +159,28 @@ pgbench_tps() { # script [pgbench flags...]
 # planned each time) gets about 40% fewer transactions per second through
 # here (5,711 against 9,844-10,269 tps), and put the floor of the per-event
 # runs at its own limit. A pgbench that fails shows as "failed".
+# The host's steal is sampled beside it, and the transactions whose flight
+# met none of its bursts are counted apart (calm_*: see examples/bench.rs),
+# as for taskhub's steady runs.
 pgbench_latency() { # script transactions-per-second
     fresh_tables
     rm -f "$work"/pgl.*
+    target/release/examples/bench --watch-steal "$work/steal" --duration "$((STEADY_SECS + 3))s" &
+    local watching=$!
     if ! pgbench -n -M prepared -c "$WORKERS" -j 2 -T "$STEADY_SECS" -R "$2" -l --log-prefix="$work/pgl" \
         -f "$1" "$BENCH_URL" >/dev/null 2>&1; then
+        kill "$watching" 2>/dev/null || true
+        wait "$watching" 2>/dev/null || true
         echo "bench: pgbench -R $2 -f $(basename "$1") failed" >&2
         echo "p50_ms=failed p99_ms=failed max_ms=failed"
         return
     fi
+    wait "$watching"
     cat "$work"/pgl.* | awk '{ print $3 }' | sort -n | awk '{ a[NR] = $1 } END {
-        printf "p50_ms=%.2f p99_ms=%.2f max_ms=%.2f\n", a[int(NR * 0.5)] / 1000, a[int(NR * 0.99)] / 1000, a[NR] / 1000 }'
+        printf "p50_ms=%.2f p99_ms=%.2f max_ms=%.2f ", a[int(NR * 0.5)] / 1000, a[int(NR * 0.99)] / 1000, a[NR] / 1000 }'
+    # Each transaction's end (epoch seconds and microseconds) and latency.
+    cat "$work"/pgl.* | awk '{ printf "%d%06d %d\n", $5, $6, $3 }' |
+        target/release/examples/bench --calm-latency "$work/steal"
 }
 
 # A figure of a RESULT line ("rate", "sustained", ...).
@@ -344,14 +355,24 @@ clean=$(healthy_rate batch)
 printf 'healthy events with 1%% rejected by the database, batch: %s/s vs %s/s clean = %.2fx\n' \
     "$poison" "$clean" "$(awk "BEGIN { print $poison / $clean }")"
 printf '\nsteady load, taskhub next to the database alone at the same rate (pgbench -R, prepared):\n'
-printf '%-22s %10s %27s %27s\n' run events/s "taskhub p50 / p99 / max ms" "database p50 / p99 / max ms"
+printf '%-22s %10s %27s %19s %27s %19s\n' run events/s "taskhub p50 / p99 / max ms" "calm p99 (share)" \
+    "database p50 / p99 / max ms" "calm p99 (share)"
+# p50 / p99 / max of a RESULT or floor line, and its calm p99 with the
+# share of events it counts, and the host's bursts.
+latencies() { # line
+    printf '%s / %s / %s' "$(field "$1" p50_ms)" "$(field "$1" p99_ms)" "$(field "$1" max_ms)"
+}
+calm_p99() { # line
+    [[ $1 == *calm_p99_ms=* ]] || { printf -- -; return; }
+    printf '%s (%s%%, %ss)' "$(field "$1" calm_p99_ms)" "$(field "$1" calm_share)" "$(field "$1" burst_s)"
+}
 while read -r label line; do
     ours=$(result_of "$label")
-    taskhub=-
-    [[ -n $ours ]] && taskhub="$(field "$ours" p50_ms) / $(field "$ours" p99_ms) / $(field "$ours" max_ms)"
+    taskhub=- taskhub_calm=-
+    [[ -n $ours ]] && taskhub=$(latencies "$ours") && taskhub_calm=$(calm_p99 "$ours")
     line=" $line"
-    printf '%-22s %10s %27s %27s\n' "$label" "$(field "$line" rate)" "$taskhub" \
-        "$(field "$line" p50_ms) / $(field "$line" p99_ms) / $(field "$line" max_ms)"
+    printf '%-22s %10s %27s %19s %27s %19s\n' "$label" "$(field "$line" rate)" "$taskhub" "$taskhub_calm" \
+        "$(latencies "$line")" "$(calm_p99 "$line")"
 done <"$work/floors"
 cat <<EOF
 
@@ -367,12 +388,17 @@ capacity-*: a producer at 1.3x the mode's drain rate for ${CAPACITY_SECS} s; eve
 what was committed while it ran (its first quarter left out): the mode's
 capacity with a producer on the machine. The peak RSS of the capacity-* and
 steady-* runs includes the benchmark's own record of every event (its
-latency and commit time, 16 bytes an event).
+latency twice and commit time, 24 bytes an event).
 steady-*: a producer at that share of the capacity for ${STEADY_SECS} s; latency
 from XADD to commit; cpu_us includes the producer thread. The database
 alone: pgbench at the same rate of events (per-event: one statement per
 event, the fused form; batch: 50 events per transaction; prepared), latency
 from each transaction's scheduled start, so the stalls of the machine and
 the database show in both columns. database-*-75%: the database alone at
-75% of its own ceiling in that form, with no taskhub.
+75% of its own ceiling in that form, with no taskhub. calm p99: the p99 of
+the events (transactions) whose whole flight met no burst of the host's
+steal (a 100 ms sample with over 5% of the machine's CPU time taken by
+another guest), with their share of all and the bursts' total length; an
+event that queued behind a burst's backlog but was sent after it counts
+as calm.
 EOF

@@ -144,6 +144,60 @@ fn the_benchmark_drains_and_verifies_in_both_modes() {
     // What the producer sent, per second, over its 2 s.
     let produced = figure("produced=");
     assert!(produced > 0.0 && produced <= 400.0, "{stdout}");
+    // The host's steal, sampled through the run, and the latency of the
+    // flights that met none of its bursts.
+    for name in ["burst_s=", "steal_max_pct=", "calm_p99_ms="] {
+        figure(name);
+    }
+    let calm_share = figure("calm_share=");
+    assert!((0.0..=100.0).contains(&calm_share), "{stdout}");
+}
+
+/// The rule that `--calm-latency` (and each steady run) applies: a flight
+/// that met a burst (a 100 ms sample with over 5% of the machine's CPU
+/// time taken by the host), even by its first or last microsecond, is not
+/// calm; one that ended before it or began after it is. `--watch-steal`
+/// writes samples in the form it reads.
+#[test]
+fn the_benchmark_leaves_out_only_the_flights_that_met_a_steal_burst() {
+    let dir = TempDir::new("bench-steal");
+    let samples = dir.0.join("steal");
+    // Calm, a burst from 1,000,100 to 1,000,200 µs, calm again.
+    std::fs::write(
+        &samples,
+        "1000000 1000100 0.0\n1000100 1000200 25.0\n1000200 1000300 5.0\n",
+    )
+    .unwrap();
+    // (end, latency): before it, through it, ending at its start, starting
+    // at its end, after it; the latencies say which is which.
+    let flights = "1000090 10\n1000250 200\n1000100 5\n1000300 100\n1000290 20\n";
+    let mut cmd = bench_command();
+    cmd.arg("--calm-latency").arg(&samples);
+    let out = output(cmd, Some(flights.as_bytes()), Duration::from_secs(30));
+    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+    // The calm flights are the 10 µs and 20 µs ones: 2 of 5.
+    assert!(out.stdout.contains("calm_share=40 "), "{}", out.stdout);
+    assert!(out.stdout.contains("calm_max_ms=0.02 "), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("burst_s=0.0 steal_max_pct=25"),
+        "{}",
+        out.stdout
+    );
+
+    let mut cmd = bench_command();
+    let watched = dir.0.join("watched");
+    cmd.arg("--watch-steal")
+        .arg(&watched)
+        .args(["--duration", "350ms"]);
+    let out = output(cmd, None, Duration::from_secs(30));
+    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+    let text = std::fs::read_to_string(&watched).unwrap();
+    let lines: Vec<Vec<f64>> = text
+        .lines()
+        .map(|l| l.split(' ').map(|v| v.parse().unwrap()).collect())
+        .collect();
+    assert!((2..=4).contains(&lines.len()), "{text}");
+    assert!(lines.iter().all(|l| l.len() == 3 && l[0] < l[1]), "{text}");
 }
 
 /// `--help` says how to run it (the README sends readers there) without
