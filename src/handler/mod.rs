@@ -172,13 +172,14 @@ pub struct Tx<'a> {
     /// aborted transaction, the error that aborted it (every later
     /// statement is refused with 25P02, and none succeeds).
     pub(crate) failed: Option<String>,
-    /// An error the SQL handler returned (one of its batch call, which
-    /// undid the statements it ran: the transaction is not aborted; or a
-    /// parameter refused before anything was sent), until the worker sees
-    /// the handler's result. A handler that wraps `SqlHandler` and returns
-    /// `Ok` while one is owed dropped it: its batch is rolled back, as one
-    /// that swallows a statement's error is.
-    pub(crate) owed: Option<String>,
+    /// The errors the SQL handler returned through this handle (one of its
+    /// batch call, which undid the statements it ran: the transaction is
+    /// not aborted; or a parameter refused before anything was sent), in
+    /// order, until the worker sees the handler's result; each taken back
+    /// by a [`Tx::recovered`]. A handler that wraps `SqlHandler` and
+    /// returns `Ok` while one is owed dropped it: its batch is rolled back,
+    /// as one that swallows a statement's error is.
+    pub(crate) owed: Vec<String>,
 }
 
 /// A statement's result, noted in `failed` (see [`Tx`]). Errors of the
@@ -207,7 +208,7 @@ impl<'a> Tx<'a> {
             cache,
             touched: false,
             failed: None,
-            owed: None,
+            owed: Vec::new(),
         }
     }
 
@@ -263,6 +264,38 @@ impl<'a> Tx<'a> {
     {
         self.touched = true;
         noted(&mut self.failed, self.tx.query_opt(query, params))
+    }
+
+    /// Says that the handler dealt with the last error
+    /// [`SqlHandler`](crate::SqlHandler) returned through this `tx`, so
+    /// that returning `Ok` commits what the handler did instead of that
+    /// effect. Without it, a handler that wraps the SQL handler and returns
+    /// `Ok` after one of its errors has its attempt fail ("the SQL handler
+    /// failed ... but the handler returned Ok"): an event is never recorded
+    /// as applied without its effect by a wrapper that merely dropped the
+    /// error. Call it once the transaction is fit to commit again: after
+    /// `ROLLBACK TO SAVEPOINT` to a savepoint taken before the call (a
+    /// failed statement aborts the transaction), and after whatever the
+    /// handler does instead.
+    ///
+    /// ```no_run
+    /// # use taskhub::{Event, Handler, HandlerError, SqlHandler, Tx};
+    /// struct OrPark(SqlHandler);
+    /// impl Handler for OrPark {
+    ///     fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+    ///         tx.batch_execute("SAVEPOINT before_insert")?;
+    ///         if self.0.handle(event, tx).is_err() {
+    ///             // Rejected (a constraint, say): parked for a person instead.
+    ///             tx.batch_execute("ROLLBACK TO SAVEPOINT before_insert")?;
+    ///             tx.execute("INSERT INTO parked (event_id) VALUES ($1)", &[&event.event_id()])?;
+    ///             tx.recovered();
+    ///         }
+    ///         Ok(())
+    ///     }
+    /// }
+    /// ```
+    pub fn recovered(&mut self) {
+        self.owed.pop();
     }
 
     /// [`postgres::Transaction::batch_execute`].

@@ -380,13 +380,13 @@ fn unstorable(value: &[u8]) -> Option<&'static str> {
 /// was cancelled (see `SqlHandler::each`).
 const ONE_BY_ONE_BATCHES: u32 = 64;
 
-/// `handled`, its error noted in `Tx::owed` (unless one is there): a handler
-/// that wraps this one and drops the error has its transaction rolled back,
+/// `handled`, its error noted in `Tx::owed` (until `Tx::recovered`): a
+/// handler that wraps this one and drops the error has its transaction rolled back,
 /// not committed without the effects (the batch's call undid them all, and
 /// the parameters checked first sent none).
 fn owing(tx: &mut Tx<'_>, handled: Result<(), HandlerError>) -> Result<(), HandlerError> {
     if let Err(e) = &handled {
-        tx.owed.get_or_insert_with(|| e.to_string());
+        tx.owed.push(e.to_string());
     }
     handled
 }

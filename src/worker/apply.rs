@@ -834,9 +834,10 @@ pub(crate) fn plain(handler: &dyn Handler, event: &Event) -> bool {
 /// A handler's result, unless it returned `Ok` while it owed an error (see
 /// `Tx::owed`): then an error that rolls its transaction back.
 fn settled(handled: Result<(), HandlerError>, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-    match (handled, tx.owed.take()) {
+    let owed = std::mem::take(&mut tx.owed);
+    match (handled, owed.into_iter().next()) {
         (Ok(()), Some(cause)) => Err(HandlerError::retryable(format!(
-            "the SQL handler failed ({cause}) without aborting the transaction, but the handler returned Ok; rolled back"
+            "the SQL handler failed ({cause}), but the handler returned Ok without saying it dealt with that (Tx::recovered); rolled back"
         ))),
         (handled, _) => handled,
     }

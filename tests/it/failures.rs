@@ -2684,6 +2684,96 @@ fn a_handler_that_drops_the_sql_handler_s_batch_error_commits_nothing_without_it
     }
 }
 
+/// A handler that wraps the SQL handler, takes a savepoint before it and,
+/// when its statement fails, goes back to it and parks the event instead,
+/// says so with `Tx::recovered`: its own effect commits, in either mode, and
+/// nothing is retried or dead-lettered. The same handler without the call
+/// (a wrapper that merely dropped the error, as far as taskhub can tell) has
+/// its attempts fail, and the event is dead-lettered with nothing recorded.
+#[test]
+fn a_handler_that_recovers_from_the_sql_handler_s_error_commits_its_own_effect() {
+    struct OrPark {
+        sql: SqlHandler,
+        parked: String,
+        says_so: bool,
+    }
+    impl Handler for OrPark {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            tx.batch_execute("SAVEPOINT before_sql")?;
+            if self.sql.handle(event, tx).is_err() {
+                tx.batch_execute("ROLLBACK TO SAVEPOINT before_sql")?;
+                tx.execute(
+                    &format!("INSERT INTO {} (event_id) VALUES ($1)", self.parked),
+                    &[&event.event_id()],
+                )?;
+                if self.says_so {
+                    tx.recovered();
+                }
+            }
+            Ok(())
+        }
+    }
+    for says_so in [true, false] {
+        let db = TestDb::new();
+        let (table, parked) = (
+            unique("kept").to_lowercase(),
+            unique("parked").to_lowercase(),
+        );
+        db.client()
+            .batch_execute(&format!(
+                "CREATE TABLE {table} (event_id text NOT NULL, n int NOT NULL CHECK (n > 0));
+                 CREATE TABLE {parked} (event_id text NOT NULL)"
+            ))
+            .unwrap();
+        let (stream, group) = (unique("or-park"), unique("g"));
+        let mut conn = redis(&redis_url());
+        for (id, payload) in [("a", "1"), ("bad", "-2"), ("c", "3")] {
+            xadd(
+                &mut conn,
+                &stream,
+                &[("event_id", id), ("payload", payload)],
+            );
+        }
+        let handler = OrPark {
+            sql: SqlHandler::new(format!(
+                "INSERT INTO {table} (event_id, n) VALUES ($1, $2::text::int)"
+            )),
+            parked: parked.clone(),
+            says_so,
+        };
+        let summary = Running::of(
+            builder(&redis_url(), &db.url, &stream, &group)
+                .workers(1)
+                .max_attempts(2)
+                .backoff_base(Duration::from_millis(10))
+                .build(handler)
+                .unwrap(),
+        )
+        .join(Duration::from_secs(60));
+        let count = |sql: String| db.count(&sql);
+        for id in ["a", "c"] {
+            let n = count(format!(
+                "SELECT count(*) FROM {table} WHERE event_id = '{id}'"
+            ));
+            assert_eq!(n, 1, "{id}, says so: {says_so}: {summary}");
+        }
+        let letters = dead_letters(&mut conn, &stream);
+        let bad_recorded =
+            count("SELECT count(*) FROM processed_events WHERE event_id = 'bad'".to_owned());
+        let bad_parked = count(format!("SELECT count(*) FROM {parked}"));
+        if says_so {
+            assert!(letters.is_empty(), "{letters:?}");
+            assert_eq!((bad_recorded, bad_parked), (1, 1), "{summary}");
+        } else {
+            assert_eq!(letters.len(), 1, "{letters:?}");
+            let bad = letter_for(&letters, "bad");
+            assert!(bad.reason.contains("Tx::recovered"), "{}", bad.reason);
+            assert_eq!((bad_recorded, bad_parked), (0, 0), "{summary}");
+        }
+        assert_eq!(pending(&mut conn, &stream, &group), 0);
+    }
+}
+
 /// Where the worker's role may not create temporary objects (`REVOKE
 /// TEMP`), the function that runs the statement for a whole batch cannot be
 /// created: the statement runs event by event, as it did before, and a
