@@ -138,6 +138,9 @@ pub struct HandlerError {
     retry_after: Option<Duration>,
     event_index: Option<usize>,
     panicked: bool,
+    /// Whether the transaction it happened in must not go on (see
+    /// [`HandlerError::ends_transaction`]), where no source says so.
+    ends_transaction: bool,
     message: String,
     source: Option<Cause>,
 }
@@ -149,6 +152,7 @@ impl HandlerError {
             retry_after: None,
             event_index: None,
             panicked: false,
+            ends_transaction: false,
             message,
             source,
         }
@@ -225,6 +229,29 @@ impl HandlerError {
             );
         }
         self
+    }
+
+    /// Marks a failure whose SQLSTATE is of class 40 (see
+    /// [`HandlerError::ends_transaction`]) that carries no PostgreSQL error.
+    pub(crate) fn ending_transaction(mut self) -> HandlerError {
+        self.ends_transaction = true;
+        self
+    }
+
+    /// Whether the transaction it happened in must not go on, even back at
+    /// a savepoint: a serialization failure or a deadlock (SQLSTATE class
+    /// 40). Under REPEATABLE READ its snapshot is the one that failed, and
+    /// under SERIALIZABLE it may be doomed: every later write in it fails
+    /// the same way, whatever it touches. The other events of a batch go on
+    /// in a new transaction, as a per-event attempt would.
+    pub(crate) fn ends_transaction(&self) -> bool {
+        self.ends_transaction
+            || self
+                .source
+                .as_deref()
+                .and_then(|s| s.downcast_ref::<postgres::Error>())
+                .and_then(postgres::Error::code)
+                .is_some_and(|c| c.code().starts_with("40"))
     }
 
     pub(crate) fn is_panic(&self) -> bool {

@@ -269,14 +269,18 @@ impl<'a> Tx<'a> {
     /// Says that the handler dealt with the last error
     /// [`SqlHandler`](crate::SqlHandler) returned through this `tx`, so
     /// that returning `Ok` commits what the handler did instead of that
-    /// effect. Without it, a handler that wraps the SQL handler and returns
-    /// `Ok` after one of its errors has its attempt fail ("the SQL handler
-    /// failed ... but the handler returned Ok"): an event is never recorded
-    /// as applied without its effect by a wrapper that merely dropped the
-    /// error. Call it once the transaction is fit to commit again: after
-    /// `ROLLBACK TO SAVEPOINT` to a savepoint taken before the call (a
-    /// failed statement aborts the transaction), and after whatever the
-    /// handler does instead.
+    /// effect. It matters where that error left the transaction fit to
+    /// commit: a payload the SQL handler refused before sending anything
+    /// (not JSON for a `jsonb` parameter, say), or the failure of its call
+    /// for a whole batch (which undid every statement of the call). Without
+    /// it, a handler that returns `Ok` after such an error has its attempt
+    /// fail ("the SQL handler failed ... but the handler returned Ok"), so
+    /// that a wrapper that merely dropped the error never records an event
+    /// as applied without its effect. A statement that failed on the
+    /// server aborted the transaction, so a wrapper must go back to a
+    /// savepoint taken before the call to go on, and needs no more than
+    /// that (the call is harmless there). Call it once the handler did what
+    /// it does instead.
     ///
     /// ```no_run
     /// # use taskhub::{Event, Handler, HandlerError, SqlHandler, Tx};
@@ -285,7 +289,8 @@ impl<'a> Tx<'a> {
     ///     fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
     ///         tx.batch_execute("SAVEPOINT before_insert")?;
     ///         if self.0.handle(event, tx).is_err() {
-    ///             // Rejected (a constraint, say): parked for a person instead.
+    ///             // Refused (a constraint, a payload that is not JSON):
+    ///             // parked for a person instead.
     ///             tx.batch_execute("ROLLBACK TO SAVEPOINT before_insert")?;
     ///             tx.execute("INSERT INTO parked (event_id) VALUES ($1)", &[&event.event_id()])?;
     ///             tx.recovered();

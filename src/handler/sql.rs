@@ -120,10 +120,13 @@ pub(crate) const APPLY_EACH: &str =
 /// events' effects) and is reported (its position from 1, SQLSTATE,
 /// message), so the transaction is as it was before the call, and the
 /// batch goes on without that event (see `SqlHandler::each`), as when
-/// the event's own statement failed (a serialization failure, a read-only
-/// transaction, a deadlock are the event's failure, as they were; one that
-/// dooms the whole transaction fails its COMMIT). A cancel or a statement
-/// timeout is not caught (PL/pgSQL never catches them): the call fails.
+/// the event's own statement failed. A serialization failure or a deadlock
+/// (SQLSTATE class 40) is the event's failure too, as it was, but the
+/// others go on in a new transaction, as they did after such a statement:
+/// under REPEATABLE READ the same snapshot would fail them again, and a
+/// SERIALIZABLE transaction it doomed fails every later write
+/// (`HandlerError::ends_transaction`). A cancel or a statement timeout is
+/// not caught (PL/pgSQL never catches them): the call fails.
 /// `p_payloads` and `p_fields` are arrays of text, `json` or `jsonb`, as
 /// the statement's parameters are typed (see [`each_call`]). A function of the session
 /// (`pg_temp`), created once per connection outside any transaction (a
@@ -385,8 +388,12 @@ const ONE_BY_ONE_BATCHES: u32 = 64;
 /// not committed without the effects (the batch's call undid them all, and
 /// the parameters checked first sent none).
 fn owing(tx: &mut Tx<'_>, handled: Result<(), HandlerError>) -> Result<(), HandlerError> {
-    if let Err(e) = &handled {
-        tx.owed.push(e.to_string());
+    // A statement that failed on the server aborted the transaction: a
+    // handler that drops its error fails at COMMIT (and one that went back
+    // to a savepoint before it dealt with it), so nothing is owed.
+    match &handled {
+        Err(e) if tx.failed.is_none() => tx.owed.push(e.to_string()),
+        _ => {}
     }
     handled
 }
@@ -469,7 +476,10 @@ impl SqlHandler {
         let (at, code, message): (i32, &str, &str) = (row.get(0), row.get(1), row.get(2));
         tx.touched = touched;
         let message = format!("postgres {code}: {message}");
-        let error = HandlerError::new(crate::error::classify_sqlstate(code), message, None);
+        let mut error = HandlerError::new(crate::error::classify_sqlstate(code), message, None);
+        if code.starts_with("40") {
+            error = error.ending_transaction();
+        }
         match usize::try_from(at - 1).ok().filter(|i| *i < events.len()) {
             Some(i) => Err(error.for_event(i)),
             None => Err(error),

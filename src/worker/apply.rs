@@ -715,7 +715,7 @@ impl Processor {
             let named = e.event_index().filter(|i| *i < events.len());
             let outage = e.class() == FailureClass::Outage;
             match named {
-                Some(i) if !outage && (!tx.touched || savepoint) => {
+                Some(i) if !outage && !e.ends_transaction() && (!tx.touched || savepoint) => {
                     // Untouched, or back to the savepoint (which also
                     // clears an aborted statement): the others go on.
                     if tx.touched && tx.batch_execute("ROLLBACK TO SAVEPOINT batch").is_err() {

@@ -2685,11 +2685,16 @@ fn a_handler_that_drops_the_sql_handler_s_batch_error_commits_nothing_without_it
 }
 
 /// A handler that wraps the SQL handler, takes a savepoint before it and,
-/// when its statement fails, goes back to it and parks the event instead,
-/// says so with `Tx::recovered`: its own effect commits, in either mode, and
-/// nothing is retried or dead-lettered. The same handler without the call
-/// (a wrapper that merely dropped the error, as far as taskhub can tell) has
-/// its attempts fail, and the event is dead-lettered with nothing recorded.
+/// when it fails, goes back to it and parks the event instead: its own
+/// effect commits, in either mode, and nothing is retried or
+/// dead-lettered. Where the statement failed on the server (a CHECK), that
+/// is all it takes, as it always was (the transaction was aborted: a
+/// wrapper that merely dropped the error would fail at COMMIT). Where the
+/// SQL handler refused the payload before sending anything (not JSON for
+/// a `jsonb` parameter), the transaction is fit to commit whatever the
+/// wrapper does, so it says it dealt with the error (`Tx::recovered`);
+/// without that, as far as taskhub can tell it dropped the error: its
+/// attempts fail, and the event is dead-lettered with nothing recorded.
 #[test]
 fn a_handler_that_recovers_from_the_sql_handler_s_error_commits_its_own_effect() {
     struct OrPark {
@@ -2713,64 +2718,73 @@ fn a_handler_that_recovers_from_the_sql_handler_s_error_commits_its_own_effect()
             Ok(())
         }
     }
-    for says_so in [true, false] {
-        let db = TestDb::new();
-        let (table, parked) = (
-            unique("kept").to_lowercase(),
-            unique("parked").to_lowercase(),
-        );
-        db.client()
-            .batch_execute(&format!(
-                "CREATE TABLE {table} (event_id text NOT NULL, n int NOT NULL CHECK (n > 0));
-                 CREATE TABLE {parked} (event_id text NOT NULL)"
-            ))
-            .unwrap();
-        let (stream, group) = (unique("or-park"), unique("g"));
-        let mut conn = redis(&redis_url());
-        for (id, payload) in [("a", "1"), ("bad", "-2"), ("c", "3")] {
-            xadd(
-                &mut conn,
-                &stream,
-                &[("event_id", id), ("payload", payload)],
+    // (column, value, bad payload, whether the error is refused before
+    // anything is sent)
+    let cases = [
+        ("n int NOT NULL CHECK (n > 0)", "$2::text::int", "-2", false),
+        ("n jsonb NOT NULL", "$2", "not json", true),
+    ];
+    for (column, value, bad_payload, refused) in cases {
+        for says_so in [true, false] {
+            let db = TestDb::new();
+            let (table, parked) = (
+                unique("kept").to_lowercase(),
+                unique("parked").to_lowercase(),
             );
+            db.client()
+                .batch_execute(&format!(
+                    "CREATE TABLE {table} (event_id text NOT NULL, {column});
+                     CREATE TABLE {parked} (event_id text NOT NULL)"
+                ))
+                .unwrap();
+            let (stream, group) = (unique("or-park"), unique("g"));
+            let mut conn = redis(&redis_url());
+            for (id, payload) in [("a", "1"), ("bad", bad_payload), ("c", "3")] {
+                xadd(
+                    &mut conn,
+                    &stream,
+                    &[("event_id", id), ("payload", payload)],
+                );
+            }
+            let handler = OrPark {
+                sql: SqlHandler::new(format!(
+                    "INSERT INTO {table} (event_id, n) VALUES ($1, {value})"
+                )),
+                parked: parked.clone(),
+                says_so,
+            };
+            let summary = Running::of(
+                builder(&redis_url(), &db.url, &stream, &group)
+                    .workers(1)
+                    .max_attempts(2)
+                    .backoff_base(Duration::from_millis(10))
+                    .build(handler)
+                    .unwrap(),
+            )
+            .join(Duration::from_secs(60));
+            let case = format!("{column}, says so: {says_so}: {summary}");
+            let count = |sql: String| db.count(&sql);
+            for id in ["a", "c"] {
+                let n = count(format!(
+                    "SELECT count(*) FROM {table} WHERE event_id = '{id}'"
+                ));
+                assert_eq!(n, 1, "{id}, {case}");
+            }
+            let letters = dead_letters(&mut conn, &stream);
+            let bad_recorded =
+                count("SELECT count(*) FROM processed_events WHERE event_id = 'bad'".to_owned());
+            let bad_parked = count(format!("SELECT count(*) FROM {parked}"));
+            if says_so || !refused {
+                assert!(letters.is_empty(), "{case}: {letters:?}");
+                assert_eq!((bad_recorded, bad_parked), (1, 1), "{case}");
+            } else {
+                assert_eq!(letters.len(), 1, "{case}: {letters:?}");
+                let bad = letter_for(&letters, "bad");
+                assert!(bad.reason.contains("Tx::recovered"), "{}", bad.reason);
+                assert_eq!((bad_recorded, bad_parked), (0, 0), "{case}");
+            }
+            assert_eq!(pending(&mut conn, &stream, &group), 0);
         }
-        let handler = OrPark {
-            sql: SqlHandler::new(format!(
-                "INSERT INTO {table} (event_id, n) VALUES ($1, $2::text::int)"
-            )),
-            parked: parked.clone(),
-            says_so,
-        };
-        let summary = Running::of(
-            builder(&redis_url(), &db.url, &stream, &group)
-                .workers(1)
-                .max_attempts(2)
-                .backoff_base(Duration::from_millis(10))
-                .build(handler)
-                .unwrap(),
-        )
-        .join(Duration::from_secs(60));
-        let count = |sql: String| db.count(&sql);
-        for id in ["a", "c"] {
-            let n = count(format!(
-                "SELECT count(*) FROM {table} WHERE event_id = '{id}'"
-            ));
-            assert_eq!(n, 1, "{id}, says so: {says_so}: {summary}");
-        }
-        let letters = dead_letters(&mut conn, &stream);
-        let bad_recorded =
-            count("SELECT count(*) FROM processed_events WHERE event_id = 'bad'".to_owned());
-        let bad_parked = count(format!("SELECT count(*) FROM {parked}"));
-        if says_so {
-            assert!(letters.is_empty(), "{letters:?}");
-            assert_eq!((bad_recorded, bad_parked), (1, 1), "{summary}");
-        } else {
-            assert_eq!(letters.len(), 1, "{letters:?}");
-            let bad = letter_for(&letters, "bad");
-            assert!(bad.reason.contains("Tx::recovered"), "{}", bad.reason);
-            assert_eq!((bad_recorded, bad_parked), (0, 0), "{summary}");
-        }
-        assert_eq!(pending(&mut conn, &stream, &group), 0);
     }
 }
 
@@ -2849,4 +2863,375 @@ fn without_temporary_objects_an_sql_statement_runs_event_by_event() {
         ))
         .unwrap();
     s.db.admin(&format!("DROP OWNED BY {role}; DROP ROLE {role}"));
+}
+
+/// Polls until a session of `db` other than `except` waits for a lock.
+fn wait_for_lock_waiter(db: &TestDb, except: i32) -> bool {
+    wait_until(Duration::from_secs(20), || {
+        db.count(&format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND wait_event_type = 'Lock' AND pid <> {except}"
+        )) > 0
+    })
+}
+
+/// REPEATABLE READ (the database's default_transaction_isolation): a
+/// concurrent update of a row commits after the batch's snapshot, while the
+/// first event's UPDATE of that row waits for it. That event fails with
+/// 40001, as it would alone. Per event, the other events that update the row
+/// each run in a transaction of their own (a new snapshot) and succeed. In
+/// one call, the function catches the 40001, the batch goes on in the same
+/// transaction, with the same snapshot, so every next event that touches the
+/// row fails with 40001 in turn and is blamed for it (one attempt each; with
+/// max_attempts 1, dead-lettered as exhausted).
+/// Under REPEATABLE READ, five events update one row that a concurrent
+/// transaction updates first: the first event's statement meets it and
+/// fails (40001), and the other four go on in a new transaction, with a
+/// snapshot that sees the concurrent update, and are applied, as they are
+/// per event. (The one-call form once went on in the same transaction,
+/// whose snapshot failed each of the four in turn: all five dead-lettered.)
+#[test]
+fn a_serialization_failure_fails_its_event_and_the_others_go_on_in_a_new_transaction() {
+    let db = TestDb::new();
+    db.admin(&format!(
+        "ALTER DATABASE {} SET default_transaction_isolation = 'repeatable read'",
+        db.name
+    ));
+    db.client()
+        .batch_execute(
+            "CREATE TABLE counters (k text PRIMARY KEY, n int NOT NULL, last text);
+             INSERT INTO counters VALUES ('hot', 0, NULL);",
+        )
+        .unwrap();
+    let statement = "UPDATE counters SET n = n + 1, last = $1 WHERE k = $2";
+    let (stream, group) = (unique("rr"), unique("g"));
+    let mut conn = redis(&redis_url());
+    for i in 1..=5 {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &format!("e{i}")), ("payload", "hot")],
+        );
+    }
+    // A concurrent writer holds the row until the first event waits for it.
+    let mut blocker = db.client();
+    blocker
+        .batch_execute("BEGIN; UPDATE counters SET n = n + 100 WHERE k = 'hot'")
+        .unwrap();
+    let blocker_pid: i32 = blocker
+        .query_one("SELECT pg_backend_pid()", &[])
+        .unwrap()
+        .get(0);
+    let running = Running::of(
+        builder(&redis_url(), &db.url, &stream, &group)
+            .workers(1)
+            .count(16)
+            .max_attempts(1)
+            .build(SqlHandler::new(statement))
+            .unwrap(),
+    );
+    assert!(
+        wait_for_lock_waiter(&db, blocker_pid),
+        "the first event never waited"
+    );
+    blocker.batch_execute("COMMIT").unwrap();
+    let summary = running.join(Duration::from_secs(60));
+    let letters = dead_letters(&mut conn, &stream);
+    let lettered: Vec<String> = letters
+        .iter()
+        .map(|l| format!("{}: {}", l.event_id.clone().unwrap_or_default(), l.reason))
+        .collect();
+    let n = db.count("SELECT n::bigint FROM counters WHERE k = 'hot'");
+    // As per event: e1 (whose UPDATE met the concurrent one) fails, the
+    // four others are applied.
+    assert_eq!(
+        (letters.len(), n),
+        (1, 104),
+        "{:?} mode: {summary}\ndead letters: {lettered:#?}",
+        mode()
+    );
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
+/// A wrapper that tries the SQL handler inside a savepoint of its own and,
+/// when the statement fails for good, goes back to the savepoint and records
+/// the event in a table of rejects instead, then returns Ok: a correct use
+/// of the transaction (nothing aborted, nothing half-written), whose effect
+/// is the reject row. `Tx::owed` cannot tell this from a dropped error: the
+/// event is rolled back, retried and dead-lettered as exhausted, its reject
+/// row never committed (in both modes; the per-event path too, since
+/// `apply` now also goes through `settled`).
+/// Under SERIALIZABLE, a concurrent reader and writer make the batch's
+/// transaction the pivot of a dangerous structure, and PostgreSQL dooms
+/// it: every later write in it fails. Only the event that met the doom
+/// fails; the others are applied in a new transaction, as per event.
+#[test]
+fn a_doomed_serializable_transaction_fails_only_the_event_that_met_the_doom() {
+    let db = TestDb::new();
+    db.admin(&format!(
+        "ALTER DATABASE {} SET default_transaction_isolation = 'serializable'",
+        db.name
+    ));
+    db.client()
+        .batch_execute(
+            "CREATE TABLE a (id int PRIMARY KEY, v int NOT NULL);
+             INSERT INTO a VALUES (1, 0);
+             CREATE TABLE b (event_id text PRIMARY KEY, seen int NOT NULL);",
+        )
+        .unwrap();
+    let statement = "INSERT INTO b (event_id, seen) \
+         SELECT $1, a.v FROM a CROSS JOIN LATERAL \
+         (SELECT pg_advisory_xact_lock(CASE WHEN $2 = 'wait' THEN 7 ELSE 8 END)) l \
+         WHERE a.id = 1";
+    let (stream, group) = (unique("ssi"), unique("g"));
+    let mut conn = redis(&redis_url());
+    for (id, payload) in [
+        ("e1", "go"),
+        ("e2", "wait"),
+        ("e3", "go"),
+        ("e4", "go"),
+        ("e5", "go"),
+    ] {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", id), ("payload", payload)],
+        );
+    }
+    let mut holder = db.client();
+    holder.batch_execute("SELECT pg_advisory_lock(7)").unwrap();
+    let holder_pid: i32 = holder
+        .query_one("SELECT pg_backend_pid()", &[])
+        .unwrap()
+        .get(0);
+    let running = Running::of(
+        builder(&redis_url(), &db.url, &stream, &group)
+            .workers(1)
+            .count(16)
+            .max_attempts(1)
+            .build(SqlHandler::new(statement))
+            .unwrap(),
+    );
+    assert!(wait_for_lock_waiter(&db, holder_pid), "e2 never waited");
+    // T3: writes what the batch read, commits.
+    db.client()
+        .batch_execute("BEGIN; UPDATE a SET v = v + 1 WHERE id = 1; COMMIT")
+        .unwrap();
+    // T2: reads what the batch wrote (uncommitted), stays open a moment.
+    let mut reader = db.client();
+    reader.batch_execute("BEGIN").unwrap();
+    reader.query("SELECT count(*) FROM b", &[]).unwrap();
+    holder
+        .batch_execute("SELECT pg_advisory_unlock(7)")
+        .unwrap();
+    let summary = running.join(Duration::from_secs(60));
+    let _ = reader.batch_execute("COMMIT");
+    let letters = dead_letters(&mut conn, &stream);
+    let lettered: Vec<String> = letters
+        .iter()
+        .map(|l| format!("{}: {}", l.event_id.clone().unwrap_or_default(), l.reason))
+        .collect();
+    let applied = db.count("SELECT count(*) FROM b WHERE event_id IN ('e1', 'e3', 'e4', 'e5')");
+    assert_eq!(
+        applied,
+        4,
+        "{:?} mode: {summary}\ndead letters: {lettered:#?}",
+        mode()
+    );
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
+/// What the review tried that held: failures only some events of one batch
+/// meet (a unique violation between two events of the batch, a division by
+/// zero and a CHECK on a payload value, a payload that is not JSON) and a copy of an
+/// event id: the same outcome in both modes, each failing event blamed for
+/// its own failure, the healthy ones applied once.
+/// A unique violation between two events of one call, a division by zero,
+/// a CHECK, a payload that is not JSON and a copy of an event id: each bad
+/// event gets its own letter with its own SQLSTATE, as per event, and the
+/// healthy ones are written once, by one call in batch mode.
+#[test]
+fn failures_of_some_events_of_one_call_have_their_per_event_outcome() {
+    let db = TestDb::new();
+    db.client()
+        .batch_execute(
+            "CREATE TABLE ratios (event_id text NOT NULL, k text UNIQUE, ratio int CHECK (ratio < 50), \
+             at timestamptz NOT NULL DEFAULT statement_timestamp());",
+        )
+        .unwrap();
+    let statement = "INSERT INTO ratios (event_id, k, ratio) \
+         VALUES ($1, $2::jsonb->>'k', 100 / ($2::jsonb->>'d')::int)";
+    let (stream, group) = (unique("mixed"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let events = [
+        ("e1", r#"{"k":"a","d":4}"#),
+        ("e2", r#"{"k":"a","d":5}"#), // unique violation with e1
+        ("e3", r#"{"k":"b","d":0}"#), // division by zero
+        ("e4", r#"{"k":"c","d":1}"#), // CHECK
+        ("e6", "not json"),
+        ("e7", r#"{"k":"f","d":5}"#),
+        ("e1", r#"{"k":"z","d":4}"#), // a copy of e1
+    ];
+    for (id, payload) in events {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", id), ("payload", payload)],
+        );
+    }
+    let summary = Running::of(
+        builder(&redis_url(), &db.url, &stream, &group)
+            .workers(1)
+            .count(16)
+            .max_attempts(3)
+            .build(SqlHandler::new(statement))
+            .unwrap(),
+    )
+    .join(Duration::from_secs(60));
+    let rows: Vec<String> = db
+        .client()
+        .query(
+            "SELECT event_id || ':' || k FROM ratios ORDER BY event_id",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(rows, ["e1:a", "e7:f"], "{:?}: {summary}", mode());
+    if batch_mode() {
+        // Both written by one call.
+        assert_eq!(db.count("SELECT count(DISTINCT at) FROM ratios"), 1);
+    }
+    let letters = dead_letters(&mut conn, &stream);
+    let mut kinds: Vec<(String, DeadLetterKind)> = letters
+        .iter()
+        .map(|l| (l.event_id.clone().unwrap_or_default(), l.kind))
+        .collect();
+    kinds.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(
+        kinds,
+        [
+            ("e2".to_owned(), DeadLetterKind::Permanent),
+            ("e3".to_owned(), DeadLetterKind::Permanent),
+            ("e4".to_owned(), DeadLetterKind::Permanent),
+            ("e6".to_owned(), DeadLetterKind::Invalid),
+        ],
+        "{:?}: {summary}",
+        mode()
+    );
+    for (id, code) in [("e2", "23505"), ("e3", "22012"), ("e4", "23514")] {
+        let l = letter_for(&letters, id);
+        assert!(l.reason.contains(code), "{id}: {}", l.reason);
+    }
+    assert_eq!(
+        db.count("SELECT count(*) FROM processed_events"),
+        2,
+        "{summary}"
+    );
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
+/// A statement that runs DISCARD TEMP (dropping the session's function that
+/// runs it) for each of three batches: every event applied, none dead-lettered.
+/// A statement that drops the session's temporary objects (the function
+/// of the one call among them): every event is applied, none is
+/// dead-lettered; the function is created again.
+#[test]
+fn a_statement_that_discards_the_session_s_temporary_objects_applies_every_event() {
+    let db = TestDb::new();
+    let (stream, group) = (unique("discard"), unique("g"));
+    let mut conn = redis(&redis_url());
+    for i in 0..12 {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &format!("d{i}")), ("payload", "p")],
+        );
+    }
+    let summary = Running::of(
+        builder(&redis_url(), &db.url, &stream, &group)
+            .workers(1)
+            .count(4)
+            .max_attempts(2)
+            .build(SqlHandler::new("DISCARD TEMP"))
+            .unwrap(),
+    )
+    .join(Duration::from_secs(60));
+    let letters = dead_letters(&mut conn, &stream);
+    let reasons: Vec<String> = letters.iter().map(|l| l.reason.clone()).collect();
+    assert_eq!(
+        (summary.applied, letters.len()),
+        (12, 0),
+        "{summary}: {reasons:#?}"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 12);
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
+/// The session killed (pg_terminate_backend) in the middle of a batch's
+/// call, and a batch whose first event fails and whose call is then cut by
+/// the handler timeout: each healthy event written once, the failing one
+/// dead-lettered once, nothing pending.
+/// The session killed during a call, and the handler's timeout cutting a
+/// call of 8 statements of 0.3 s at 1.5 s, with a failing event among
+/// them: the healthy events are written once, the bad one gets one letter,
+/// nothing stays pending.
+#[test]
+fn a_call_killed_or_cancelled_midway_loses_and_repeats_nothing() {
+    let db = TestDb::new();
+    let table = timed_table(&db);
+    let statement = format!(
+        "INSERT INTO {table} (event_id, at, n) SELECT $1, statement_timestamp(), $2::text::int FROM pg_sleep(0.3)"
+    );
+    let (stream, group) = (unique("kill"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let mut good = Vec::new();
+    for i in 0..8 {
+        let id = format!("k{i}");
+        let payload = if i == 5 {
+            "x".to_owned()
+        } else {
+            good.push(id.clone());
+            i.to_string()
+        };
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &id), ("payload", &payload)],
+        );
+    }
+    let running = Running::of(
+        builder(&redis_url(), &db.url, &stream, &group)
+            .workers(1)
+            .count(8)
+            .max_attempts(3)
+            .handler_timeout(Duration::from_millis(1500))
+            .build(SqlHandler::new(statement))
+            .unwrap(),
+    );
+    // Kill the session once while its call sleeps.
+    assert!(wait_until(Duration::from_secs(20), || {
+        db.count(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE '%taskhub_each_statement%' AND state = 'active'"
+    ) > 0
+    }));
+    std::thread::sleep(Duration::from_millis(500));
+    db.terminate_sessions();
+    let summary = running.join(Duration::from_secs(90));
+    let rows: Vec<String> = db
+        .client()
+        .query(
+            &format!("SELECT event_id FROM {table} ORDER BY event_id"),
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(rows, good, "{summary}");
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 1, "{summary}: {letters:?}");
+    letter_for(&letters, "k5");
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
 }
