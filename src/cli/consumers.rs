@@ -8,10 +8,10 @@ use super::servers::Servers;
 #[derive(Args, Debug)]
 pub struct ConsumersArgs {
     /// The stream.
-    #[arg(long, default_value = "tasks:events")]
+    #[arg(long, default_value = "tasks:events", env = "TASKHUB_STREAM", value_parser = super::one_stream)]
     pub stream: String,
     /// The consumer group.
-    #[arg(long, default_value = "workers")]
+    #[arg(long, default_value = "workers", env = "TASKHUB_GROUP")]
     pub group: String,
     /// Remove this consumer; refused while it has pending entries (they
     /// would become unclaimable).

@@ -68,6 +68,18 @@ pub fn duration(s: &str) -> Result<std::time::Duration, String> {
         .map_err(|e| format!("{e} (expected a duration such as 20ms, 1s or 5m)"))
 }
 
+/// Parses the one stream a command works on. `run` takes several, as a
+/// comma-separated `TASKHUB_STREAM` (which every command reads, so that one
+/// environment file serves them all): such a list here names no stream.
+pub fn one_stream(s: &str) -> Result<String, String> {
+    if s.contains(',') {
+        return Err(format!(
+            "{s:?} names several streams (TASKHUB_STREAM or --stream); this command takes one: give it with --stream"
+        ));
+    }
+    Ok(s.to_owned())
+}
+
 /// Parses a count of things done per step (`--chunk`, `--batch`): 0 would
 /// do nothing, step after step.
 pub fn per_step(s: &str) -> Result<usize, String> {

@@ -11,7 +11,7 @@ use super::servers::Servers;
 #[derive(Args, Debug)]
 pub struct ProduceArgs {
     /// Stream to add to.
-    #[arg(long, default_value = "tasks:events")]
+    #[arg(long, default_value = "tasks:events", env = "TASKHUB_STREAM", value_parser = super::one_stream)]
     pub stream: String,
     /// Add this many demo events instead of reading stdin.
     #[arg(long)]

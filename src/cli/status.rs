@@ -14,10 +14,15 @@ use super::{print, report, table};
 #[derive(Args, Debug)]
 pub struct StatusArgs {
     /// Stream to look at (repeat for several).
-    #[arg(long, default_value = "tasks:events")]
+    #[arg(
+        long,
+        default_value = "tasks:events",
+        env = "TASKHUB_STREAM",
+        value_delimiter = ','
+    )]
     pub stream: Vec<String>,
     /// Consumer group.
-    #[arg(long, default_value = "workers")]
+    #[arg(long, default_value = "workers", env = "TASKHUB_GROUP")]
     pub group: String,
     /// One JSON object per stream and group per line, instead of tables.
     #[arg(long)]

@@ -1576,14 +1576,111 @@ fn archive_to_a_file_killed_half_way_loses_nothing() {
 // Check
 // ---------------------------------------------------------------------------
 
+/// A probe that reads the dead letters of a stream nothing reads, with no
+/// letter (a misspelt `--stream`, an environment file's stream that is not
+/// this one) is not told "no dead letters" for ever: `check` exits 1 and
+/// says what to look at; the other commands warn. And `dlq`, `status` and
+/// `consumers` take their stream and group from `TASKHUB_STREAM` and
+/// `TASKHUB_GROUP`, as `run` does, so one environment file serves them all
+/// (they looked at `tasks:events` while the worker ran on another stream).
+#[test]
+fn a_stream_nothing_reads_fails_the_check_and_the_environment_names_the_stream() {
+    let db = TestDb::new();
+    let (stream, typo) = (unique("env-s"), unique("typo"));
+    let mut conn = redis(&redis_url());
+    put(
+        &mut conn,
+        &letter(
+            &stream,
+            "c1",
+            DeadLetterKind::Exhausted,
+            "HTTP 503",
+            Duration::from_secs(60),
+            &[],
+        ),
+    );
+    let out = dlq(&db.url, &typo, &["check"]);
+    assert_eq!(out.code(), Some(1), "{}", out.stdout);
+    assert!(
+        out.stderr.contains("no consumer group reads stream")
+            && out.stderr.contains("is the name right"),
+        "{}",
+        out.stderr
+    );
+    let doc = dlq(&db.url, &typo, &["check", "--json"]).json();
+    assert_eq!(
+        (doc["ok"].as_bool(), doc["unknown_stream"].as_bool()),
+        (Some(false), Some(true))
+    );
+    let out = dlq(&db.url, &typo, &["list"]);
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    assert!(out.stderr.contains("is the name right"), "{}", out.stderr);
+
+    // The environment's stream and group, with no flag.
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&stream)
+        .arg("envgroup")
+        .arg("$")
+        .arg("MKSTREAM")
+        .query(&mut conn)
+        .unwrap();
+    let with_env = |args: &[&str]| {
+        let mut cmd = taskhub(&redis_url(), &db.url);
+        cmd.env("RUST_LOG", "warn")
+            .env("TASKHUB_STREAM", &stream)
+            .env("TASKHUB_GROUP", "envgroup")
+            .args(args);
+        output(cmd, None, T)
+    };
+    // The letter above is of another group than the environment's.
+    let out = with_env(&["dlq", "check", "--json"]);
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    let doc = out.json();
+    assert_eq!(
+        (doc["stream"].as_str(), doc["group"].as_str()),
+        (Some(stream.as_str()), Some("envgroup"))
+    );
+    let out = with_env(&["status", "--json"]);
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    assert!(
+        out.stdout.contains(&stream) && out.stdout.contains("envgroup"),
+        "{}",
+        out.stdout
+    );
+    let out = with_env(&["consumers"]);
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    // Several streams, as `run` takes them: a command of one stream says so.
+    let mut cmd = taskhub(&redis_url(), &db.url);
+    cmd.env("TASKHUB_STREAM", format!("{stream},{typo}"))
+        .args(["dlq", "check"]);
+    let out = output(cmd, None, T);
+    assert_eq!(out.code(), Some(2), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("names several streams"),
+        "{}",
+        out.stderr
+    );
+}
+
 #[test]
 fn check_exits_0_when_empty_and_1_with_a_one_line_summary() {
     let db = TestDb::new();
     let stream = unique("s");
     let mut conn = redis(&redis_url());
+    // A stream that a group reads, with no dead letter.
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&stream)
+        .arg("g")
+        .arg("$")
+        .arg("MKSTREAM")
+        .query(&mut conn)
+        .unwrap();
 
     let out = dlq(&db.url, &stream, &["check"]);
     assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    assert!(out.stderr.is_empty(), "{}", out.stderr);
     assert_eq!(out.stdout.lines().count(), 1, "{}", out.stdout);
     let doc = dlq_ok(&db.url, &stream, &["check", "--json"]).json();
     assert_eq!(

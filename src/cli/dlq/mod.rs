@@ -31,10 +31,10 @@ behind), 2 bad usage.";
 #[derive(Args, Debug)]
 pub struct DlqArgs {
     /// The stream whose dead letters to work on (they are in <STREAM>:dlq).
-    #[arg(long, default_value = "tasks:events", global = true)]
+    #[arg(long, default_value = "tasks:events", global = true, env = "TASKHUB_STREAM", value_parser = crate::cli::one_stream)]
     stream: String,
     /// Only the dead letters of this consumer group [default: every group's].
-    #[arg(long, global = true, value_name = "GROUP", value_parser = clap::builder::NonEmptyStringValueParser::new())]
+    #[arg(long, global = true, value_name = "GROUP", env = "TASKHUB_GROUP", value_parser = clap::builder::NonEmptyStringValueParser::new())]
     group: Option<String>,
     /// Print JSON instead of tables: one document, or one object per line for list.
     #[arg(long, global = true)]
@@ -263,12 +263,30 @@ pub fn run(
 ) -> Result<ExitCode, String> {
     let mut dead =
         DeadLetters::connect(redis_url, redis_tls, &args.stream).map_err(|e| report(&e))?;
-    // A group the stream does not have: a misspelt --group would find no
+    // A stream that no group reads and that has no letter, or a group the
+    // stream does not have: a misspelt --stream or --group would find no
     // letter, and `check` would say "none" for ever.
-    let unknown_group = match &args.group {
-        Some(g) => !dead.groups().map_err(|e| report(&e))?.contains(g),
+    // (A key of another type where the stream should be: the command
+    // says what it finds there.)
+    let groups = match dead.groups() {
+        Err(e) if args.group.is_some() => return Err(report(&e)),
+        groups => groups.ok(),
+    };
+    let unknown_stream = match &groups {
+        Some(groups) => groups.is_empty() && dead.is_empty().map_err(|e| report(&e))?,
         None => false,
     };
+    let unknown_group = !unknown_stream
+        && args
+            .group
+            .as_ref()
+            .is_some_and(|g| !groups.as_ref().is_some_and(|all| all.contains(g)));
+    if unknown_stream {
+        eprintln!(
+            "taskhub: warning: no consumer group reads stream {} and it has no dead letters: is the name right (--stream, or TASKHUB_STREAM)?",
+            args.stream
+        );
+    }
     if unknown_group {
         eprintln!(
             "taskhub: warning: stream {} has no consumer group {} (only letters it wrote before it went can match)",
@@ -278,6 +296,7 @@ pub fn run(
     }
     let ctx = Ctx {
         dlq: dead_letter_stream(&args.stream),
+        unknown_stream,
         unknown_group,
         group: args.group,
         stream: args.stream,
@@ -301,6 +320,8 @@ struct Ctx {
     dlq: String,
     /// `--group`: only this group's letters.
     group: Option<String>,
+    /// No consumer group reads the stream, and it has no dead letter.
+    unknown_stream: bool,
     /// The stream has no consumer group of that name.
     unknown_group: bool,
     json: bool,

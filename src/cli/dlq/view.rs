@@ -295,9 +295,10 @@ impl Ctx {
                 .map(|(k, n)| (k.as_str().to_owned(), json!(n)))
                 .collect();
             let doc = json!({
-                "ok": total == 0 && !self.unknown_group,
+                "ok": total == 0 && !self.unknown_group && !self.unknown_stream,
                 "stream": self.stream,
                 "group": self.group,
+                "unknown_stream": self.unknown_stream,
                 "unknown_group": self.unknown_group,
                 "count": total,
                 "by_kind": by_kind,
@@ -317,12 +318,15 @@ impl Ctx {
             }
         }
         // No letter of a group the stream does not have: a misspelt
-        // --group, not good news (the warning above says which).
-        Ok(if total == 0 && !self.unknown_group {
-            ExitCode::SUCCESS
-        } else {
-            ExitCode::FAILURE
-        })
+        // --group, or of a stream nothing reads (a misspelt --stream), is
+        // not good news (the warning above says which).
+        Ok(
+            if total == 0 && !self.unknown_group && !self.unknown_stream {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            },
+        )
     }
 }
 
