@@ -26,8 +26,9 @@ pub struct Servers {
     /// PostgreSQL URL (TLS: `?sslmode=require`, or
     /// `?sslmode=verify-full&sslrootcert=/path/ca.pem`; a client
     /// certificate: `&sslcert=/path/client.pem&sslkey=/path/client.key`).
-    /// Neither given (nor DATABASE_URL_FILE): [`DEFAULT_DATABASE_URL`], and
-    /// said so at start (see [`Servers::read_files`]).
+    /// Neither given (nor DATABASE_URL_FILE):
+    /// postgres://postgres:taskhub@127.0.0.1:5432/taskhub, and said so at
+    /// start.
     #[arg(
         long,
         env = "DATABASE_URL",

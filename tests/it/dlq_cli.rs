@@ -760,12 +760,15 @@ fn replay_by_filter_oldest_first_at_a_rate() {
     let mut conn = redis(&redis_url());
     let ids = five_letters(&mut conn, &stream);
 
-    // A selection is required.
+    // A selection is required: a usage mistake, exit 2 (as `dlq --help`
+    // says; it was 1, as for a failure).
     let out = dlq(&db.url, &stream, &["replay"]);
-    assert_eq!(out.code(), Some(1));
+    assert_eq!(out.code(), Some(2));
     assert!(out.stderr.contains("--all"), "{}", out.stderr);
     let out = dlq(&db.url, &stream, &["replay", &ids[0], "--kind", "invalid"]);
-    assert_eq!(out.code(), Some(1), "ids and filters together are refused");
+    assert_eq!(out.code(), Some(2), "ids and filters together are refused");
+    let out = dlq(&db.url, &stream, &["purge", &ids[0], "--kind", "invalid"]);
+    assert_eq!(out.code(), Some(2), "{}", out.stderr);
     assert_eq!(dlq_ids(&mut conn, &stream), ids);
 
     // --field tenant=acme: e0, e2, e4, replayed oldest first at 10/s.
@@ -1187,7 +1190,11 @@ fn purge_needs_yes_and_prints_the_count() {
     assert_eq!(out.json()["would_remove"], 5);
     assert_eq!(dlq_ids(&mut conn, &stream), ids, "nothing removed");
     let out = dlq(&db.url, &stream, &["purge", "--yes"]);
-    assert_eq!(out.code(), Some(1), "no selection: refused");
+    assert_eq!(
+        out.code(),
+        Some(2),
+        "no selection: refused, a usage mistake"
+    );
     assert_eq!(dlq_ids(&mut conn, &stream), ids);
 
     let out = dlq_ok(&db.url, &stream, &["purge", "--kind", "exhausted", "--yes"]);
@@ -1580,9 +1587,10 @@ fn archive_to_a_file_killed_half_way_loses_nothing() {
 /// letter (a misspelt `--stream`, an environment file's stream that is not
 /// this one) is not told "no dead letters" for ever: `check` exits 1 and
 /// says what to look at; the other commands warn. And `dlq`, `status` and
-/// `consumers` take their stream and group from `TASKHUB_STREAM` and
-/// `TASKHUB_GROUP`, as `run` does, so one environment file serves them all
-/// (they looked at `tasks:events` while the worker ran on another stream).
+/// `consumers` take their stream from `TASKHUB_STREAM` (and the last two
+/// their group from `TASKHUB_GROUP`), as `run` does, so one environment
+/// file serves them all (they looked at `tasks:events` while the worker ran
+/// on another stream).
 #[test]
 fn a_stream_nothing_reads_fails_the_check_and_the_environment_names_the_stream() {
     let db = TestDb::new();
@@ -1633,14 +1641,16 @@ fn a_stream_nothing_reads_fails_the_check_and_the_environment_names_the_stream()
             .args(args);
         output(cmd, None, T)
     };
-    // The letter above is of another group than the environment's.
+    // The stream's letters, of every group (the environment's group is for
+    // the commands that need one).
     let out = with_env(&["dlq", "check", "--json"]);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    assert_eq!(out.code(), Some(1), "{}", out.stderr);
     let doc = out.json();
     assert_eq!(
-        (doc["stream"].as_str(), doc["group"].as_str()),
-        (Some(stream.as_str()), Some("envgroup"))
+        (doc["stream"].as_str(), doc["count"].as_u64()),
+        (Some(stream.as_str()), Some(1))
     );
+    assert!(doc["group"].is_null(), "{doc}");
     let out = with_env(&["status", "--json"]);
     assert_eq!(out.code(), Some(0), "{}", out.stderr);
     assert!(
@@ -1943,7 +1953,7 @@ fn every_subcommand_takes_only_the_letters_of_the_group_given() {
     // purge: only the group's, by filter, or all of it; --group alone is
     // no selection (a script's empty list of ids must not take the group).
     let out = dlq(&db.url, &stream, &["purge", "--group", "billing", "--yes"]);
-    assert_eq!(out.code(), Some(1), "{}", out.stdout);
+    assert_eq!(out.code(), Some(2), "{}", out.stdout);
     assert!(
         out.stderr
             .contains("or --all (for every letter of the group)"),
@@ -2049,14 +2059,9 @@ fn every_subcommand_takes_only_the_letters_of_the_group_given() {
             "a value is required for '--group <GROUP>'",
         ),
     ] {
+        // Each a usage mistake: exit 2, clap's or the selection's.
         let out = dlq(&db.url, &stream, &args);
-        let usage = args.contains(&"");
-        assert_eq!(
-            out.code(),
-            Some(if usage { 2 } else { 1 }),
-            "{args:?}: {}",
-            out.stdout
-        );
+        assert_eq!(out.code(), Some(2), "{args:?}: {}", out.stdout);
         assert!(out.stderr.contains(says), "{args:?}: {}", out.stderr);
     }
     assert_eq!(events_left(&mut conn), ["b3"]);

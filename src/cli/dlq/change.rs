@@ -67,7 +67,10 @@ impl Ctx {
         a: ReplayArgs,
     ) -> Result<ExitCode, String> {
         let explicit = !a.ids.is_empty();
-        let selection = self.selection(a.ids, &a.filter, a.limit, a.all)?;
+        let selection = match self.selection(a.ids, &a.filter, a.limit, a.all) {
+            Ok(selection) => selection,
+            Err(message) => return Ok(super::usage(&message)),
+        };
         let mut pg = match dlq::connect_postgres(database_url) {
             Ok(client) => Some(client),
             Err(e) => {
@@ -109,7 +112,10 @@ impl Ctx {
 
     pub(super) fn purge(&self, dead: &mut DeadLetters, a: PurgeArgs) -> Result<ExitCode, String> {
         let explicit = !a.ids.is_empty();
-        let selection = self.selection(a.ids, &a.filter, a.limit, a.all)?;
+        let selection = match self.selection(a.ids, &a.filter, a.limit, a.all) {
+            Ok(selection) => selection,
+            Err(message) => return Ok(super::usage(&message)),
+        };
         let report = dead.purge(&selection, !a.yes).map_err(err)?;
         if self.json {
             let doc = json!({

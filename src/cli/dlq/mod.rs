@@ -33,8 +33,10 @@ pub struct DlqArgs {
     /// The stream whose dead letters to work on (they are in <STREAM>:dlq).
     #[arg(long, default_value = "tasks:events", global = true, env = "TASKHUB_STREAM", value_parser = crate::cli::one_stream)]
     stream: String,
-    /// Only the dead letters of this consumer group [default: every group's].
-    #[arg(long, global = true, value_name = "GROUP", env = "TASKHUB_GROUP", value_parser = clap::builder::NonEmptyStringValueParser::new())]
+    /// Only the dead letters of this consumer group [default: every
+    /// group's; TASKHUB_GROUP is not read here: the group's letters are
+    /// its stream's].
+    #[arg(long, global = true, value_name = "GROUP", value_parser = clap::builder::NonEmptyStringValueParser::new())]
     group: Option<String>,
     /// Print JSON instead of tables: one document, or one object per line for list.
     #[arg(long, global = true)]
@@ -326,6 +328,13 @@ struct Ctx {
     unknown_group: bool,
     json: bool,
     now: SystemTime,
+}
+
+/// A usage mistake found once the flags are parsed (which letters to take):
+/// said as an error, exit 2 as clap's own are.
+fn usage(message: &str) -> ExitCode {
+    eprintln!("taskhub: error: {message}");
+    ExitCode::from(2)
 }
 
 fn ok() -> Result<ExitCode, String> {
