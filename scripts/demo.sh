@@ -18,7 +18,11 @@
 #    replays the dead letters, runs again, and ends with a one-line verdict.
 #
 # REDIS_URL, DATABASE_URL, RUST_LOG, DEMO_COUNT, DEMO_PORT and DEMO_BIN are
-# passed through if you set them.
+# passed through if you set them. Step 1 does not read the URLs:
+# scripts/services.sh always checks Redis on 127.0.0.1:6379, PostgreSQL on
+# 127.0.0.1:5432 and the database `taskhub` there (starting or installing the
+# servers when nothing answers), even when REDIS_URL and DATABASE_URL point
+# elsewhere; the demo itself then uses the URLs, whose database must exist.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

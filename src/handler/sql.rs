@@ -632,8 +632,15 @@ impl Handler for SqlHandler {
                 || e.to_string(),
                 |db| format!("{} ({})", db.message(), db.code().code()),
             );
+            // PostgreSQL cannot tell the type of a parameter the statement
+            // does not use, and every one up to the highest is sent.
+            let hint = if e.code() == Some(&SqlState::INDETERMINATE_DATATYPE) {
+                "; a statement that uses $2 or $3 must use every parameter before it (give one its type where it has none, as in `$1::text`)"
+            } else {
+                ""
+            };
             format!(
-                "the SQL statement does not prepare: {why}: {}",
+                "the SQL statement does not prepare: {why}{hint}: {}",
                 self.statement
             )
         })?;

@@ -713,6 +713,9 @@ fn a_bad_sql_statement_fails_at_start_up_and_dead_letters_nothing() {
             "SELECT $1::text, $2::text, $3::text, $4::text",
             "4 parameters",
         ),
+        // $2 without $1: PostgreSQL cannot type $1; the error says what
+        // to do (it was the server's message alone).
+        ("SELECT $2::text::int", "must use every parameter before it"),
     ] {
         let out = taskhub(&redis_url(), &db.url)
             .args([
