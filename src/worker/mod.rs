@@ -538,6 +538,8 @@ impl Worker {
     fn watch(&self, common: &Common, flow: &InFlight, threads: &Threads) -> Option<String> {
         let config = &self.config;
         let shutdown = &common.shutdown;
+        // When `--until-idle` last said what it waits for.
+        let mut told: Option<Instant> = None;
         while !shutdown.sleep(Duration::from_millis(100)) {
             if let Some(dead) = threads
                 .readers
@@ -557,9 +559,27 @@ impl Worker {
                 shutdown.shutdown();
                 return Some(name);
             }
-            if config.until_idle && is_idle(common, flow, config, &threads.idle_flags) {
-                log::info!("taskhub: idle (nothing new, nothing pending); stopping");
-                shutdown.shutdown();
+            if !config.until_idle {
+                continue;
+            }
+            match idle(common, flow, config, &threads.idle_flags) {
+                Idle::Yes => {
+                    log::info!("taskhub: idle (nothing new, nothing pending); stopping");
+                    shutdown.shutdown();
+                }
+                // Said once a minute: otherwise a wait of minutes (for
+                // --reclaim-min-idle) looks like a hang.
+                Idle::Pending(n)
+                    if told.is_none_or(|at| at.elapsed() >= Duration::from_secs(60)) =>
+                {
+                    told = Some(Instant::now());
+                    log::info!(
+                        "taskhub: --until-idle waits: nothing new, but {n} entries of group {} are pending (retries waiting here, or another consumer's, which this one takes over once idle for --reclaim-min-idle, {})",
+                        config.group,
+                        humantime::format_duration(config.reclaim_min_idle)
+                    );
+                }
+                _ => {}
             }
         }
         None
@@ -634,16 +654,34 @@ fn settings(config: &Config, budget: Option<crate::handler::RetryBudget>) -> Set
 
 /// Idle: every reader saw nothing new, nothing is in flight here, and the
 /// group has nothing pending on any stream.
-fn is_idle(common: &Common, flow: &InFlight, config: &Config, readers: &[Arc<AtomicBool>]) -> bool {
+/// What `--until-idle` sees.
+enum Idle {
+    /// Reading, or events in flight (or Redis does not answer).
+    No,
+    /// Nothing new and nothing in flight, but this many entries of the
+    /// group still pending.
+    Pending(u64),
+    Yes,
+}
+
+fn idle(common: &Common, flow: &InFlight, config: &Config, readers: &[Arc<AtomicBool>]) -> Idle {
     if !readers.iter().all(|i| i.load(Ordering::SeqCst)) || flow.len() > 0 {
-        return false;
+        return Idle::No;
     }
     let Ok(mut conn) = common.redis_conn() else {
-        return false;
+        return Idle::No;
     };
-    config.streams.iter().all(|stream| {
-        streams::pending_count(&mut conn, stream, &config.group).is_ok_and(|n| n == 0)
-    })
+    let mut pending = 0;
+    for stream in &config.streams {
+        match streams::pending_count(&mut conn, stream, &config.group) {
+            Ok(n) => pending += n,
+            Err(_) => return Idle::No,
+        }
+    }
+    match pending {
+        0 => Idle::Yes,
+        n => Idle::Pending(n),
+    }
 }
 
 /// Into how many jobs a reader cuts each read: one per worker when events

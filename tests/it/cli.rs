@@ -694,6 +694,69 @@ fn missing_schema_tells_to_run_migrate() {
     }
 }
 
+/// `--until-idle` with nothing new but entries pending for another
+/// consumer (one that died) waits until it takes them over, and says so
+/// instead of looking hung (it said nothing for minutes of
+/// `--reclaim-min-idle`); then it applies them and stops.
+#[test]
+fn until_idle_says_what_it_waits_for() {
+    let db = TestDb::new();
+    let stream = unique("ghost");
+    let mut r = redis(&redis_url());
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&stream)
+        .arg("g")
+        .arg("0")
+        .arg("MKSTREAM")
+        .query(&mut r)
+        .unwrap();
+    for id in ["e1", "e2"] {
+        xadd(&mut r, &stream, &[("event_id", id), ("payload", "p")]);
+    }
+    // Read by a consumer that is never seen again: pending for it.
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("g")
+        .arg("ghost")
+        .arg("COUNT")
+        .arg(10)
+        .arg("STREAMS")
+        .arg(&stream)
+        .arg(">")
+        .query(&mut r)
+        .unwrap();
+    let mut cmd = taskhub(&redis_url(), &db.url);
+    cmd.env("RUST_LOG", "info").args([
+        "run",
+        "--stream",
+        &stream,
+        "--group",
+        "g",
+        "--until-idle",
+        "--block-ms",
+        "100",
+        "--reclaim-min-idle",
+        "3s",
+        "--reclaim-interval",
+        "1s",
+        "--max-retry-after",
+        "1s",
+        "--backoff-cap",
+        "1s",
+    ]);
+    let out = output(cmd, None, Duration::from_secs(60));
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("--until-idle waits: nothing new, but 2 entries of group g are pending"),
+        "{}",
+        out.stderr
+    );
+    assert!(out.stdout.contains("applied=2 "), "{}", out.stdout);
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 2);
+}
+
 /// A statement that cannot work is a start-up error, not a dead letter per
 /// event: a typo in `--sql` must not empty the stream into the DLQ.
 #[test]
