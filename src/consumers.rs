@@ -48,7 +48,15 @@ pub(crate) fn list_consumers(
         .arg(stream)
         .arg(group)
         .query(conn)
-        .map_err(|e| redis_error(format!("{stream}: cannot list the consumers of {group}"), e))?;
+        .map_err(|e| {
+            // XINFO's "no such key": say which of the two is missing.
+            let what = if e.to_string().contains("no such key") {
+                format!("{stream}: stream does not exist (or has no consumer group {group})")
+            } else {
+                format!("{stream}: cannot list the consumers of {group}")
+            };
+            redis_error(what, e)
+        })?;
     let int = |row: &std::collections::HashMap<String, redis::Value>, k: &str| match row.get(k) {
         Some(redis::Value::Int(n)) => u64::try_from(*n).unwrap_or(0),
         _ => 0,
