@@ -139,6 +139,19 @@ fn cli_lists_and_refuses_to_remove_a_consumer_with_pending_entries() {
             .len(),
         1
     );
+    // A stream that does not exist (a typo) is named as such, not "cannot
+    // list the consumers: no such key".
+    let typo = format!("{stream}-typo");
+    let out = taskhub(&url, db_url)
+        .args(["consumers", "--stream", &typo, "--group", &group])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("{typo}: stream does not exist")),
+        "{stderr}"
+    );
 }
 
 #[test]
