@@ -119,7 +119,9 @@ pub struct RunArgs {
     #[arg(long, default_value = "30s", value_parser = duration, allow_hyphen_values = true, env = "TASKHUB_RECLAIM_INTERVAL", help_heading = RETRIES)]
     pub reclaim_interval: Duration,
     /// Idle time after which another consumer's pending entry is taken over;
-    /// must exceed the longest handler run and retry wait.
+    /// must exceed the longest retry wait (the larger of --backoff-cap and
+    /// --max-retry-after) and 2s. A handler run may last longer: ownership
+    /// is checked before each commit.
     #[arg(long, default_value = "5m", value_parser = duration, allow_hyphen_values = true, env = "TASKHUB_RECLAIM_MIN_IDLE", help_heading = RETRIES)]
     pub reclaim_min_idle: Duration,
     /// Lifetime of the Redis duplicate marker.
