@@ -2875,15 +2875,6 @@ fn wait_for_lock_waiter(db: &TestDb, except: i32) -> bool {
     })
 }
 
-/// REPEATABLE READ (the database's default_transaction_isolation): a
-/// concurrent update of a row commits after the batch's snapshot, while the
-/// first event's UPDATE of that row waits for it. That event fails with
-/// 40001, as it would alone. Per event, the other events that update the row
-/// each run in a transaction of their own (a new snapshot) and succeed. In
-/// one call, the function catches the 40001, the batch goes on in the same
-/// transaction, with the same snapshot, so every next event that touches the
-/// row fails with 40001 in turn and is blamed for it (one attempt each; with
-/// max_attempts 1, dead-lettered as exhausted).
 /// Under REPEATABLE READ, five events update one row that a concurrent
 /// transaction updates first: the first event's statement meets it and
 /// fails (40001), and the other four go on in a new transaction, with a
@@ -2953,14 +2944,6 @@ fn a_serialization_failure_fails_its_event_and_the_others_go_on_in_a_new_transac
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 }
 
-/// A wrapper that tries the SQL handler inside a savepoint of its own and,
-/// when the statement fails for good, goes back to the savepoint and records
-/// the event in a table of rejects instead, then returns Ok: a correct use
-/// of the transaction (nothing aborted, nothing half-written), whose effect
-/// is the reject row. `Tx::owed` cannot tell this from a dropped error: the
-/// event is rolled back, retried and dead-lettered as exhausted, its reject
-/// row never committed (in both modes; the per-event path too, since
-/// `apply` now also goes through `settled`).
 /// Under SERIALIZABLE, a concurrent reader and writer make the batch's
 /// transaction the pivot of a dangerous structure, and PostgreSQL dooms
 /// it: every later write in it fails. Only the event that met the doom
@@ -3041,11 +3024,6 @@ fn a_doomed_serializable_transaction_fails_only_the_event_that_met_the_doom() {
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 }
 
-/// What the review tried that held: failures only some events of one batch
-/// meet (a unique violation between two events of the batch, a division by
-/// zero and a CHECK on a payload value, a payload that is not JSON) and a copy of an
-/// event id: the same outcome in both modes, each failing event blamed for
-/// its own failure, the healthy ones applied once.
 /// A unique violation between two events of one call, a division by zero,
 /// a CHECK, a payload that is not JSON and a copy of an event id: each bad
 /// event gets its own letter with its own SQLSTATE, as per event, and the
@@ -3132,8 +3110,6 @@ fn failures_of_some_events_of_one_call_have_their_per_event_outcome() {
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 }
 
-/// A statement that runs DISCARD TEMP (dropping the session's function that
-/// runs it) for each of three batches: every event applied, none dead-lettered.
 /// A statement that drops the session's temporary objects (the function
 /// of the one call among them): every event is applied, none is
 /// dead-lettered; the function is created again.
@@ -3169,10 +3145,6 @@ fn a_statement_that_discards_the_session_s_temporary_objects_applies_every_event
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 }
 
-/// The session killed (pg_terminate_backend) in the middle of a batch's
-/// call, and a batch whose first event fails and whose call is then cut by
-/// the handler timeout: each healthy event written once, the failing one
-/// dead-lettered once, nothing pending.
 /// The session killed during a call, and the handler's timeout cutting a
 /// call of 8 statements of 0.3 s at 1.5 s, with a failing event among
 /// them: the healthy events are written once, the bad one gets one letter,
