@@ -254,6 +254,15 @@ impl HandlerError {
                 .is_some_and(|c| c.code().starts_with("40"))
     }
 
+    /// Whether PostgreSQL itself refused a statement (its source is the
+    /// server's error), which aborts the transaction it ran in.
+    pub(crate) fn refused_by_server(&self) -> bool {
+        self.source
+            .as_deref()
+            .and_then(|s| s.downcast_ref::<postgres::Error>())
+            .is_some_and(|e| e.as_db_error().is_some())
+    }
+
     pub(crate) fn is_panic(&self) -> bool {
         self.panicked
     }

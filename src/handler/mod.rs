@@ -172,14 +172,24 @@ pub struct Tx<'a> {
     /// aborted transaction, the error that aborted it (every later
     /// statement is refused with 25P02, and none succeeds).
     pub(crate) failed: Option<String>,
-    /// The errors the SQL handler returned through this handle (one of its
-    /// batch call, which undid the statements it ran: the transaction is
-    /// not aborted; or a parameter refused before anything was sent), in
-    /// order, until the worker sees the handler's result; each taken back
-    /// by a [`Tx::recovered`]. A handler that wraps `SqlHandler` and
-    /// returns `Ok` while one is owed dropped it: its batch is rolled back,
-    /// as one that swallows a statement's error is.
-    pub(crate) owed: Vec<String>,
+    /// The errors the SQL handler returned through this handle, in order,
+    /// until the worker sees the handler's result; the last one taken back
+    /// by each [`Tx::recovered`]. A handler that wraps `SqlHandler` and
+    /// returns `Ok` while one that left the transaction fit to commit is
+    /// owed (one of its batch call, which undid the statements it ran; a
+    /// parameter refused before anything was sent) dropped it: its batch is
+    /// rolled back, as one that swallows a statement's error is.
+    pub(crate) owed: Vec<Owed>,
+}
+
+/// An error the SQL handler returned (see `Tx::owed`).
+pub(crate) struct Owed {
+    pub cause: String,
+    /// PostgreSQL refused a statement: the transaction is aborted, so a
+    /// handler that dropped the error fails at COMMIT, and one that went
+    /// back to a savepoint before it dealt with it. Only the others block
+    /// an `Ok`.
+    pub aborted: bool,
 }
 
 /// A statement's result, noted in `failed` (see [`Tx`]). Errors of the

@@ -15,7 +15,7 @@ use postgres::types::{ToSql, Type};
 
 use crate::error::HandlerError;
 use crate::event::Event;
-use crate::handler::{Handler, Tx};
+use crate::handler::{Handler, Owed, Tx};
 
 /// The book's example effect: one row in `notifications` per event.
 pub const DEFAULT_STATEMENT: &str = "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)";
@@ -363,7 +363,8 @@ fn check_json(text: &str) -> Result<(), HandlerError> {
 /// The statement per event, naming the event that failed.
 fn handle_each(sql: &SqlHandler, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
     for (i, event) in events.iter().enumerate() {
-        sql.handle(event, tx).map_err(|e| e.for_event(i))?;
+        // Owed once, by the caller (`handle_batch`), not once more here.
+        sql.apply_one(event, tx).map_err(|e| e.for_event(i))?;
     }
     Ok(())
 }
@@ -384,16 +385,16 @@ fn unstorable(value: &[u8]) -> Option<&'static str> {
 const ONE_BY_ONE_BATCHES: u32 = 64;
 
 /// `handled`, its error noted in `Tx::owed` (until `Tx::recovered`): a
-/// handler that wraps this one and drops the error has its transaction rolled back,
-/// not committed without the effects (the batch's call undid them all, and
-/// the parameters checked first sent none).
+/// handler that wraps this one and drops an error that left the
+/// transaction fit to commit has it rolled back, not committed without the
+/// effects (the batch's call undid them all, and the parameters checked
+/// first sent none).
 fn owing(tx: &mut Tx<'_>, handled: Result<(), HandlerError>) -> Result<(), HandlerError> {
-    // A statement that failed on the server aborted the transaction: a
-    // handler that drops its error fails at COMMIT (and one that went back
-    // to a savepoint before it dealt with it), so nothing is owed.
-    match &handled {
-        Err(e) if tx.failed.is_none() => tx.owed.push(e.to_string()),
-        _ => {}
+    if let Err(e) = &handled {
+        tx.owed.push(Owed {
+            cause: e.to_string(),
+            aborted: e.refused_by_server(),
+        });
     }
     handled
 }

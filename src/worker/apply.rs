@@ -835,7 +835,8 @@ pub(crate) fn plain(handler: &dyn Handler, event: &Event) -> bool {
 /// `Tx::owed`): then an error that rolls its transaction back.
 fn settled(handled: Result<(), HandlerError>, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
     let owed = std::mem::take(&mut tx.owed);
-    match (handled, owed.into_iter().next()) {
+    let blocking = owed.into_iter().find(|o| !o.aborted).map(|o| o.cause);
+    match (handled, blocking) {
         (Ok(()), Some(cause)) => Err(HandlerError::retryable(format!(
             "the SQL handler failed ({cause}), but the handler returned Ok without saying it dealt with that (Tx::recovered); rolled back"
         ))),

@@ -2318,3 +2318,32 @@ fn a_replay_tag_a_client_wrote_is_ignored() {
     assert_eq!(db.effects("order-1"), 1);
     cleanup(&mut conn, &stream);
 }
+
+/// With `run`'s comma list in TASKHUB_STREAM (one environment file for
+/// every command), `dlq --stream S`, on either side of the subcommand,
+/// works on S. (The global flag's parser met the environment's value again
+/// at the subcommand, and refused it: exit 2, whatever --stream said.)
+#[test]
+fn an_explicit_stream_wins_over_a_comma_list_in_the_environment() {
+    let db = TestDb::new();
+    let (stream, other) = (unique("s"), unique("o"));
+    let mut conn = redis(&redis_url());
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&stream)
+        .arg("g")
+        .arg("$")
+        .arg("MKSTREAM")
+        .query(&mut conn)
+        .unwrap();
+    for args in [
+        vec!["dlq", "--stream", stream.as_str(), "check"],
+        vec!["dlq", "check", "--stream", stream.as_str()],
+    ] {
+        let mut cmd = taskhub(&redis_url(), &db.url);
+        cmd.env("TASKHUB_STREAM", format!("{stream},{other}"))
+            .args(&args);
+        let out = output(cmd, None, T);
+        assert_eq!(out.code(), Some(0), "{args:?}: {}", out.stderr);
+    }
+}

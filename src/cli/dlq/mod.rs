@@ -31,7 +31,12 @@ behind), 2 bad usage.";
 #[derive(Args, Debug)]
 pub struct DlqArgs {
     /// The stream whose dead letters to work on (they are in <STREAM>:dlq).
-    #[arg(long, default_value = "tasks:events", global = true, env = "TASKHUB_STREAM", value_parser = crate::cli::one_stream)]
+    #[arg(
+        long,
+        default_value = "tasks:events",
+        global = true,
+        env = "TASKHUB_STREAM"
+    )]
     stream: String,
     /// Only the dead letters of this consumer group [default: every
     /// group's; TASKHUB_GROUP is not read here: the group's letters are
@@ -263,6 +268,12 @@ pub fn run(
     database_url: &str,
     args: DlqArgs,
 ) -> Result<ExitCode, String> {
+    // Checked here, not by clap: a global flag's parser also meets the
+    // environment's value where the flag was given on the other side of
+    // the subcommand, so `--stream a` was refused for TASKHUB_STREAM=a,b.
+    if let Err(message) = crate::cli::one_stream(&args.stream) {
+        return Ok(usage(&message));
+    }
     let mut dead =
         DeadLetters::connect(redis_url, redis_tls, &args.stream).map_err(|e| report(&e))?;
     // A stream that no group reads and that has no letter, or a group the
