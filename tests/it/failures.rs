@@ -2684,6 +2684,98 @@ fn a_handler_that_drops_the_sql_handler_s_batch_error_commits_nothing_without_it
     }
 }
 
+/// The setting of the tests of handlers that wrap the SQL handler: a table
+/// `kept` (`event_id`, and `n` of type `column`) that the SQL handler's
+/// statement inserts into, a table `parked` (`event_id`) for what a wrapper
+/// does instead, and `events` (event id, payload) on a stream of their own.
+struct Wrapping {
+    db: TestDb,
+    kept: String,
+    parked: String,
+    stream: String,
+    group: String,
+    conn: redis::Connection,
+}
+
+impl Wrapping {
+    fn new(column: &str, events: &[(&str, &str)]) -> Wrapping {
+        let db = TestDb::new();
+        let (kept, parked) = (
+            unique("kept").to_lowercase(),
+            unique("parked").to_lowercase(),
+        );
+        db.client()
+            .batch_execute(&format!(
+                "CREATE TABLE {kept} (event_id text NOT NULL, n {column});
+                 CREATE TABLE {parked} (event_id text NOT NULL)"
+            ))
+            .unwrap();
+        let (stream, group) = (unique("wrapping"), unique("g"));
+        let mut conn = redis(&redis_url());
+        for (id, payload) in events {
+            xadd(
+                &mut conn,
+                &stream,
+                &[("event_id", id), ("payload", payload)],
+            );
+        }
+        Wrapping {
+            db,
+            kept,
+            parked,
+            stream,
+            group,
+            conn,
+        }
+    }
+
+    /// The SQL handler that inserts each event into `kept`, `value` its `n`.
+    fn sql(&self, value: &str) -> SqlHandler {
+        SqlHandler::new(format!(
+            "INSERT INTO {} (event_id, n) VALUES ($1, {value})",
+            self.kept
+        ))
+    }
+
+    /// Runs `handler` until idle: one worker, reads of 16, two attempts.
+    fn run(&self, handler: impl Handler) -> taskhub::Summary {
+        Running::of(
+            builder(&redis_url(), &self.db.url, &self.stream, &self.group)
+                .workers(1)
+                .count(16)
+                .max_attempts(2)
+                .backoff_base(Duration::from_millis(10))
+                .build(handler)
+                .unwrap(),
+        )
+        .join(Duration::from_secs(60))
+    }
+
+    /// Parks `event` in `parked` (what a wrapper does instead).
+    fn park(parked: &str, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        tx.execute(
+            &format!("INSERT INTO {parked} (event_id) VALUES ($1)"),
+            &[&event.event_id()],
+        )?;
+        Ok(())
+    }
+
+    /// Whether `id` is recorded as processed, and how many rows of `kept`
+    /// and of `parked` it has.
+    fn outcome(&self, id: &str) -> (i64, i64, i64) {
+        let count = |table: &str| {
+            self.db.count(&format!(
+                "SELECT count(*) FROM {table} WHERE event_id = '{id}'"
+            ))
+        };
+        (
+            count("processed_events"),
+            count(&self.kept),
+            count(&self.parked),
+        )
+    }
+}
+
 /// A handler that wraps the SQL handler, takes a savepoint before it and,
 /// when it fails, goes back to it and parks the event instead: its own
 /// effect commits, in either mode, and nothing is retried or
@@ -2707,10 +2799,7 @@ fn a_handler_that_recovers_from_the_sql_handler_s_error_commits_its_own_effect()
             tx.batch_execute("SAVEPOINT before_sql")?;
             if self.sql.handle(event, tx).is_err() {
                 tx.batch_execute("ROLLBACK TO SAVEPOINT before_sql")?;
-                tx.execute(
-                    &format!("INSERT INTO {} (event_id) VALUES ($1)", self.parked),
-                    &[&event.event_id()],
-                )?;
+                Wrapping::park(&self.parked, event, tx)?;
                 if self.says_so {
                     tx.recovered();
                 }
@@ -2721,71 +2810,150 @@ fn a_handler_that_recovers_from_the_sql_handler_s_error_commits_its_own_effect()
     // (column, value, bad payload, whether the error is refused before
     // anything is sent)
     let cases = [
-        ("n int NOT NULL CHECK (n > 0)", "$2::text::int", "-2", false),
-        ("n jsonb NOT NULL", "$2", "not json", true),
+        ("int NOT NULL CHECK (n > 0)", "$2::text::int", "-2", false),
+        ("jsonb NOT NULL", "$2", "not json", true),
     ];
     for (column, value, bad_payload, refused) in cases {
         for says_so in [true, false] {
-            let db = TestDb::new();
-            let (table, parked) = (
-                unique("kept").to_lowercase(),
-                unique("parked").to_lowercase(),
-            );
-            db.client()
-                .batch_execute(&format!(
-                    "CREATE TABLE {table} (event_id text NOT NULL, {column});
-                     CREATE TABLE {parked} (event_id text NOT NULL)"
-                ))
-                .unwrap();
-            let (stream, group) = (unique("or-park"), unique("g"));
-            let mut conn = redis(&redis_url());
-            for (id, payload) in [("a", "1"), ("bad", bad_payload), ("c", "3")] {
-                xadd(
-                    &mut conn,
-                    &stream,
-                    &[("event_id", id), ("payload", payload)],
-                );
-            }
-            let handler = OrPark {
-                sql: SqlHandler::new(format!(
-                    "INSERT INTO {table} (event_id, n) VALUES ($1, {value})"
-                )),
-                parked: parked.clone(),
+            let events = [("a", "1"), ("bad", bad_payload), ("c", "3")];
+            let mut w = Wrapping::new(column, &events);
+            let summary = w.run(OrPark {
+                sql: w.sql(value),
+                parked: w.parked.clone(),
                 says_so,
-            };
-            let summary = Running::of(
-                builder(&redis_url(), &db.url, &stream, &group)
-                    .workers(1)
-                    .max_attempts(2)
-                    .backoff_base(Duration::from_millis(10))
-                    .build(handler)
-                    .unwrap(),
-            )
-            .join(Duration::from_secs(60));
+            });
             let case = format!("{column}, says so: {says_so}: {summary}");
-            let count = |sql: String| db.count(&sql);
             for id in ["a", "c"] {
-                let n = count(format!(
-                    "SELECT count(*) FROM {table} WHERE event_id = '{id}'"
-                ));
-                assert_eq!(n, 1, "{id}, {case}");
+                assert_eq!(w.outcome(id), (1, 1, 0), "{id}, {case}");
             }
-            let letters = dead_letters(&mut conn, &stream);
-            let bad_recorded =
-                count("SELECT count(*) FROM processed_events WHERE event_id = 'bad'".to_owned());
-            let bad_parked = count(format!("SELECT count(*) FROM {parked}"));
+            let letters = dead_letters(&mut w.conn, &w.stream);
             if says_so || !refused {
                 assert!(letters.is_empty(), "{case}: {letters:?}");
-                assert_eq!((bad_recorded, bad_parked), (1, 1), "{case}");
+                assert_eq!(w.outcome("bad"), (1, 0, 1), "{case}");
             } else {
                 assert_eq!(letters.len(), 1, "{case}: {letters:?}");
                 let bad = letter_for(&letters, "bad");
                 assert!(bad.reason.contains("Tx::recovered"), "{}", bad.reason);
-                assert_eq!((bad_recorded, bad_parked), (0, 0), "{case}");
+                assert_eq!(w.outcome("bad"), (0, 0, 0), "{case}");
             }
-            assert_eq!(pending(&mut conn, &stream, &group), 0);
+            assert_eq!(pending(&mut w.conn, &w.stream, &w.group), 0);
         }
     }
+}
+
+/// A wrapper that drops one event's refused payload (owed: nothing was
+/// sent) and recovers, as documented, from another event's CHECK violation
+/// in the same batch: its `Tx::recovered` takes back the CHECK's error, not
+/// the other event's, which is not recorded without its effect. (When a
+/// failed statement was not owed at all, that call took back the refusal,
+/// and the dropped event committed with no effect in batch mode.)
+#[test]
+fn recovered_after_a_failed_statement_takes_back_no_other_event_s_owed_error() {
+    struct Wrapper {
+        sql: SqlHandler,
+        parked: String,
+    }
+    impl Handler for Wrapper {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            tx.batch_execute("SAVEPOINT w")?;
+            match self.sql.handle(event, tx) {
+                Ok(()) => Ok(()),
+                // A bug of the kind `Tx::owed` catches: an error dropped.
+                Err(_) if event.event_id().starts_with("drop") => Ok(()),
+                Err(_) => {
+                    tx.batch_execute("ROLLBACK TO SAVEPOINT w")?;
+                    Wrapping::park(&self.parked, event, tx)?;
+                    tx.recovered();
+                    Ok(())
+                }
+            }
+        }
+    }
+    let events = [
+        ("drop-me", "not json"),
+        ("check", r#"{"n":-1}"#),
+        ("ok", r#"{"n":1}"#),
+    ];
+    let w = Wrapping::new("jsonb NOT NULL CHECK ((n->>'n')::int > 0)", &events);
+    let summary = w.run(Wrapper {
+        sql: w.sql("$2"),
+        parked: w.parked.clone(),
+    });
+    let (recorded, effect, _) = w.outcome("drop-me");
+    assert!(
+        recorded == 0 || effect == 1,
+        "{:?} mode: drop-me recorded processed ({recorded}) without its effect ({effect}): {summary}",
+        mode()
+    );
+}
+
+/// A statement of the wrapper's own fails and is rolled back to a
+/// savepoint through `&mut **tx` (unseen by `Tx`); then the SQL handler
+/// refuses a payload before sending anything, and the wrapper drops that:
+/// still owed, the event is not recorded without its effect. (Owed only
+/// while `Tx::failed` was empty, it committed with none, in both modes.)
+#[test]
+fn a_refusal_dropped_after_a_statement_rolled_back_unseen_is_still_owed() {
+    struct Wrapper(SqlHandler);
+    impl Handler for Wrapper {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            tx.batch_execute("SAVEPOINT probe")?;
+            if tx.execute("SELECT 1 / 0", &[]).is_err() {
+                (**tx).batch_execute("ROLLBACK TO SAVEPOINT probe")?;
+            }
+            let _ = self.0.handle(event, tx); // dropped
+            Ok(())
+        }
+    }
+    let w = Wrapping::new("jsonb NOT NULL", &[("bad", "not json")]);
+    let summary = w.run(Wrapper(w.sql("$2")));
+    let (recorded, effect, _) = w.outcome("bad");
+    assert!(
+        recorded == 0 || effect == 1,
+        "{:?} mode: recorded processed ({recorded}) without its effect ({effect}): {summary}",
+        mode()
+    );
+}
+
+/// The SQL handler's one-by-one path (`handle_batch` for one event, or
+/// after a cancelled call) owes a refusal once: a wrapper that parks the
+/// event and says `Tx::recovered` once has it parked. (It was owed twice,
+/// by `handle` and again by `handle_batch`: retried and dead-lettered.)
+#[test]
+fn the_one_by_one_path_owes_a_refusal_once() {
+    struct Wrapper {
+        sql: SqlHandler,
+        parked: String,
+    }
+    impl Handler for Wrapper {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            self.handle_batch(&[event], tx)
+        }
+        fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            for event in events {
+                tx.batch_execute("SAVEPOINT w")?;
+                if self.sql.handle_batch(&[event], tx).is_err() {
+                    tx.batch_execute("ROLLBACK TO SAVEPOINT w")?;
+                    Wrapping::park(&self.parked, event, tx)?;
+                    tx.recovered();
+                }
+            }
+            Ok(())
+        }
+    }
+    let mut w = Wrapping::new("jsonb NOT NULL", &[("bad", "not json")]);
+    let summary = w.run(Wrapper {
+        sql: w.sql("$2"),
+        parked: w.parked.clone(),
+    });
+    let letters = dead_letters(&mut w.conn, &w.stream);
+    let reasons: Vec<String> = letters.iter().map(|l| l.reason.clone()).collect();
+    assert_eq!(
+        w.outcome("bad"),
+        (1, 0, 1),
+        "{:?} mode: {summary}: {reasons:?}",
+        mode()
+    );
 }
 
 /// Where the worker's role may not create temporary objects (`REVOKE
@@ -3206,204 +3374,4 @@ fn a_call_killed_or_cancelled_midway_loses_and_repeats_nothing() {
     assert_eq!(letters.len(), 1, "{summary}: {letters:?}");
     letter_for(&letters, "k5");
     assert_eq!(pending(&mut conn, &stream, &group), 0);
-}
-
-/// A wrapper that drops one event's refused payload (owed: nothing was
-/// sent) and recovers, as documented, from another event's CHECK violation
-/// in the same batch: its `Tx::recovered` takes back the CHECK's error, not
-/// the other event's, which is not recorded without its effect. (When a
-/// failed statement was not owed at all, that call took back the refusal,
-/// and the dropped event committed with no effect in batch mode.)
-#[test]
-fn recovered_after_a_failed_statement_takes_back_no_other_event_s_owed_error() {
-    struct Wrapper {
-        sql: SqlHandler,
-        parked: String,
-    }
-    impl Handler for Wrapper {
-        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-            tx.batch_execute("SAVEPOINT w")?;
-            match self.sql.handle(event, tx) {
-                Ok(()) => Ok(()),
-                // A bug of the kind `Tx::owed` catches: an error dropped.
-                Err(_) if event.event_id().starts_with("drop") => Ok(()),
-                Err(_) => {
-                    tx.batch_execute("ROLLBACK TO SAVEPOINT w")?;
-                    tx.execute(
-                        &format!("INSERT INTO {} (event_id) VALUES ($1)", self.parked),
-                        &[&event.event_id()],
-                    )?;
-                    tx.recovered();
-                    Ok(())
-                }
-            }
-        }
-    }
-    let db = TestDb::new();
-    let (table, parked) = (
-        unique("kept").to_lowercase(),
-        unique("parked").to_lowercase(),
-    );
-    db.client()
-        .batch_execute(&format!(
-            "CREATE TABLE {table} (event_id text NOT NULL, j jsonb NOT NULL CHECK ((j->>'n')::int > 0));
-             CREATE TABLE {parked} (event_id text NOT NULL)"
-        ))
-        .unwrap();
-    let (stream, group) = (unique("rec"), unique("g"));
-    let mut conn = redis(&redis_url());
-    for (id, payload) in [
-        ("drop-me", "not json"),
-        ("check", r#"{"n":-1}"#),
-        ("ok", r#"{"n":1}"#),
-    ] {
-        xadd(
-            &mut conn,
-            &stream,
-            &[("event_id", id), ("payload", payload)],
-        );
-    }
-    let summary = Running::of(
-        builder(&redis_url(), &db.url, &stream, &group)
-            .workers(1)
-            .count(16)
-            .max_attempts(2)
-            .backoff_base(Duration::from_millis(10))
-            .build(Wrapper {
-                sql: SqlHandler::new(format!("INSERT INTO {table} (event_id, j) VALUES ($1, $2)")),
-                parked: parked.clone(),
-            })
-            .unwrap(),
-    )
-    .join(Duration::from_secs(60));
-    let recorded = db.count("SELECT count(*) FROM processed_events WHERE event_id = 'drop-me'");
-    let effect = db.count(&format!(
-        "SELECT count(*) FROM {table} WHERE event_id = 'drop-me'"
-    ));
-    assert!(
-        recorded == 0 || effect == 1,
-        "{:?} mode: drop-me recorded processed ({recorded}) without its effect ({effect}): {summary}",
-        mode()
-    );
-}
-
-/// A statement of the wrapper's own fails and is rolled back to a
-/// savepoint through `&mut **tx` (unseen by `Tx`); then the SQL handler
-/// refuses a payload before sending anything, and the wrapper drops that:
-/// still owed, the event is not recorded without its effect. (Owed only
-/// while `Tx::failed` was empty, it committed with none, in both modes.)
-#[test]
-fn a_refusal_dropped_after_a_statement_rolled_back_unseen_is_still_owed() {
-    struct Wrapper(SqlHandler);
-    impl Handler for Wrapper {
-        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-            tx.batch_execute("SAVEPOINT probe")?;
-            if tx.execute("SELECT 1 / 0", &[]).is_err() {
-                (**tx).batch_execute("ROLLBACK TO SAVEPOINT probe")?;
-            }
-            let _ = self.0.handle(event, tx); // dropped
-            Ok(())
-        }
-    }
-    let db = TestDb::new();
-    let table = unique("kept").to_lowercase();
-    db.client()
-        .batch_execute(&format!(
-            "CREATE TABLE {table} (event_id text NOT NULL, j jsonb NOT NULL)"
-        ))
-        .unwrap();
-    let (stream, group) = (unique("stale"), unique("g"));
-    let mut conn = redis(&redis_url());
-    xadd(
-        &mut conn,
-        &stream,
-        &[("event_id", "bad"), ("payload", "not json")],
-    );
-    let summary = Running::of(
-        builder(&redis_url(), &db.url, &stream, &group)
-            .workers(1)
-            .max_attempts(2)
-            .backoff_base(Duration::from_millis(10))
-            .build(Wrapper(SqlHandler::new(format!(
-                "INSERT INTO {table} (event_id, j) VALUES ($1, $2)"
-            ))))
-            .unwrap(),
-    )
-    .join(Duration::from_secs(60));
-    let recorded = db.count("SELECT count(*) FROM processed_events WHERE event_id = 'bad'");
-    let effect = db.count(&format!("SELECT count(*) FROM {table}"));
-    assert!(
-        recorded == 0 || effect == 1,
-        "{:?} mode: recorded processed ({recorded}) without its effect ({effect}): {summary}",
-        mode()
-    );
-}
-
-/// The SQL handler's one-by-one path (`handle_batch` for one event, or
-/// after a cancelled call) owes a refusal once: a wrapper that parks the
-/// event and says `Tx::recovered` once has it parked. (It was owed twice,
-/// by `handle` and again by `handle_batch`: retried and dead-lettered.)
-#[test]
-fn the_one_by_one_path_owes_a_refusal_once() {
-    struct Wrapper {
-        sql: SqlHandler,
-        parked: String,
-    }
-    impl Handler for Wrapper {
-        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-            self.handle_batch(&[event], tx)
-        }
-        fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-            for event in events {
-                tx.batch_execute("SAVEPOINT w")?;
-                if self.sql.handle_batch(&[event], tx).is_err() {
-                    tx.batch_execute("ROLLBACK TO SAVEPOINT w")?;
-                    tx.execute(
-                        &format!("INSERT INTO {} (event_id) VALUES ($1)", self.parked),
-                        &[&event.event_id()],
-                    )?;
-                    tx.recovered();
-                }
-            }
-            Ok(())
-        }
-    }
-    let db = TestDb::new();
-    let (table, parked) = (
-        unique("kept").to_lowercase(),
-        unique("parked").to_lowercase(),
-    );
-    db.client()
-        .batch_execute(&format!(
-            "CREATE TABLE {table} (event_id text NOT NULL, j jsonb NOT NULL);
-             CREATE TABLE {parked} (event_id text NOT NULL)"
-        ))
-        .unwrap();
-    let (stream, group) = (unique("twice"), unique("g"));
-    let mut conn = redis(&redis_url());
-    xadd(
-        &mut conn,
-        &stream,
-        &[("event_id", "bad"), ("payload", "not json")],
-    );
-    let summary = Running::of(
-        builder(&redis_url(), &db.url, &stream, &group)
-            .workers(1)
-            .max_attempts(2)
-            .backoff_base(Duration::from_millis(10))
-            .build(Wrapper {
-                sql: SqlHandler::new(format!("INSERT INTO {table} (event_id, j) VALUES ($1, $2)")),
-                parked: parked.clone(),
-            })
-            .unwrap(),
-    )
-    .join(Duration::from_secs(60));
-    let letters = dead_letters(&mut conn, &stream);
-    let reasons: Vec<String> = letters.iter().map(|l| l.reason.clone()).collect();
-    assert_eq!(
-        db.count(&format!("SELECT count(*) FROM {parked}")),
-        1,
-        "{:?} mode: {summary}: {reasons:?}",
-        mode()
-    );
 }
