@@ -164,7 +164,7 @@ pgbench_tps() { # script [pgbench flags...]
 # as for taskhub's steady runs.
 pgbench_latency() { # script transactions-per-second
     fresh_tables
-    rm -f "$work"/pgl.*
+    rm -f "$work"/pgl.* "$work/steal"
     target/release/examples/bench --watch-steal "$work/steal" --duration "$((STEADY_SECS + 3))s" &
     local watching=$!
     if ! pgbench -n -M prepared -c "$WORKERS" -j 2 -T "$STEADY_SECS" -R "$2" -l --log-prefix="$work/pgl" \
@@ -175,10 +175,13 @@ pgbench_latency() { # script transactions-per-second
         echo "p50_ms=failed p99_ms=failed max_ms=failed"
         return
     fi
-    wait "$watching"
+    # No samples (the watcher failed): no calm figures, rather than another
+    # run's.
+    wait "$watching" || echo "bench: the steal watcher failed; no calm figures for this run" >&2
     cat "$work"/pgl.* | awk '{ print $3 }' | sort -n | awk '{ a[NR] = $1 } END {
         printf "p50_ms=%.2f p99_ms=%.2f max_ms=%.2f ", a[int(NR * 0.5)] / 1000, a[int(NR * 0.99)] / 1000, a[NR] / 1000 }'
     # Each transaction's end (epoch seconds and microseconds) and latency.
+    [[ -s $work/steal ]] || { echo; return; }
     cat "$work"/pgl.* | awk '{ printf "%d%06d %d\n", $5, $6, $3 }' |
         target/release/examples/bench --calm-latency "$work/steal"
 }
