@@ -211,11 +211,13 @@ impl HandlerError {
     /// transaction had already failed (25P02): the fault of whatever ran
     /// before, not of the statement.
     pub(crate) fn in_failed_transaction(&self) -> bool {
-        let source = self.source.as_deref();
-        source
-            .and_then(|s| s.downcast_ref::<postgres::Error>())
-            .and_then(postgres::Error::code)
+        self.postgres().and_then(postgres::Error::code)
             == Some(&postgres::error::SqlState::IN_FAILED_SQL_TRANSACTION)
+    }
+
+    /// The PostgreSQL error it came from, if it did.
+    fn postgres(&self) -> Option<&postgres::Error> {
+        self.source.as_deref()?.downcast_ref::<postgres::Error>()
     }
 
     /// For a statement PostgreSQL refused because the transaction had
@@ -247,20 +249,15 @@ impl HandlerError {
     pub(crate) fn ends_transaction(&self) -> bool {
         self.ends_transaction
             || self
-                .source
-                .as_deref()
-                .and_then(|s| s.downcast_ref::<postgres::Error>())
+                .postgres()
                 .and_then(postgres::Error::code)
-                .is_some_and(|c| c.code().starts_with("40"))
+                .is_some_and(|c| ends_transaction(c.code()))
     }
 
     /// Whether PostgreSQL itself refused a statement (its source is the
     /// server's error), which aborts the transaction it ran in.
     pub(crate) fn refused_by_server(&self) -> bool {
-        self.source
-            .as_deref()
-            .and_then(|s| s.downcast_ref::<postgres::Error>())
-            .is_some_and(|e| e.as_db_error().is_some())
+        self.postgres().is_some_and(|e| e.as_db_error().is_some())
     }
 
     pub(crate) fn is_panic(&self) -> bool {
@@ -305,6 +302,13 @@ impl StdError for HandlerError {
             .as_ref()
             .map(|e| e.as_ref() as &(dyn StdError + 'static))
     }
+}
+
+/// Whether a failure of SQLSTATE `code` ends its transaction: class 40,
+/// a serialization failure or a deadlock (see
+/// [`HandlerError::ends_transaction`]).
+pub(crate) fn ends_transaction(code: &str) -> bool {
+    code.starts_with("40")
 }
 
 /// Classifies a PostgreSQL SQLSTATE code (see the failure table in the README).

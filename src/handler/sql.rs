@@ -478,7 +478,7 @@ impl SqlHandler {
         tx.touched = touched;
         let message = format!("postgres {code}: {message}");
         let mut error = HandlerError::new(crate::error::classify_sqlstate(code), message, None);
-        if code.starts_with("40") {
+        if crate::error::ends_transaction(code) {
             error = error.ending_transaction();
         }
         match usize::try_from(at - 1).ok().filter(|i| *i < events.len()) {

@@ -139,6 +139,13 @@ fn help_of_every_command_exits_0_and_names_the_key_flags() {
                 out.stdout
             );
         }
+        // Written for a reader of the help, not rustdoc's links (run
+        // --help printed "[`DEFAULT_DATABASE_URL`]" where the URL belongs).
+        assert!(
+            !out.stdout.contains("[`"),
+            "{args:?} help shows a rustdoc link:\n{}",
+            out.stdout
+        );
     }
 }
 
