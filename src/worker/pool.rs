@@ -31,6 +31,7 @@ pub(crate) fn worker_thread(
     dead: Sender<dead_letter::Job>,
 ) {
     let mut processor = Processor::new(stage.clone(), retry, dead);
+    processor.warm_up();
     loop {
         let job = match processor.ack_due() {
             None => jobs.recv().map_err(|_| RecvTimeoutError::Disconnected),

@@ -357,3 +357,45 @@ fn an_idle_stream_costs_one_blocking_read_per_block() {
     );
     assert_eq!(get("evalsha"), 0, "a read script while idle: {calls:?}");
 }
+
+/// Each worker readies its PostgreSQL connection before its first event
+/// (`Processor::warm_up`): its dedup insert prepared and the fused batch
+/// statement planned and run once for no event (and, per event, the fused
+/// statement prepared last), so the first events after a start do not
+/// queue behind every new backend reading its catalog and planning. Seen
+/// by the server: with no event sent, each worker's backend has sent a
+/// fused statement last, and nothing is written.
+#[test]
+fn each_worker_readies_its_connection_before_the_first_event() {
+    for mode in [taskhub::Mode::Batch, taskhub::Mode::PerEvent] {
+        let db = TestDb::new();
+        let (stream, group) = (unique("warm"), unique("g"));
+        let workers = 3;
+        let _running = Running::start(
+            fast_builder(&redis_url(), &db.url, &stream, &group)
+                .mode(mode)
+                .workers(workers),
+            taskhub::SqlHandler::default(),
+        );
+        let mut client = db.client();
+        let mut ready = 0;
+        let warm = wait_until(Duration::from_secs(20), || {
+            ready = client
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE datname = current_database() AND pid <> pg_backend_pid() \
+                       AND query LIKE 'WITH %INSERT INTO notifications%'",
+                    &[],
+                )
+                .unwrap()
+                .get::<_, i64>(0);
+            ready >= workers as i64
+        });
+        assert!(
+            warm,
+            "{mode:?}: {ready} of {workers} workers' connections ready before any event"
+        );
+        assert_eq!(db.count("SELECT count(*) FROM processed_events"), 0);
+        assert_eq!(db.count("SELECT count(*) FROM notifications"), 0);
+    }
+}
