@@ -564,8 +564,8 @@ impl Processor {
     /// Readies the worker's connection before its first event: checked out
     /// of the pool, the dedup insert of its mode prepared and, where the
     /// built-in statement can be fused (`notifications` takes text), the
-    /// fused batch statement run once for no event (planned and run, it
-    /// writes nothing) and the session set up for it. A new backend reads
+    /// fused batch statement run once for no event (planned and run, in a
+    /// transaction rolled back) and the session set up for it. A new backend reads
     /// its catalog and plans each statement the first time: done as the
     /// first events arrived, it made them queue (at 75% of batch capacity,
     /// the first 150 ms of events waited 10–20 ms). A failure is left to
@@ -579,6 +579,31 @@ impl Processor {
     fn try_warm_up(&mut self) -> Result<(), HandlerError> {
         self.connection()?;
         let batch = self.stage.settings.mode == Mode::Batch;
+        let conn = self.pg.as_mut().expect("connection() sets it");
+        // Asked first, so that a handler of its own tables does not leave
+        // an error per worker in the server's log.
+        let notifications: bool = conn
+            .query_one("SELECT to_regclass('notifications') IS NOT NULL", &[])?
+            .get(0);
+        if notifications && self.default_folds()? {
+            self.session(Session::Fused)?;
+            let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
+                unreachable!("connection() sets it")
+            };
+            let fused = prepare(&mut ***conn, cache, sql::DEDUP_BATCH_AND_DEFAULT)?;
+            let (none, flags): (&[&str], &[bool]) = (&[], &[]);
+            // In a transaction rolled back: a statement trigger of the
+            // user's on either table fires for no row, and leaves nothing.
+            let mut tx = conn.transaction()?;
+            tx.query(&fused, &[&self.stage.settings.scope, &none, &none, &flags])?;
+            tx.rollback()?;
+            if !batch {
+                prepare(&mut ***conn, cache, sql::DEDUP_AND_DEFAULT)?;
+            }
+        } else {
+            self.session(Session::Handler)?;
+        }
+        // The handler's path.
         let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
             unreachable!("connection() sets it")
         };
@@ -588,24 +613,6 @@ impl Processor {
             INSERT_PROCESSED
         };
         prepare(&mut ***conn, cache, insert)?;
-        // Asked first, so that a handler of its own tables does not leave
-        // an error per worker in the server's log.
-        let notifications: bool = conn
-            .query_one("SELECT to_regclass('notifications') IS NOT NULL", &[])?
-            .get(0);
-        if !(notifications && self.default_folds()?) {
-            return self.session(Session::Handler);
-        }
-        self.session(Session::Fused)?;
-        let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
-            unreachable!("connection() sets it")
-        };
-        let fused = prepare(&mut ***conn, cache, sql::DEDUP_BATCH_AND_DEFAULT)?;
-        let (none, flags): (&[&str], &[bool]) = (&[], &[]);
-        conn.query(&fused, &[&self.stage.settings.scope, &none, &none, &flags])?;
-        if !batch {
-            prepare(&mut ***conn, cache, sql::DEDUP_AND_DEFAULT)?;
-        }
         Ok(())
     }
 

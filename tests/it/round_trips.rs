@@ -359,18 +359,31 @@ fn an_idle_stream_costs_one_blocking_read_per_block() {
 }
 
 /// Each worker readies its PostgreSQL connection before its first event
-/// (`Processor::warm_up`): its dedup insert prepared and the fused batch
-/// statement planned and run once for no event (and, per event, the fused
-/// statement prepared last), so the first events after a start do not
-/// queue behind every new backend reading its catalog and planning. Seen
-/// by the server: with no event sent, each worker's backend has sent a
-/// fused statement last, and nothing is written.
+/// (`Processor::warm_up`): the fused batch statement planned and run once
+/// for no event, in a transaction rolled back, and its statements
+/// prepared, so the first events after a start do not queue behind every
+/// new backend reading its catalog and planning. Seen by the server: with
+/// no event sent, each worker's backend has sent a statement on
+/// `processed_events` last (preparing its mode's dedup insert), and
+/// nothing is written, not even by a statement trigger (which fires for
+/// no row).
 #[test]
 fn each_worker_readies_its_connection_before_the_first_event() {
     for mode in [taskhub::Mode::Batch, taskhub::Mode::PerEvent] {
         let db = TestDb::new();
         let (stream, group) = (unique("warm"), unique("g"));
         let workers = 3;
+        // A statement trigger of the user's fires for no row too: what
+        // it writes must not stay.
+        db.client()
+            .batch_execute(
+                "CREATE TABLE fired (at timestamptz DEFAULT now()); \
+                 CREATE FUNCTION note_insert() RETURNS trigger LANGUAGE plpgsql AS \
+                   $$ BEGIN INSERT INTO fired DEFAULT VALUES; RETURN NULL; END $$; \
+                 CREATE TRIGGER noted AFTER INSERT ON notifications \
+                   FOR EACH STATEMENT EXECUTE FUNCTION note_insert()",
+            )
+            .unwrap();
         let _running = Running::start(
             fast_builder(&redis_url(), &db.url, &stream, &group)
                 .mode(mode)
@@ -384,7 +397,7 @@ fn each_worker_readies_its_connection_before_the_first_event() {
                 .query_one(
                     "SELECT count(*) FROM pg_stat_activity \
                      WHERE datname = current_database() AND pid <> pg_backend_pid() \
-                       AND query LIKE 'WITH %INSERT INTO notifications%'",
+                       AND query LIKE '%INTO processed_events%'",
                     &[],
                 )
                 .unwrap()
@@ -397,5 +410,6 @@ fn each_worker_readies_its_connection_before_the_first_event() {
         );
         assert_eq!(db.count("SELECT count(*) FROM processed_events"), 0);
         assert_eq!(db.count("SELECT count(*) FROM notifications"), 0);
+        assert_eq!(db.count("SELECT count(*) FROM fired"), 0, "{mode:?}");
     }
 }
