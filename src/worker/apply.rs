@@ -131,6 +131,16 @@ const EACH_BATCHES: u32 = 64;
 /// take the slow path while the call runs.
 const EACH_MOST: usize = 64;
 
+/// How long each statement of [`Processor::warm_up`] waits for a lock.
+const WARM_UP_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Whether `notifications` (as the search path finds it) has the columns
+/// of the built-in statement and this role may insert into it.
+const NOTIFICATIONS_WRITABLE: &str = "SELECT count(*) = 2 FROM pg_attribute \
+     WHERE attrelid = to_regclass('notifications') AND attname IN ('event_id', 'payload') \
+       AND attnum > 0 AND NOT attisdropped \
+       AND has_table_privilege(to_regclass('notifications'), 'INSERT')";
+
 /// How many guarded batches after a failure that needed a savepoint take
 /// theirs before the handler runs.
 const SAVEPOINT_BATCHES: u32 = 64;
@@ -563,57 +573,85 @@ impl Processor {
 
     /// Readies the worker's connection before its first event: checked out
     /// of the pool, the dedup insert of its mode prepared and, where the
-    /// built-in statement can be fused (`notifications` takes text), the
-    /// fused batch statement run once for no event (planned and run, in a
-    /// transaction rolled back) and the session set up for it. A new backend reads
-    /// its catalog and plans each statement the first time: done as the
-    /// first events arrived, it made them queue (at 75% of batch capacity,
-    /// the first 150 ms of events waited 10–20 ms). A failure is left to
-    /// the first event to meet again (and report).
+    /// built-in statement can be fused (our `notifications` as the
+    /// migrations make it, which this role may write), the fused batch
+    /// statement planned and run once for no event, in a transaction rolled
+    /// back, and the session set up for it. A new backend reads its catalog
+    /// and plans each statement the first time: done as the first events
+    /// arrived, it made them queue (at 75% of batch capacity, the first
+    /// 150 ms of events waited 10–20 ms).
+    ///
+    /// Bounded: each statement waits at most [`WARM_UP_LOCK_WAIT`] for a
+    /// lock (a migration holding a table), and a shutdown stops it between
+    /// statements. A failure leaves the rest to the first event, which
+    /// meets it again and reports it.
     pub(crate) fn warm_up(&mut self) {
         if let Err(e) = self.try_warm_up() {
-            log::debug!("postgres: readying a worker's connection: {e}");
+            log::info!(
+                "postgres: a worker's connection is not readied before its first event: {e}"
+            );
+            // The session as the pool made it (the first event sets it up),
+            // or a new connection.
+            self.session = None;
+            let reset = self
+                .pg
+                .as_mut()
+                .map(|c| c.batch_execute("RESET lock_timeout"));
+            if !matches!(reset, Some(Ok(()))) {
+                self.pg = None;
+            }
         }
     }
 
     fn try_warm_up(&mut self) -> Result<(), HandlerError> {
+        let shutdown = self.stage.common.shutdown.clone();
+        let stopped = || HandlerError::outage("shutting down");
         self.connection()?;
         let batch = self.stage.settings.mode == Mode::Batch;
-        let conn = self.pg.as_mut().expect("connection() sets it");
-        // Asked first, so that a handler of its own tables does not leave
-        // an error per worker in the server's log.
-        let notifications: bool = conn
-            .query_one("SELECT to_regclass('notifications') IS NOT NULL", &[])?
-            .get(0);
-        if notifications && self.default_folds()? {
-            self.session(Session::Fused)?;
-            let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
-                unreachable!("connection() sets it")
-            };
-            let fused = prepare(&mut ***conn, cache, sql::DEDUP_BATCH_AND_DEFAULT)?;
-            let (none, flags): (&[&str], &[bool]) = (&[], &[]);
-            // In a transaction rolled back: a statement trigger of the
-            // user's on either table fires for no row, and leaves nothing.
-            let mut tx = conn.transaction()?;
-            tx.query(&fused, &[&self.stage.settings.scope, &none, &none, &flags])?;
-            tx.rollback()?;
-            if !batch {
-                prepare(&mut ***conn, cache, sql::DEDUP_AND_DEFAULT)?;
-            }
-        } else {
-            self.session(Session::Handler)?;
-        }
-        // The handler's path.
         let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
             unreachable!("connection() sets it")
         };
+        conn.batch_execute(&format!(
+            "SET lock_timeout = {}",
+            WARM_UP_LOCK_WAIT.as_millis()
+        ))?;
         let insert = if batch {
             INSERT_PROCESSED_BATCH
         } else {
             INSERT_PROCESSED
         };
         prepare(&mut ***conn, cache, insert)?;
-        Ok(())
+        // Asked of the catalog first: a `notifications` of another shape,
+        // or one this role may not write, would leave an error per worker
+        // in the server's log at every start.
+        let writable: bool = conn.query_one(NOTIFICATIONS_WRITABLE, &[])?.get(0);
+        if shutdown.is_shutdown() {
+            return Err(stopped());
+        }
+        if writable && self.default_folds()? {
+            let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
+                unreachable!("connection() sets it")
+            };
+            if !batch {
+                prepare(&mut ***conn, cache, sql::DEDUP_AND_DEFAULT)?;
+            }
+            let fused = prepare(&mut ***conn, cache, sql::DEDUP_BATCH_AND_DEFAULT)?;
+            if shutdown.is_shutdown() {
+                return Err(stopped());
+            }
+            let (none, flags): (&[&str], &[bool]) = (&[], &[]);
+            // Rolled back: a statement trigger of the user's on either
+            // table fires for no row, and what it wrote goes.
+            let mut tx = conn.build_transaction().read_only(false).start()?;
+            tx.query(&fused, &[&self.stage.settings.scope, &none, &none, &flags])?;
+            tx.rollback()?;
+            conn.batch_execute("RESET lock_timeout")?;
+            self.session(Session::Fused)
+        } else {
+            let conn = self.pg.as_mut().expect("connection() sets it");
+            conn.batch_execute("RESET lock_timeout")?;
+            self.session(Session::Handler)
+        }
     }
 
     /// Sets the session of the connection up for `want`, when it is not

@@ -362,24 +362,22 @@ fn an_idle_stream_costs_one_blocking_read_per_block() {
 /// (`Processor::warm_up`): the fused batch statement planned and run once
 /// for no event, in a transaction rolled back, and its statements
 /// prepared, so the first events after a start do not queue behind every
-/// new backend reading its catalog and planning. Seen by the server: with
-/// no event sent, each worker's backend has sent a statement on
-/// `processed_events` last (preparing its mode's dedup insert), and
-/// nothing is written, not even by a statement trigger (which fires for
-/// no row).
+/// new backend reading its catalog and planning. Seen by a statement
+/// trigger on `notifications` (which fires for no row): each worker ran
+/// the statement (the trigger's `nextval`, which no rollback takes back),
+/// and nothing it wrote stayed, nor any row of ours.
 #[test]
 fn each_worker_readies_its_connection_before_the_first_event() {
     for mode in [taskhub::Mode::Batch, taskhub::Mode::PerEvent] {
         let db = TestDb::new();
         let (stream, group) = (unique("warm"), unique("g"));
         let workers = 3;
-        // A statement trigger of the user's fires for no row too: what
-        // it writes must not stay.
         db.client()
             .batch_execute(
-                "CREATE TABLE fired (at timestamptz DEFAULT now()); \
+                "CREATE SEQUENCE runs; CREATE TABLE fired (at timestamptz DEFAULT now()); \
                  CREATE FUNCTION note_insert() RETURNS trigger LANGUAGE plpgsql AS \
-                   $$ BEGIN INSERT INTO fired DEFAULT VALUES; RETURN NULL; END $$; \
+                   $$ BEGIN PERFORM nextval('runs'); INSERT INTO fired DEFAULT VALUES; \
+                   RETURN NULL; END $$; \
                  CREATE TRIGGER noted AFTER INSERT ON notifications \
                    FOR EACH STATEMENT EXECUTE FUNCTION note_insert()",
             )
@@ -390,26 +388,69 @@ fn each_worker_readies_its_connection_before_the_first_event() {
                 .workers(workers),
             taskhub::SqlHandler::default(),
         );
-        let mut client = db.client();
-        let mut ready = 0;
-        let warm = wait_until(Duration::from_secs(20), || {
-            ready = client
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity \
-                     WHERE datname = current_database() AND pid <> pg_backend_pid() \
-                       AND query LIKE '%INTO processed_events%'",
-                    &[],
-                )
-                .unwrap()
-                .get::<_, i64>(0);
-            ready >= workers as i64
-        });
+        let runs = || db.count("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM runs");
         assert!(
-            warm,
-            "{mode:?}: {ready} of {workers} workers' connections ready before any event"
+            wait_until(Duration::from_secs(20), || runs() >= workers as i64),
+            "{mode:?}: the fused statement ran {} times for {workers} workers before any event",
+            runs()
         );
-        assert_eq!(db.count("SELECT count(*) FROM processed_events"), 0);
-        assert_eq!(db.count("SELECT count(*) FROM notifications"), 0);
-        assert_eq!(db.count("SELECT count(*) FROM fired"), 0, "{mode:?}");
+        for table in ["fired", "processed_events", "notifications"] {
+            let n = db.count(&format!("SELECT count(*) FROM {table}"));
+            assert_eq!(n, 0, "{mode:?}: {table}");
+        }
     }
+}
+
+/// A migration holding `processed_events` (CREATE INDEX takes a SHARE
+/// lock) while a worker starts: the warm-up waits a second at most for
+/// each lock, so an idle worker still stops at once (it waited for the
+/// lock, past the shutdown's deadline); once the lock is gone, the first
+/// events are applied once, on connections that kept nothing of the
+/// warm-up's bound (the statement records the session's `lock_timeout`).
+#[test]
+fn a_table_locked_at_start_neither_holds_a_shutdown_nor_stays_on_the_connection() {
+    let db = TestDb::new();
+    db.client()
+        .batch_execute("CREATE TABLE seen (event_id text PRIMARY KEY, lock_timeout text)")
+        .unwrap();
+    let (stream, group) = (unique("warm-lock"), unique("g"));
+    let start = || {
+        Running::start(
+            fast_builder(&redis_url(), &db.url, &stream, &group)
+                .reclaim_min_idle(Duration::from_secs(300)),
+            taskhub::SqlHandler::new(
+                "INSERT INTO seen VALUES ($1, current_setting('lock_timeout'))",
+            ),
+        )
+    };
+    let mut locker = db.client();
+    locker
+        .batch_execute("BEGIN; LOCK TABLE processed_events IN SHARE MODE")
+        .unwrap();
+    let running = start();
+    std::thread::sleep(Duration::from_millis(500));
+    let asked = std::time::Instant::now();
+    running.stop();
+    assert!(
+        asked.elapsed() < Duration::from_secs(5),
+        "an idle worker took {:?} to stop",
+        asked.elapsed()
+    );
+
+    let running = start();
+    // Past the warm-up's wait.
+    std::thread::sleep(Duration::from_millis(2500));
+    locker.batch_execute("ROLLBACK").unwrap();
+    let ids: Vec<String> = (0..20).map(|i| format!("e{i}")).collect();
+    xadd_events(&mut redis(&redis_url()), &stream, &ids);
+    assert!(wait_until(Duration::from_secs(20), || {
+        db.count("SELECT count(*) FROM seen") == 20
+    }));
+    running.stop();
+    assert_eq!(
+        db.count("SELECT count(*) FROM seen WHERE lock_timeout <> '0'"),
+        0,
+        "events ran with the warm-up's lock_timeout"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM processed_events"), 20);
 }
