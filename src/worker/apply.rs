@@ -586,24 +586,30 @@ impl Processor {
     /// statements. A failure leaves the rest to the first event, which
     /// meets it again and reports it.
     pub(crate) fn warm_up(&mut self) {
-        if let Err(e) = self.try_warm_up() {
+        let warmed = self.try_warm_up();
+        // The warm-up's bound on lock waits goes, or the connection with it.
+        let reset = self
+            .pg
+            .as_mut()
+            .map(|c| c.batch_execute("RESET lock_timeout"));
+        if !matches!(reset, Some(Ok(()))) {
+            self.pg = None;
+        }
+        let warmed = match (warmed, &self.pg) {
+            (Ok(want), Some(_)) => self.session(want),
+            (Ok(_), None) => Ok(()), // its error was the reset's: a new connection then
+            (Err(e), _) => Err(e),
+        };
+        if let Err(e) = warmed {
             log::info!(
                 "postgres: a worker's connection is not readied before its first event: {e}"
             );
-            // The session as the pool made it (the first event sets it up),
-            // or a new connection.
-            self.session = None;
-            let reset = self
-                .pg
-                .as_mut()
-                .map(|c| c.batch_execute("RESET lock_timeout"));
-            if !matches!(reset, Some(Ok(()))) {
-                self.pg = None;
-            }
         }
     }
 
-    fn try_warm_up(&mut self) -> Result<(), HandlerError> {
+    /// The steps of [`Processor::warm_up`] up to the session, which it
+    /// returns.
+    fn try_warm_up(&mut self) -> Result<Session, HandlerError> {
         let shutdown = self.stage.common.shutdown.clone();
         let stopped = || HandlerError::outage("shutting down");
         self.connection()?;
@@ -628,30 +634,26 @@ impl Processor {
         if shutdown.is_shutdown() {
             return Err(stopped());
         }
-        if writable && self.default_folds()? {
-            let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
-                unreachable!("connection() sets it")
-            };
-            if !batch {
-                prepare(&mut ***conn, cache, sql::DEDUP_AND_DEFAULT)?;
-            }
-            let fused = prepare(&mut ***conn, cache, sql::DEDUP_BATCH_AND_DEFAULT)?;
-            if shutdown.is_shutdown() {
-                return Err(stopped());
-            }
-            let (none, flags): (&[&str], &[bool]) = (&[], &[]);
-            // Rolled back: a statement trigger of the user's on either
-            // table fires for no row, and what it wrote goes.
-            let mut tx = conn.build_transaction().read_only(false).start()?;
-            tx.query(&fused, &[&self.stage.settings.scope, &none, &none, &flags])?;
-            tx.rollback()?;
-            conn.batch_execute("RESET lock_timeout")?;
-            self.session(Session::Fused)
-        } else {
-            let conn = self.pg.as_mut().expect("connection() sets it");
-            conn.batch_execute("RESET lock_timeout")?;
-            self.session(Session::Handler)
+        if !(writable && self.default_folds()?) {
+            return Ok(Session::Handler);
         }
+        let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
+            unreachable!("connection() sets it")
+        };
+        if !batch {
+            prepare(&mut ***conn, cache, sql::DEDUP_AND_DEFAULT)?;
+        }
+        let fused = prepare(&mut ***conn, cache, sql::DEDUP_BATCH_AND_DEFAULT)?;
+        if shutdown.is_shutdown() {
+            return Err(stopped());
+        }
+        let (none, flags): (&[&str], &[bool]) = (&[], &[]);
+        // Rolled back: a statement trigger of the user's on either table
+        // fires for no row, and what it wrote goes.
+        let mut tx = conn.build_transaction().read_only(false).start()?;
+        tx.query(&fused, &[&self.stage.settings.scope, &none, &none, &flags])?;
+        tx.rollback()?;
+        Ok(Session::Fused)
     }
 
     /// Sets the session of the connection up for `want`, when it is not
