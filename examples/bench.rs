@@ -66,6 +66,8 @@ struct Args {
     /// Only compute the latency of the lines on stdin that met no burst of
     /// the steal samples in this file.
     calm_latency: Option<String>,
+    /// Steady load: size Redis's key tables for the run's markers first.
+    presize: bool,
 }
 
 const USAGE: &str = "\
@@ -89,6 +91,10 @@ RESULT line for scripts. scripts/bench.sh runs it next to pgbench.
   --rate R             steady load: R events per second instead of a backlog;
                        also prints the rate sustained while it ran
   --duration D         how long the steady load runs [30s]
+  --presize            steady load: first fill Redis with placeholder keys
+                       (with a TTL, deleted after the run) so that its
+                       tables of keys hold the run's markers without
+                       growing during the run (see presize_redis)
   --trace FILE         one line per commit: its time and latency (us)
   --watch-steal FILE   only sample the host's steal every 100 ms for
                        --duration, into FILE (start end share, us and %)
@@ -115,6 +121,7 @@ fn parse_args() -> Result<Option<Args>, String> {
         trace: None,
         watch_steal: None,
         calm_latency: None,
+        presize: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -140,11 +147,90 @@ fn parse_args() -> Result<Option<Args>, String> {
             "--duration" => {
                 args.duration = humantime::parse_duration(&value()?).map_err(|e| bad(&e))?
             }
+            "--presize" => args.presize = true,
             "-h" | "--help" => return Ok(None),
             other => return Err(format!("unknown flag {other} (see --help)")),
         }
     }
     Ok(Some(args))
+}
+
+/// `--presize`: fills Redis with placeholder keys `<prefix><n>` (expiring
+/// after an hour; the run's cleanup deletes them with the stream's keys) so
+/// that both of its tables of keys (every key, and the keys with a TTL) take
+/// `markers` more keys without growing. Returns how many it wrote.
+///
+/// Redis doubles a full table and then moves every key into the new one, a
+/// little at each command. From an empty Redis, a 30 s batch run at 23,000
+/// events/s passes 2^18 and 2^19 markers, and each doubling slowed Redis
+/// for a second (its PING answered in 10-19 ms) and left 10,000-20,000
+/// events over 10 ms: the run's p99 (62-131 ms in five runs, against 15
+/// and 18 ms presized). A deployment at a steady rate holds about rate x
+/// marker TTL markers, as many expire each second as are written, and its
+/// tables keep their size: it grows them through its first marker TTL, and
+/// again whenever its rate passes its earlier peak. A table is full at
+/// a power of two: with `table` the power of two above (keys now + markers),
+/// `table + 1` placeholders make both tables twice `table`, with room for
+/// the markers. Then a lookup of a placeholder per bucket of the old table
+/// (each lookup advances both moves by at least one bucket) finishes the
+/// move before the clock starts.
+///
+/// While Redis has a child process (a background save, an AOF rewrite) it
+/// neither grows a table nor moves one: this waits until it has none, and
+/// returns `true` with the count when it forked meanwhile.
+fn presize_redis(
+    redis: &mut redis::Connection,
+    prefix: &str,
+    markers: u64,
+) -> Result<(u64, bool), Box<dyn std::error::Error>> {
+    const CHUNK: u64 = 50_000;
+    let info = |redis: &mut redis::Connection, section: &str, field: &str| {
+        redis::cmd("INFO")
+            .arg(section)
+            .query::<String>(redis)
+            .map(|text| {
+                text.lines()
+                    .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                    .unwrap_or(0)
+            })
+    };
+    let waited = Instant::now();
+    while (info(redis, "persistence", "rdb_bgsave_in_progress")?
+        + info(redis, "persistence", "aof_rewrite_in_progress")?)
+        > 0
+        && waited.elapsed() < Duration::from_secs(60)
+    {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let forks = info(redis, "stats", "total_forks")?;
+    let keys: u64 = redis::cmd("DBSIZE").query(redis)?;
+    let table = (keys + markers + 1).next_power_of_two();
+    let fill = table + 1;
+    let write = redis::Script::new(
+        "for i = tonumber(ARGV[2]), tonumber(ARGV[3]) do \
+         redis.call('SET', ARGV[1] .. i, 1, 'EX', 3600) end return 1",
+    );
+    let mut from = 0;
+    while from < fill {
+        let to = (from + CHUNK).min(fill);
+        write
+            .arg(prefix)
+            .arg(from)
+            .arg(to - 1)
+            .invoke::<i64>(redis)?;
+        from = to;
+    }
+    let look = redis::Script::new(
+        "for i = 1, tonumber(ARGV[2]) do redis.call('EXISTS', ARGV[1]) end return 1",
+    );
+    let mut left = table;
+    while left > 0 {
+        let n = left.min(4 * CHUNK);
+        look.arg(format!("{prefix}0")).arg(n).invoke::<i64>(redis)?;
+        left -= n;
+    }
+    Ok((fill, info(redis, "stats", "total_forks")? != forks))
 }
 
 /// The SQL handler, plus scripted failures and a record of commit times.
@@ -471,6 +557,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         fields
     };
     let mut producer = Producer::connect(&redis_url, &Tls::default(), &stream)?;
+    if args.presize && args.rate > 0 {
+        let mut redis = redis::Client::open(redis_url.as_str())?.get_connection()?;
+        // A marker per event, and room for the few other keys of the run.
+        let secs = args.duration.as_secs_f64().ceil().max(1.0) as u64;
+        let markers = args.rate * secs * 11 / 10 + 1_000;
+        let (fill, forked) = presize_redis(&mut redis, &format!("{stream}:fill:"), markers)?;
+        println!("presized          {fill} placeholder keys: Redis holds {markers} more keys without growing its tables");
+        if forked {
+            println!("presize warning   Redis forked (a background save or AOF rewrite) while the placeholders went in: its tables may not be sized, or still moving");
+        }
+    }
     let mut failing = 0;
     // Of them, the ones the database rejects for good.
     let mut rejected = 0;

@@ -27,7 +27,9 @@
 #    machine (a producer at 1.3x its drain rate for CAPACITY_SECS seconds;
 #    the rate committed while it ran); then a producer at 50%, 75% and 90%
 #    of that capacity, for STEADY_SECS seconds each, with the latency from
-#    XADD to commit (p50 / p99 / max); and, as its floor, the database
+#    XADD to commit (p50 / p99 / max), Redis's tables of keys first sized
+#    for the run's markers (bench --presize), and the 75% load once more on
+#    tables that grow (growing-*); and, as its floor, the database
 #    alone at the same rate of events for as long (pgbench -R, prepared:
 #    per-event, one statement per event, taskhub's fused form; batch, 50
 #    events per transaction), latency from each transaction's scheduled
@@ -265,7 +267,12 @@ ceiling_batch=$(((batch_before + batch_after) / 2))
 for mode in per-event batch; do
     drain=$(field "$(result_of "$mode")" rate)
     offered=$((drain * 13 / 10))
-    bench "capacity-$mode" --mode "$mode" --rate "$offered" --duration "${CAPACITY_SECS}s" >>"$work/results"
+    # --presize: Redis's tables of keys have room for the run's markers, so
+    # that they do not grow during the run, as a deployment's stop growing
+    # after its first marker TTL (see presize_redis in examples/bench.rs);
+    # the growing-* run below shows the same load on tables that grow.
+    bench "capacity-$mode" --mode "$mode" --rate "$offered" --duration "${CAPACITY_SECS}s" --presize \
+        >>"$work/results"
     measured=$(result_of "capacity-$mode")
     capacity=$(field "$measured" sustained)
     produced=$(field "$measured" produced)
@@ -281,7 +288,7 @@ for mode in per-event batch; do
     for share in 50 75 90; do
         rate=$((capacity * share / 100))
         bench "steady-$mode-$share%" --mode "$mode" --rate "$rate" --duration "${STEADY_SECS}s" \
-            >>"$work/results"
+            --presize >>"$work/results"
         echo "running: the database alone at $rate events/s..." >&2
         if [[ $mode == per-event ]]; then
             floor=$(pgbench_latency "$work/per_event_one.sql" "$rate")
@@ -290,6 +297,10 @@ for mode in per-event batch; do
         fi
         echo "steady-$mode-$share% rate=$rate $floor" >>"$work/floors"
     done
+    rate=$((capacity * 75 / 100))
+    bench "growing-$mode-75%" --mode "$mode" --rate "$rate" --duration "${STEADY_SECS}s" \
+        >>"$work/results"
+    echo "growing-$mode-75% rate=$rate -" >>"$work/floors"
 done
 # The database alone at 75% of its own ceiling, in the forms of the floors
 # above (prepared): what 75% of capacity costs in latency on this machine
@@ -315,7 +326,7 @@ while read -r label line; do
     ceiling=$ceiling_batch
     [[ $label == *per-event* ]] && ceiling=$ceiling_event
     share=$(awk "BEGIN { printf \"%.0f%%\", 100 * $rate / $ceiling }")
-    [[ $label == steady-* ]] && share=-
+    [[ $label == steady-* || $label == growing-* ]] && share=-
     printf '%-22s %10s %10s %9s %9s %9s %9s %8.1f %6s %s\n' "$label" "$rate" \
         "$(field "$line" healthy_rate)" "$(field "$line" p50_ms)" "$(field "$line" p99_ms)" \
         "$(field "$line" max_ms)" \
@@ -363,6 +374,7 @@ printf '%-22s %10s %27s %19s %27s %19s\n' run events/s "taskhub p50 / p99 / max 
 # p50 / p99 / max of a RESULT or floor line, and its calm p99 with the
 # share of events it counts, and the host's bursts.
 latencies() { # line
+    [[ $1 == *p50_ms=* ]] || { printf -- -; return; }
     printf '%s / %s / %s' "$(field "$1" p50_ms)" "$(field "$1" p99_ms)" "$(field "$1" max_ms)"
 }
 calm_p99() { # line
@@ -393,7 +405,12 @@ capacity with a producer on the machine. The peak RSS of the capacity-* and
 steady-* runs includes the benchmark's own record of every event (its
 latency twice and commit time, 24 bytes an event).
 steady-*: a producer at that share of the capacity for ${STEADY_SECS} s; latency
-from XADD to commit; cpu_us includes the producer thread. The database
+from XADD to commit; cpu_us includes the producer thread. Redis's tables
+of keys are sized for the run's markers first (bench --presize), so that
+they do not grow during the run (a deployment at a steady rate stops
+growing them after its first marker TTL). growing-*-75%: the 75% run
+on tables that grow as the markers come (Redis doubles a full table and
+moves its keys: slow for about a second at each power of two). The database
 alone: pgbench at the same rate of events (per-event: one statement per
 event, the fused form; batch: 50 events per transaction; prepared), latency
 from each transaction's scheduled start, so the stalls of the machine and

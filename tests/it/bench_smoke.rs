@@ -25,8 +25,12 @@ fn bench_command() -> Command {
 }
 
 fn bench(db: &TestDb, args: &[&str]) -> String {
+    bench_on(&redis_url(), db, args)
+}
+
+fn bench_on(redis: &str, db: &TestDb, args: &[&str]) -> String {
     let mut cmd = bench_command();
-    cmd.env("REDIS_URL", redis_url())
+    cmd.env("REDIS_URL", redis)
         .env("DATABASE_URL", &db.url)
         .env("RUST_LOG", "warn")
         .args(args);
@@ -151,6 +155,85 @@ fn the_benchmark_drains_and_verifies_in_both_modes() {
     }
     let calm_share = figure("calm_share=");
     assert!((0.0..=100.0).contains(&calm_share), "{stdout}");
+}
+
+/// `--presize` (bench.sh's steady runs): Redis's tables of keys are sized
+/// for the run's markers before the clock starts, so none of them grows
+/// while the markers come (a growing table is slow for about a second at
+/// each doubling), and its placeholders go with the run's other keys.
+#[test]
+fn a_presized_steady_run_adds_its_markers_without_growing_a_table_of_redis() {
+    // A Redis of its own, with 3,500 keys of another user (no TTL: only in
+    // the table of every key), and DEBUG HTSTATS to show its tables' sizes.
+    // No rehashing on its timer: only commands move a table into a bigger
+    // one, so a move the bench left unfinished is still under way when the
+    // markers come.
+    let redis =
+        PrivateRedis::start_with(&["--enable-debug-command", "yes", "--activerehashing", "no"]);
+    let db = TestDb::new();
+    let mut watch = redis::Client::open(redis.url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let others = 3_500u64;
+    redis::Script::new("for i = 1, tonumber(ARGV[1]) do redis.call('SET', 'other:' .. i, 1) end")
+        .arg(others)
+        .invoke::<()>(&mut watch)
+        .unwrap();
+    // 500 events/s for 2 s: 1,000 markers, sized for 500 x 2 x 1.1 + 1,000.
+    // The power of two above 3,500 + 2,100 is 8,192, and one more
+    // placeholder makes both tables 16,384: room for the markers, which
+    // 4,097 placeholders (the keys already there left out) would not leave.
+    let fill = 8_193;
+    let (stdout, samples) = std::thread::scope(|scope| {
+        let (url, db) = (redis.url(), &db);
+        let run = scope.spawn(move || {
+            bench_on(
+                &url,
+                db,
+                &["--rate", "500", "--duration", "2s", "--presize"],
+            )
+        });
+        // (keys, the tables' sizes, whether one is being moved into a
+        // bigger one), from the run's first key after the placeholders
+        // (the bench finishes moving them into the bigger tables first).
+        let mut samples = Vec::new();
+        while !run.is_finished() {
+            let keys: u64 = redis::cmd("DBSIZE").query(&mut watch).unwrap();
+            let stats: String = redis::cmd("DEBUG")
+                .arg("HTSTATS")
+                .arg(0)
+                .query(&mut watch)
+                .unwrap();
+            if keys > others + fill {
+                let sizes: Vec<u64> = stats
+                    .lines()
+                    .filter_map(|l| l.trim().strip_prefix("table size: "))
+                    .map(|n| n.parse().unwrap())
+                    .collect();
+                samples.push((keys, sizes, stats.contains("rehashing")));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        (run.join().unwrap(), samples)
+    });
+    assert!(
+        stdout.contains(&format!("presized          {fill} placeholder keys")),
+        "{stdout}"
+    );
+    assert!(stdout.contains("applied=1000"), "{stdout}");
+    // Seen while the markers came (at least 500 of them), on tables of
+    // 16,384 slots (every key, and those with a TTL) that neither grew nor
+    // moved.
+    let most = samples.iter().map(|s| s.0).max().unwrap_or(0);
+    assert!(most > others + fill + 500, "{samples:?}");
+    for (keys, sizes, moving) in &samples {
+        assert_eq!(sizes, &[16_384, 16_384], "at {keys} keys: {samples:?}");
+        assert!(!moving, "at {keys} keys: {samples:?}");
+    }
+    // Placeholders, stream and markers are gone with the run.
+    let keys: u64 = redis::cmd("DBSIZE").query(&mut watch).unwrap();
+    assert_eq!(keys, others);
 }
 
 /// The rule that `--calm-latency` (and each steady run) applies: a flight

@@ -36,14 +36,22 @@ pub struct PrivateRedis {
     pub port: u16,
     dir: TempDir,
     child: Option<Child>,
+    /// Settings of its own, after the others.
+    extra: Vec<String>,
 }
 
 impl PrivateRedis {
     pub fn start() -> PrivateRedis {
+        PrivateRedis::start_with(&[])
+    }
+
+    /// [`PrivateRedis::start`] with more settings (`["--name", "value"]`).
+    pub fn start_with(extra: &[&str]) -> PrivateRedis {
         let mut r = PrivateRedis {
             port: free_port(),
             dir: TempDir::new("taskhub-redis"),
             child: None,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
         };
         r.start_again();
         r
@@ -66,6 +74,7 @@ impl PrivateRedis {
                 "--save",
                 "",
             ])
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
