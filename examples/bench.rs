@@ -176,8 +176,9 @@ fn parse_args() -> Result<Option<Args>, String> {
 /// move before the clock starts.
 ///
 /// While Redis has a child process (a background save, an AOF rewrite) it
-/// neither grows a table nor moves one: this waits until it has none, and
-/// returns `true` with the count when it forked meanwhile.
+/// neither grows a table nor moves one: this waits (up to a minute) until
+/// it has none, and returns `true` with the count when one is still there
+/// or began meanwhile.
 fn presize_redis(
     redis: &mut redis::Connection,
     prefix: &str,
@@ -195,12 +196,13 @@ fn presize_redis(
                     .unwrap_or(0)
             })
     };
+    let child = |redis: &mut redis::Connection| -> redis::RedisResult<bool> {
+        Ok(info(redis, "persistence", "rdb_bgsave_in_progress")?
+            + info(redis, "persistence", "aof_rewrite_in_progress")?
+            > 0)
+    };
     let waited = Instant::now();
-    while (info(redis, "persistence", "rdb_bgsave_in_progress")?
-        + info(redis, "persistence", "aof_rewrite_in_progress")?)
-        > 0
-        && waited.elapsed() < Duration::from_secs(60)
-    {
+    while child(redis)? && waited.elapsed() < Duration::from_secs(60) {
         std::thread::sleep(Duration::from_millis(100));
     }
     let forks = info(redis, "stats", "total_forks")?;
@@ -230,7 +232,10 @@ fn presize_redis(
         look.arg(format!("{prefix}0")).arg(n).invoke::<i64>(redis)?;
         left -= n;
     }
-    Ok((fill, info(redis, "stats", "total_forks")? != forks))
+    // A child still there (after a minute's wait) or a new one: the
+    // tables may not be sized.
+    let forked = child(redis)? || info(redis, "stats", "total_forks")? != forks;
+    Ok((fill, forked))
 }
 
 /// The SQL handler, plus scripted failures and a record of commit times.
@@ -565,7 +570,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let (fill, forked) = presize_redis(&mut redis, &format!("{stream}:fill:"), markers)?;
         println!("presized          {fill} placeholder keys: Redis holds {markers} more keys without growing its tables");
         if forked {
-            println!("presize warning   Redis forked (a background save or AOF rewrite) while the placeholders went in: its tables may not be sized, or still moving");
+            println!("presize warning   Redis had a child process (a background save or AOF rewrite) while the placeholders went in: its tables may not be sized, or still moving");
         }
     }
     let mut failing = 0;
