@@ -36,6 +36,16 @@
 //! `--calm-latency FILE` applies that rule to "end latency" lines (in
 //! microseconds) read from standard input.
 //!
+//! The disk stalls too: `--disk-probe DIR` writes 8 KiB to a file of its
+//! own in DIR and waits for it to reach the disk (fdatasync), then sleeps
+//! 10 ms, over and over; a sync that took over 5 ms is a stall. Every
+//! commit waits for such a sync of the database's WAL, so with DIR on the
+//! database's disk a stall holds every event in flight and queues the ones
+//! behind it (on this project's two-core VM, stalls of 16-73 ms a few
+//! times in 30 s: see docs/performance-log.md). The flights that met a
+//! stall, from the probe's last sync before it, are left out of the calm
+//! figures as those that met a steal burst are.
+//!
 //! Run: `cargo run --release --example bench -- --events 100000`.
 
 use std::collections::HashMap;
@@ -68,6 +78,8 @@ struct Args {
     calm_latency: Option<String>,
     /// Steady load: size Redis's key tables for the run's markers first.
     presize: bool,
+    /// Where to probe the disk for stalls (see `probe_disk`).
+    disk_probe: Option<String>,
 }
 
 const USAGE: &str = "\
@@ -97,10 +109,18 @@ RESULT line for scripts. scripts/bench.sh runs it next to pgbench.
                        growing during the run (see presize_redis)
   --trace FILE         one line per commit: its time and latency (us)
   --watch-steal FILE   only sample the host's steal every 100 ms for
-                       --duration, into FILE (start end share, us and %)
+                       --duration, into FILE (start end share, us and %;
+                       with --disk-probe, then \"probed\" and a line
+                       \"stall SINCE START END\" per stall)
   --calm-latency FILE  only read \"end latency\" lines (us) from stdin and
                        print the latency of those that met no steal burst
-                       of FILE (a 100 ms sample with over 5% taken)
+                       of FILE (a 100 ms sample with over 5% taken) and no
+                       disk stall in it
+  --disk-probe DIR     while the run (or --watch-steal) lasts, write 8 KiB
+                       and fdatasync it, then sleep 10 ms, in a file of its
+                       own in DIR (best: on the database's disk); a sync
+                       over 5 ms is a stall, and flights that met one are
+                       not calm
   -h, --help           this text
 ";
 
@@ -122,6 +142,7 @@ fn parse_args() -> Result<Option<Args>, String> {
         watch_steal: None,
         calm_latency: None,
         presize: false,
+        disk_probe: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -148,6 +169,7 @@ fn parse_args() -> Result<Option<Args>, String> {
                 args.duration = humantime::parse_duration(&value()?).map_err(|e| bad(&e))?
             }
             "--presize" => args.presize = true,
+            "--disk-probe" => args.disk_probe = Some(value()?),
             "-h" | "--help" => return Ok(None),
             other => return Err(format!("unknown flag {other} (see --help)")),
         }
@@ -409,6 +431,89 @@ fn bursts(samples: &[StealSample]) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// A sync of the disk probe that took longer than this is a stall.
+const STALL: Duration = Duration::from_millis(5);
+
+/// How long the disk probe sleeps between two syncs.
+const PROBE_PAUSE: Duration = Duration::from_millis(10);
+
+/// A stall of the disk: when the disk had last answered the probe (the
+/// stall may have begun while it slept), and when the stalled sync began
+/// and ended; microseconds since the epoch.
+type Stall = (u64, u64, u64);
+
+/// `--disk-probe`'s file in `dir`: a new one (never a file already there),
+/// its name removed at once, so that nothing is left behind however the
+/// run ends (a file without a name takes writes and syncs while open).
+fn disk_probe_file(dir: &str) -> Result<std::fs::File, String> {
+    let path = std::path::Path::new(dir).join(format!(".bench-disk-probe-{}", std::process::id()));
+    let bad = |e: std::io::Error| format!("--disk-probe {dir}: {e}");
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .map_err(bad)?;
+    std::fs::remove_file(&path).map_err(bad)?;
+    Ok(file)
+}
+
+/// Until `stop`: writes 8 KiB into `file` (the same 1 MiB over and over)
+/// and waits for it to reach the disk, as a commit waits for its WAL, then
+/// sleeps [`PROBE_PAUSE`]; returns the syncs that took over [`STALL`].
+/// A stall is the disk's or the probe thread's wait for a core: on two
+/// busy cores it may be either.
+fn probe_disk(file: std::fs::File, stop: &AtomicBool) -> std::io::Result<Vec<Stall>> {
+    use std::os::unix::fs::FileExt;
+    let block = [0x55u8; 8192];
+    let mut stalls = Vec::new();
+    let mut syncs = 0u64;
+    let mut answered = now_micros();
+    while !stop.load(Ordering::Relaxed) {
+        let start = now_micros();
+        file.write_all_at(&block, syncs % 128 * block.len() as u64)?;
+        file.sync_data()?;
+        let end = now_micros();
+        if end.saturating_sub(start) > STALL.as_micros() as u64 {
+            stalls.push((answered, start, end));
+        }
+        answered = end;
+        syncs += 1;
+        std::thread::sleep(PROBE_PAUSE);
+    }
+    Ok(stalls)
+}
+
+/// What the host did to the run, in time order: the steal bursts of
+/// `samples` and the disk's `stalls` (from its last answer before each),
+/// those that overlap joined.
+fn host_bursts(samples: &[StealSample], stalls: &[Stall]) -> Vec<(u64, u64)> {
+    let mut all = bursts(samples);
+    all.extend(stalls.iter().map(|s| (s.0, s.2)));
+    all.sort_unstable();
+    let mut joined: Vec<(u64, u64)> = Vec::with_capacity(all.len());
+    for (start, end) in all {
+        match joined.last_mut() {
+            Some(last) if start <= last.1 => last.1 = last.1.max(end),
+            _ => joined.push((start, end)),
+        }
+    }
+    joined
+}
+
+/// "stalls=.. stall_s=.. stall_max_ms=..": how many syncs of the disk
+/// probe stalled, how long they took in all, and the longest.
+fn stall_fields(stalls: &[Stall]) -> String {
+    let took = |s: &Stall| s.2.saturating_sub(s.1);
+    let total: u64 = stalls.iter().map(took).sum();
+    let longest = stalls.iter().map(took).max().unwrap_or(0);
+    format!(
+        "stalls={} stall_s={:.2} stall_max_ms={:.1}",
+        stalls.len(),
+        total as f64 / 1e6,
+        longest as f64 / 1000.0
+    )
+}
+
 /// Whether a flight from `start` to `end` met none of `bursts`.
 fn calm(bursts: &[(u64, u64)], start: u64, end: u64) -> bool {
     let first_not_over = bursts.partition_point(|b| b.1 < start);
@@ -428,9 +533,10 @@ fn steal_fields(samples: &[StealSample]) -> String {
 
 /// "calm_p50_ms=.. calm_p99_ms=.. calm_max_ms=.. calm_share=..": the
 /// latency of the events of `flights` (end, latency; microseconds) whose
-/// flight met no burst, and their share of all.
-fn calm_fields(samples: &[StealSample], flights: &[(u64, u64)]) -> String {
-    let bursts = bursts(samples);
+/// flight met no steal burst and no stall of the disk, and their share of
+/// all.
+fn calm_fields(samples: &[StealSample], stalls: &[Stall], flights: &[(u64, u64)]) -> String {
+    let bursts = host_bursts(samples, stalls);
     let mut calm: Vec<u64> = flights
         .iter()
         .filter(|(end, latency)| calm(&bursts, end.saturating_sub(*latency), *end))
@@ -447,20 +553,40 @@ fn calm_fields(samples: &[StealSample], flights: &[(u64, u64)]) -> String {
     )
 }
 
-/// `--watch-steal FILE`: samples for `duration`, a line per sample.
-fn watch_steal_into(path: &str, duration: Duration) -> Result<(), Box<dyn std::error::Error>> {
+/// `--watch-steal FILE`: samples for `duration`, a line per sample; with
+/// `--disk-probe`, a line "probed" and a line "stall SINCE START END" per
+/// stall (a probe that failed is said on stderr, and leaves them out).
+fn watch_steal_into(
+    path: &str,
+    duration: Duration,
+    disk_probe: Option<&str>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let probe = disk_probe.map(disk_probe_file).transpose()?;
     let stop = AtomicBool::new(false);
-    let samples = std::thread::scope(|scope| {
+    let (samples, stalls) = std::thread::scope(|scope| {
         scope.spawn(|| {
             std::thread::sleep(duration);
             stop.store(true, Ordering::Relaxed);
         });
-        watch_steal(&stop)
+        let probing = probe.map(|p| scope.spawn(|| probe_disk(p, &stop)));
+        let samples = watch_steal(&stop);
+        let stalls = probing.map(|p| p.join().expect("the disk probe panicked"));
+        (samples, stalls)
     });
-    let lines: String = samples
+    let mut lines: String = samples
         .iter()
         .map(|(start, end, steal)| format!("{start} {end} {steal:.1}\n"))
         .collect();
+    match stalls {
+        Some(Ok(stalls)) => {
+            lines.push_str("probed\n");
+            for (since, start, end) in stalls {
+                lines.push_str(&format!("stall {since} {start} {end}\n"));
+            }
+        }
+        Some(Err(e)) => eprintln!("bench: the disk probe failed ({e}); no stall figures"),
+        None => {}
+    }
     std::fs::write(path, lines).map_err(|e| format!("--watch-steal {path}: {e}"))?;
     Ok(())
 }
@@ -480,6 +606,14 @@ fn calm_latency(path: &str) -> Result<(), Box<dyn std::error::Error>> {
         .filter(|v| v.len() == 3)
         .map(|v| (v[0] as u64, v[1] as u64, v[2]))
         .collect();
+    let probed = text.lines().any(|line| line == "probed");
+    let stalls: Vec<Stall> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("stall "))
+        .map(numbers)
+        .filter(|v| v.len() == 3)
+        .map(|v| (v[0] as u64, v[1] as u64, v[2] as u64))
+        .collect();
     let flights: Vec<(u64, u64)> = std::io::stdin()
         .lines()
         .map_while(Result::ok)
@@ -487,9 +621,14 @@ fn calm_latency(path: &str) -> Result<(), Box<dyn std::error::Error>> {
         .filter(|v| v.len() == 2)
         .map(|v| (v[0] as u64, v[1] as u64))
         .collect();
+    let stall_figures = if probed {
+        format!(" {}", stall_fields(&stalls))
+    } else {
+        String::new()
+    };
     println!(
-        "{} {}",
-        calm_fields(&samples, &flights),
+        "{} {}{stall_figures}",
+        calm_fields(&samples, &stalls, &flights),
         steal_fields(&samples)
     );
     Ok(())
@@ -511,11 +650,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     };
     if let Some(path) = &args.watch_steal {
-        return watch_steal_into(path, args.duration);
+        return watch_steal_into(path, args.duration, args.disk_probe.as_deref());
     }
     if let Some(path) = &args.calm_latency {
         return calm_latency(path);
     }
+    // Before anything is written: a directory that cannot take the probe
+    // fails here.
+    let probe = args
+        .disk_probe
+        .as_deref()
+        .map(disk_probe_file)
+        .transpose()?;
     let redis_url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
     let database_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres:taskhub@127.0.0.1:5432/taskhub".into());
@@ -629,50 +775,53 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // events it sent.
     let mut producing: Option<(u64, u64, usize)> = None;
     let stop_watching = AtomicBool::new(false);
-    let (summary, steal) = std::thread::scope(|scope| -> Result<_, Box<dyn std::error::Error>> {
-        let watching = scope.spawn(|| watch_steal(&stop_watching));
-        let running = scope.spawn(|| worker.run());
-        if steady {
-            // The steady state, not the start: events sent while the
-            // worker was still connecting waited for it, and counted in
-            // the steady run's latency.
-            while monitor.ready().is_err() && !running.is_finished() {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            let began = Instant::now();
-            let began_us = now_micros();
-            // One small pipeline per millisecond, each event stamped with
-            // the producer's clock; then wait for the last commit.
-            let total = (args.rate as f64 * args.duration.as_secs_f64()) as usize;
-            let mut sent = 0;
-            while sent < total && !running.is_finished() {
-                let due = (began.elapsed().as_secs_f64() * args.rate as f64) as usize;
-                let due = due.min(total);
-                if due > sent {
-                    let now = now_micros().to_string();
-                    let batch: Vec<Vec<(String, String)>> = (sent..due)
-                        .map(|n| {
-                            let mut f = fields(n);
-                            f.push(("sent_us".to_owned(), now.clone()));
-                            f
-                        })
-                        .collect();
-                    producer.send_batch(&batch)?;
-                    sent = due;
+    let (summary, steal, stalls) =
+        std::thread::scope(|scope| -> Result<_, Box<dyn std::error::Error>> {
+            let watching = scope.spawn(|| watch_steal(&stop_watching));
+            let probing = probe.map(|p| scope.spawn(|| probe_disk(p, &stop_watching)));
+            let running = scope.spawn(|| worker.run());
+            if steady {
+                // The steady state, not the start: events sent while the
+                // worker was still connecting waited for it, and counted in
+                // the steady run's latency.
+                while monitor.ready().is_err() && !running.is_finished() {
+                    std::thread::sleep(Duration::from_millis(5));
                 }
-                std::thread::sleep(Duration::from_millis(1));
+                let began = Instant::now();
+                let began_us = now_micros();
+                // One small pipeline per millisecond, each event stamped with
+                // the producer's clock; then wait for the last commit.
+                let total = (args.rate as f64 * args.duration.as_secs_f64()) as usize;
+                let mut sent = 0;
+                while sent < total && !running.is_finished() {
+                    let due = (began.elapsed().as_secs_f64() * args.rate as f64) as usize;
+                    let due = due.min(total);
+                    if due > sent {
+                        let now = now_micros().to_string();
+                        let batch: Vec<Vec<(String, String)>> = (sent..due)
+                            .map(|n| {
+                                let mut f = fields(n);
+                                f.push(("sent_us".to_owned(), now.clone()));
+                                f
+                            })
+                            .collect();
+                        producer.send_batch(&batch)?;
+                        sent = due;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                producing = Some((began_us, now_micros(), sent));
+                while handler.latencies.lock().unwrap().len() < sent && !running.is_finished() {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                shutdown.shutdown();
             }
-            producing = Some((began_us, now_micros(), sent));
-            while handler.latencies.lock().unwrap().len() < sent && !running.is_finished() {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            shutdown.shutdown();
-        }
-        let summary = running.join().expect("the worker thread panicked");
-        stop_watching.store(true, Ordering::Relaxed);
-        let steal = watching.join().expect("the steal sampler panicked");
-        Ok((summary?, steal))
-    })?;
+            let summary = running.join().expect("the worker thread panicked");
+            stop_watching.store(true, Ordering::Relaxed);
+            let steal = watching.join().expect("the steal sampler panicked");
+            let stalls = probing.map(|p| p.join().expect("the disk probe panicked"));
+            Ok((summary?, steal, stalls))
+        })?;
     let elapsed = started.elapsed();
     let (cpu_after, peak_rss_kb) = usage();
     let machine_after = machine_ticks();
@@ -773,17 +922,40 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cpu steal         {steal_pct:.1}% (of the machine's CPU time, taken by the host)");
     let steal_figures = steal_fields(&steal);
     println!("steal bursts      {steal_figures} (100 ms samples with over {BURST_PCT}% taken)");
-    // Under a steady load, the latency of the flights that met no burst.
+    let stalls = match stalls {
+        Some(Ok(stalls)) => Some(stalls),
+        Some(Err(e)) => {
+            // The run's figures stand; only the stalls are unknown.
+            println!("disk stalls       unknown: the probe failed ({e})");
+            None
+        }
+        None => None,
+    };
+    let stall_figures = match &stalls {
+        Some(stalls) => {
+            let figures = stall_fields(stalls);
+            println!(
+                "disk stalls       {figures} (syncs of 8 KiB over {} ms, one every 2 ms in {})",
+                STALL.as_millis(),
+                args.disk_probe.as_deref().unwrap_or_default()
+            );
+            format!(" {figures}")
+        }
+        None => String::new(),
+    };
+    let stalls = stalls.unwrap_or_default();
+    // Under a steady load, the latency of the flights that met no burst
+    // and no stall.
     let calm_figures = match &handler.commit_times {
-        Some(times) => format!(" {}", calm_fields(&steal, &times.lock().unwrap())),
+        Some(times) => format!(" {}", calm_fields(&steal, &stalls, &times.lock().unwrap())),
         None => String::new(),
     };
     if !calm_figures.is_empty() {
-        println!("latency, calm    {calm_figures} (XADD to commit through no burst)");
+        println!("latency, calm    {calm_figures} (XADD to commit through no burst, no stall)");
     }
     println!("summary           {summary}");
     println!(
-        "RESULT rate={rate:.0} healthy_rate={healthy_rate:.0} sustained={sustained:.0} produced={produced:.0} p50_ms={:.2} p99_ms={:.2} max_ms={:.2} cpu_us={cpu_us:.1} rss_kb={peak_rss_kb} steal_pct={steal_pct:.1} {steal_figures}{calm_figures} applied={applied}",
+        "RESULT rate={rate:.0} healthy_rate={healthy_rate:.0} sustained={sustained:.0} produced={produced:.0} p50_ms={:.2} p99_ms={:.2} max_ms={:.2} cpu_us={cpu_us:.1} rss_kb={peak_rss_kb} steal_pct={steal_pct:.1} {steal_figures}{stall_figures}{calm_figures} applied={applied}",
         ms(0.5),
         ms(0.99),
         ms(1.0),

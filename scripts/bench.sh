@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/bench.sh — measure taskhub next to the database's own ceiling.
 #
-# Usage:  bash scripts/bench.sh    (EVENTS=100000 WORKERS=8 DURATION=15 CAPACITY_SECS=20 STEADY_SECS=30 PAIRS=3 SSLMODE=disable)
+# Usage:  bash scripts/bench.sh    (EVENTS=100000 WORKERS=8 DURATION=15 CAPACITY_SECS=20 STEADY_SECS=30 PAIRS=3 SSLMODE=disable
+#                                   DISK_PROBE_DIR=<a temporary directory>)
 #
 # 1. makes sure Redis and PostgreSQL run (scripts/services.sh) and builds the
 #    release benchmark (examples/bench.rs);
@@ -34,11 +35,23 @@
 #    per-event, one statement per event, taskhub's fused form; batch, 50
 #    events per transaction), latency from each transaction's scheduled
 #    start to its end; and the database alone at 75% of its own ceiling in
-#    those forms;
+#    those forms; beside each steady run, a probe of the disk (an 8 KiB
+#    write and fdatasync every 2 ms in DISK_PROBE_DIR, which should be on
+#    the database's disk: bench --disk-probe) counts its stalls;
 # 6. prints one table: events/s, latency, CPU per event, peak RSS, the
 #    host's steal during each run, and each rate as a ratio of the matching
 #    ceiling.
 set -euo pipefail
+# Where the steady runs probe the disk for stalls (bench --disk-probe):
+# every commit waits for the database's WAL to reach its disk, so this
+# should be on that disk. A relative path is the caller's.
+if [[ -n ${DISK_PROBE_DIR:-} ]]; then
+    if ! DISK_PROBE_DIR=$(cd -- "$DISK_PROBE_DIR" 2>/dev/null && pwd) ||
+        ! [[ -w $DISK_PROBE_DIR && -x $DISK_PROBE_DIR ]]; then
+        echo "bench: DISK_PROBE_DIR must be a directory this user may create files in" >&2
+        exit 2
+    fi
+fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 if [[ -f $HOME/.cargo/env ]]; then
@@ -95,6 +108,10 @@ export DATABASE_URL=$BENCH_URL
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# By default the probe's file goes in the temporary directory, which may
+# not be on the database's disk (see DISK_PROBE_DIR above).
+probe_default=${DISK_PROBE_DIR:+no}
+DISK_PROBE_DIR=${DISK_PROBE_DIR:-$work}
 
 # The migrations, through the benchmark binary's first run below; pgbench
 # needs the tables first, so apply them now with a tiny run.
@@ -167,7 +184,8 @@ pgbench_tps() { # script [pgbench flags...]
 pgbench_latency() { # script transactions-per-second
     fresh_tables
     rm -f "$work"/pgl.* "$work/steal"
-    target/release/examples/bench --watch-steal "$work/steal" --duration "$((STEADY_SECS + 3))s" &
+    target/release/examples/bench --watch-steal "$work/steal" --duration "$((STEADY_SECS + 3))s" \
+        --disk-probe "$DISK_PROBE_DIR" &
     local watching=$!
     if ! pgbench -n -M prepared -c "$WORKERS" -j 2 -T "$STEADY_SECS" -R "$2" -l --log-prefix="$work/pgl" \
         -f "$1" "$BENCH_URL" >/dev/null 2>&1; then
@@ -288,7 +306,7 @@ for mode in per-event batch; do
     for share in 50 75 90; do
         rate=$((capacity * share / 100))
         bench "steady-$mode-$share%" --mode "$mode" --rate "$rate" --duration "${STEADY_SECS}s" \
-            --presize >>"$work/results"
+            --presize --disk-probe "$DISK_PROBE_DIR" >>"$work/results"
         echo "running: the database alone at $rate events/s..." >&2
         if [[ $mode == per-event ]]; then
             floor=$(pgbench_latency "$work/per_event_one.sql" "$rate")
@@ -299,7 +317,7 @@ for mode in per-event batch; do
     done
     rate=$((capacity * 75 / 100))
     bench "growing-$mode-75%" --mode "$mode" --rate "$rate" --duration "${STEADY_SECS}s" \
-        >>"$work/results"
+        --disk-probe "$DISK_PROBE_DIR" >>"$work/results"
     echo "growing-$mode-75% rate=$rate -" >>"$work/floors"
 done
 # The database alone at 75% of its own ceiling, in the forms of the floors
@@ -369,26 +387,32 @@ clean=$(healthy_rate batch)
 printf 'healthy events with 1%% rejected by the database, batch: %s/s vs %s/s clean = %.2fx\n' \
     "$poison" "$clean" "$(awk "BEGIN { print $poison / $clean }")"
 printf '\nsteady load, taskhub next to the database alone at the same rate (pgbench -R, prepared):\n'
-printf '%-22s %10s %27s %19s %27s %19s\n' run events/s "taskhub p50 / p99 / max ms" "calm p99 (share)" \
-    "database p50 / p99 / max ms" "calm p99 (share)"
+printf '%-22s %10s %27s %28s %27s %28s\n' run events/s "taskhub p50 / p99 / max ms" "calm p99 (share, host)" \
+    "database p50 / p99 / max ms" "calm p99 (share, host)"
 # p50 / p99 / max of a RESULT or floor line, and its calm p99 with the
-# share of events it counts, and the host's bursts.
+# share of events it counts, and how long the host's steal bursts and the
+# disk's stalls lasted.
 latencies() { # line
     [[ $1 == *p50_ms=* ]] || { printf -- -; return; }
     printf '%s / %s / %s' "$(field "$1" p50_ms)" "$(field "$1" p99_ms)" "$(field "$1" max_ms)"
 }
 calm_p99() { # line
     [[ $1 == *calm_p99_ms=* ]] || { printf -- -; return; }
-    printf '%s (%s%%, %ss)' "$(field "$1" calm_p99_ms)" "$(field "$1" calm_share)" "$(field "$1" burst_s)"
+    local stalls=-
+    [[ $1 == *stall_s=* ]] && stalls="$(field "$1" stall_s)s"
+    printf '%s (%s%%, %ss, %s)' "$(field "$1" calm_p99_ms)" "$(field "$1" calm_share)" "$(field "$1" burst_s)" \
+        "$stalls"
 }
 while read -r label line; do
     ours=$(result_of "$label")
     taskhub=- taskhub_calm=-
     [[ -n $ours ]] && taskhub=$(latencies "$ours") && taskhub_calm=$(calm_p99 "$ours")
     line=" $line"
-    printf '%-22s %10s %27s %19s %27s %19s\n' "$label" "$(field "$line" rate)" "$taskhub" "$taskhub_calm" \
+    printf '%-22s %10s %27s %28s %27s %28s\n' "$label" "$(field "$line" rate)" "$taskhub" "$taskhub_calm" \
         "$(latencies "$line")" "$(calm_p99 "$line")"
 done <"$work/floors"
+probe_where=$DISK_PROBE_DIR
+[[ -z $probe_default ]] && probe_where="this run's temporary directory (DISK_PROBE_DIR not set: it may not be on the database's disk)"
 cat <<EOF
 
 hol-*: 10% of events fail twice with a 1 s backoff; healthy/s is the drain
@@ -405,7 +429,7 @@ capacity with a producer on the machine. The peak RSS of the capacity-* and
 steady-* runs includes the benchmark's own record of every event (its
 latency twice and commit time, 24 bytes an event).
 steady-*: a producer at that share of the capacity for ${STEADY_SECS} s; latency
-from XADD to commit; cpu_us includes the producer thread. Redis's tables
+from XADD to commit; cpu_us includes the producer and the disk probe. Redis's tables
 of keys are sized for the run's markers first (bench --presize), so that
 they do not grow during the run (a deployment at a steady rate stops
 growing them after its first marker TTL). growing-*-75%: the 75% run
@@ -418,7 +442,11 @@ the database show in both columns. database-*-75%: the database alone at
 75% of its own ceiling in that form, with no taskhub. calm p99: the p99 of
 the events (transactions) whose whole flight met no burst of the host's
 steal (a 100 ms sample with over 5% of the machine's CPU time taken by
-another guest), with their share of all and the bursts' total length; an
-event that queued behind a burst's backlog but was sent after it counts
-as calm.
+another guest) and no stall of the disk (an 8 KiB write and fdatasync
+that took over 5 ms, one every 10 ms, in the directory below: every
+commit waits for such a sync of the WAL, on the database's disk), from
+the probe's last sync before it, with their share of all, the bursts'
+total length and the stalls'; an event that queued behind a burst's or a
+stall's backlog but was sent after it counts as calm.
+disk probe: ${probe_where}
 EOF

@@ -109,9 +109,10 @@ fn the_benchmark_drains_and_verifies_in_both_modes() {
         .batch_execute("ALTER TABLE notifications DROP CONSTRAINT bench_poison")
         .unwrap();
     // Steady load: 200 events/s for 2 s, each measured from its send, and
-    // traced: a line per commit.
+    // traced: a line per commit; the disk probed beside it.
     let dir = TempDir::new("bench-trace");
     let trace = dir.0.join("trace");
+    let probed = TempDir::new("bench-probe");
     let stdout = bench(
         &db,
         &[
@@ -123,6 +124,8 @@ fn the_benchmark_drains_and_verifies_in_both_modes() {
             "2s",
             "--trace",
             trace.to_str().unwrap(),
+            "--disk-probe",
+            probed.0.to_str().unwrap(),
         ],
     );
     assert!(stdout.contains("applied=400"), "{stdout}");
@@ -135,14 +138,7 @@ fn the_benchmark_drains_and_verifies_in_both_modes() {
     // events per second: the commits of the window (the last three
     // quarters of the producer's 2 s) are at most the 400 events, so at
     // most about 270/s; none at all would be a window that missed them.
-    let figure = |name: &str| -> f64 {
-        stdout
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix(name))
-            .unwrap_or_else(|| panic!("{name} missing: {stdout}"))
-            .parse()
-            .unwrap()
-    };
+    let figure = |name: &str| figure_in(&stdout, name);
     let sustained = figure("sustained=");
     assert!(sustained > 0.0 && sustained <= 400.0, "{stdout}");
     // What the producer sent, per second, over its 2 s.
@@ -155,6 +151,29 @@ fn the_benchmark_drains_and_verifies_in_both_modes() {
     }
     let calm_share = figure("calm_share=");
     assert!((0.0..=100.0).contains(&calm_share), "{stdout}");
+    // The disk's stalls, in the RESULT line (bench.sh reads them there):
+    // how many, how long in all, the longest; the probe left no file.
+    let result = stdout
+        .lines()
+        .find(|l| l.starts_with("RESULT "))
+        .unwrap_or_else(|| panic!("no RESULT line: {stdout}"));
+    let in_result = |name: &str| figure_in(result, name);
+    let stalls = in_result("stalls=");
+    let (stall_s, stall_max_ms) = (in_result("stall_s="), in_result("stall_max_ms="));
+    // (stall_s to the hundredth: within 5 ms.)
+    assert!(stall_max_ms <= stall_s * 1000.0 + 5.0, "{result}");
+    assert!(stalls == 0.0 || stall_max_ms >= 5.0, "{result}");
+    assert_eq!(std::fs::read_dir(&probed.0).unwrap().count(), 0);
+}
+
+/// The figure `name` ("sustained=", ...) of the benchmark's `text`: its
+/// first word that starts with the name.
+fn figure_in(text: &str, name: &str) -> f64 {
+    text.split_whitespace()
+        .find_map(|w| w.strip_prefix(name))
+        .unwrap_or_else(|| panic!("{name} missing: {text}"))
+        .parse()
+        .unwrap()
 }
 
 /// `--presize` (bench.sh's steady runs): Redis's tables of keys are sized
@@ -238,49 +257,84 @@ fn a_presized_steady_run_adds_its_markers_without_growing_a_table_of_redis() {
 
 /// The rule that `--calm-latency` (and each steady run) applies: a flight
 /// that met a burst (a 100 ms sample with over 5% of the machine's CPU
-/// time taken by the host), even by its first or last microsecond, is not
-/// calm; one that ended before it or began after it is. `--watch-steal`
-/// writes samples in the form it reads.
+/// time taken by the host) or a stall of the disk, even by its first or
+/// last microsecond, is not calm; one that ended before it or began after
+/// it is. `--watch-steal` writes samples (and `--disk-probe` stalls) in the
+/// form it reads.
 #[test]
 fn the_benchmark_leaves_out_only_the_flights_that_met_a_steal_burst() {
     let dir = TempDir::new("bench-steal");
-    let samples = dir.0.join("steal");
+    let calm = |name: &str, samples: &str, flights: &[u8]| -> String {
+        let path = dir.0.join(name);
+        std::fs::write(&path, samples).unwrap();
+        let mut cmd = bench_command();
+        cmd.arg("--calm-latency").arg(&path);
+        let out = output(cmd, Some(flights), Duration::from_secs(30));
+        assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+        out.stdout
+    };
     // Calm, a burst from 1,000,100 to 1,000,200 µs, calm again.
-    std::fs::write(
-        &samples,
-        "1000000 1000100 0.0\n1000100 1000200 25.0\n1000200 1000300 5.0\n",
-    )
-    .unwrap();
+    let steal = "1000000 1000100 0.0\n1000100 1000200 25.0\n1000200 1000300 5.0\n";
     // (end, latency): before it, through it, ending at its start, starting
     // at its end, after it; the latencies say which is which.
-    let flights = "1000090 10\n1000250 200\n1000100 5\n1000300 100\n1000290 20\n";
-    let mut cmd = bench_command();
-    cmd.arg("--calm-latency").arg(&samples);
-    let out = output(cmd, Some(flights.as_bytes()), Duration::from_secs(30));
-    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+    let flights = b"1000090 10\n1000250 200\n1000100 5\n1000300 100\n1000290 20\n";
+    let stdout = calm("steal", steal, flights);
     // The calm flights are the 10 µs and 20 µs ones: 2 of 5.
-    assert!(out.stdout.contains("calm_share=40 "), "{}", out.stdout);
-    assert!(out.stdout.contains("calm_max_ms=0.02 "), "{}", out.stdout);
+    assert!(stdout.contains("calm_share=40 "), "{stdout}");
+    assert!(stdout.contains("calm_max_ms=0.02 "), "{stdout}");
+    assert!(stdout.contains("burst_s=0.0 steal_max_pct=25"), "{stdout}");
+    // Not probed: no stall figures.
+    assert!(!stdout.contains("stall"), "{stdout}");
+
+    // The same, and two stalls of the disk (since the probe's last sync
+    // before each): one the 10 µs flight met by its last microsecond, one
+    // within the burst, which the 200 µs flight met already.
+    let stalls = "probed\nstall 1000090 1000091 1000095\nstall 1000150 1000150 1000160\n";
+    let stdout = calm("probed", &format!("{steal}{stalls}"), flights);
+    // Only the 20 µs flight is calm: 1 of 5.
+    assert!(stdout.contains("calm_share=20 "), "{stdout}");
+    assert!(stdout.contains("calm_max_ms=0.02 "), "{stdout}");
     assert!(
-        out.stdout.contains("burst_s=0.0 steal_max_pct=25"),
-        "{}",
-        out.stdout
+        stdout.contains("stalls=2 stall_s=0.00 stall_max_ms=0.0"),
+        "{stdout}"
     );
+    // A stall within a burst is the burst's: a flight in the burst after
+    // the stall is not calm either (the two are joined in time order).
+    let within = format!("{steal}probed\nstall 1000150 1000150 1000160\n");
+    let stdout = calm("within", &within, b"1000180 10\n1000290 20\n");
+    assert!(stdout.contains("calm_share=50 "), "{stdout}");
 
     let mut cmd = bench_command();
     let watched = dir.0.join("watched");
+    let probe_dir = TempDir::new("bench-watch-probe");
     cmd.arg("--watch-steal")
         .arg(&watched)
-        .args(["--duration", "350ms"]);
+        .args(["--duration", "350ms", "--disk-probe"])
+        .arg(&probe_dir.0);
     let out = output(cmd, None, Duration::from_secs(30));
     assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
     let text = std::fs::read_to_string(&watched).unwrap();
-    let lines: Vec<Vec<f64>> = text
+    let (samples, probe): (Vec<&str>, Vec<&str>) = text
         .lines()
+        .partition(|l| !l.starts_with("probed") && !l.starts_with("stall "));
+    let lines: Vec<Vec<f64>> = samples
+        .iter()
         .map(|l| l.split(' ').map(|v| v.parse().unwrap()).collect())
         .collect();
     assert!((2..=4).contains(&lines.len()), "{text}");
     assert!(lines.iter().all(|l| l.len() == 3 && l[0] < l[1]), "{text}");
+    assert_eq!(probe.first(), Some(&"probed"), "{text}");
+    assert_eq!(std::fs::read_dir(&probe_dir.0).unwrap().count(), 0);
+
+    // A directory the probe cannot write in fails at once, saying so.
+    let mut cmd = bench_command();
+    cmd.arg("--watch-steal")
+        .arg(dir.0.join("unused"))
+        .args(["--duration", "10s", "--disk-probe"])
+        .arg(dir.0.join("no such directory"));
+    let out = output(cmd, None, Duration::from_secs(5));
+    assert!(!out.status.success());
+    assert!(out.stderr.contains("--disk-probe "), "{}", out.stderr);
 }
 
 /// `--help` says how to run it (the README sends readers there) without
@@ -306,6 +360,8 @@ fn the_benchmark_explains_its_flags() {
         "--poison-ratio",
         "--rate",
         "--duration",
+        "--presize",
+        "--disk-probe",
     ] {
         assert!(out.stdout.contains(flag), "{flag} missing:\n{}", out.stdout);
     }
