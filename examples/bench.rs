@@ -120,7 +120,9 @@ RESULT line for scripts. scripts/bench.sh runs it next to pgbench.
                        and fdatasync it, then sleep 10 ms, in a file of its
                        own in DIR (best: on the database's disk); a sync
                        over 5 ms is a stall, and flights that met one are
-                       not calm
+                       not calm. A DIR that cannot take the file stops the
+                       run at once; a probe that fails later costs the run
+                       its stall figures only
   -h, --help           this text
 ";
 
@@ -935,23 +937,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Some(stalls) => {
             let figures = stall_fields(stalls);
             println!(
-                "disk stalls       {figures} (syncs of 8 KiB over {} ms, one every 2 ms in {})",
+                "disk stalls       {figures} (syncs of 8 KiB over {} ms, {} ms apart, in {})",
                 STALL.as_millis(),
+                PROBE_PAUSE.as_millis(),
                 args.disk_probe.as_deref().unwrap_or_default()
             );
             format!(" {figures}")
         }
         None => String::new(),
     };
-    let stalls = stalls.unwrap_or_default();
     // Under a steady load, the latency of the flights that met no burst
-    // and no stall.
+    // and no stall (no burst alone, where the disk was not probed).
+    let through = if stalls.is_some() {
+        "no burst, no stall"
+    } else {
+        "no burst"
+    };
+    let stalls = stalls.unwrap_or_default();
     let calm_figures = match &handler.commit_times {
         Some(times) => format!(" {}", calm_fields(&steal, &stalls, &times.lock().unwrap())),
         None => String::new(),
     };
     if !calm_figures.is_empty() {
-        println!("latency, calm    {calm_figures} (XADD to commit through no burst, no stall)");
+        println!("latency, calm    {calm_figures} (XADD to commit through {through})");
     }
     println!("summary           {summary}");
     println!(

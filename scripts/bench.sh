@@ -36,8 +36,9 @@
 #    events per transaction), latency from each transaction's scheduled
 #    start to its end; and the database alone at 75% of its own ceiling in
 #    those forms; beside each steady run, a probe of the disk (an 8 KiB
-#    write and fdatasync every 2 ms in DISK_PROBE_DIR, which should be on
-#    the database's disk: bench --disk-probe) counts its stalls;
+#    write and fdatasync, then 10 ms asleep, in DISK_PROBE_DIR, which
+#    should be on the database's disk: bench --disk-probe) counts its
+#    stalls;
 # 6. prints one table: events/s, latency, CPU per event, peak RSS, the
 #    host's steal during each run, and each rate as a ratio of the matching
 #    ceiling.
@@ -387,8 +388,8 @@ clean=$(healthy_rate batch)
 printf 'healthy events with 1%% rejected by the database, batch: %s/s vs %s/s clean = %.2fx\n' \
     "$poison" "$clean" "$(awk "BEGIN { print $poison / $clean }")"
 printf '\nsteady load, taskhub next to the database alone at the same rate (pgbench -R, prepared):\n'
-printf '%-22s %10s %27s %28s %27s %28s\n' run events/s "taskhub p50 / p99 / max ms" "calm p99 (share, host)" \
-    "database p50 / p99 / max ms" "calm p99 (share, host)"
+printf '%-22s %10s %27s %28s %27s %28s\n' run events/s "taskhub p50 / p99 / max ms" "calm p99 (share, steal, stall)" \
+    "database p50 / p99 / max ms" "calm p99 (share, steal, stall)"
 # p50 / p99 / max of a RESULT or floor line, and its calm p99 with the
 # share of events it counts, and how long the host's steal bursts and the
 # disk's stalls lasted.
@@ -441,12 +442,14 @@ from each transaction's scheduled start, so the stalls of the machine and
 the database show in both columns. database-*-75%: the database alone at
 75% of its own ceiling in that form, with no taskhub. calm p99: the p99 of
 the events (transactions) whose whole flight met no burst of the host's
-steal (a 100 ms sample with over 5% of the machine's CPU time taken by
-another guest) and no stall of the disk (an 8 KiB write and fdatasync
-that took over 5 ms, one every 10 ms, in the directory below: every
-commit waits for such a sync of the WAL, on the database's disk), from
-the probe's last sync before it, with their share of all, the bursts'
-total length and the stalls'; an event that queued behind a burst's or a
-stall's backlog but was sent after it counts as calm.
+steal and no stall, with their share of all, the bursts' total length
+(steal) and the stalled syncs' total time (stall). A burst is a 100 ms
+sample with over 5% of the machine's CPU time taken by another guest. A
+stall is a sync of the disk probe (8 KiB written and fdatasynced, then
+10 ms asleep, in the directory below) that took over 5 ms, counted from
+the end of the probe's sync before it: every commit waits for such a sync
+of the WAL, on the database's disk (a stall may also be the probe waiting
+for a core). An event that queued behind a burst's or a stall's backlog
+but was sent after it counts as calm.
 disk probe: ${probe_where}
 EOF

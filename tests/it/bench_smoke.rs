@@ -262,7 +262,7 @@ fn a_presized_steady_run_adds_its_markers_without_growing_a_table_of_redis() {
 /// it is. `--watch-steal` writes samples (and `--disk-probe` stalls) in the
 /// form it reads.
 #[test]
-fn the_benchmark_leaves_out_only_the_flights_that_met_a_steal_burst() {
+fn the_benchmark_leaves_out_only_the_flights_that_met_a_burst_or_a_stall() {
     let dir = TempDir::new("bench-steal");
     let calm = |name: &str, samples: &str, flights: &[u8]| -> String {
         let path = dir.0.join(name);
