@@ -433,6 +433,10 @@ fn bursts(samples: &[StealSample]) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// A steady run whose events stop committing for this long after its
+/// producer ended gives up (Redis or PostgreSQL gone for good).
+const STUCK: Duration = Duration::from_secs(60);
+
 /// A sync of the disk probe that took longer than this is a stall.
 const STALL: Duration = Duration::from_millis(5);
 
@@ -777,51 +781,74 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // events it sent.
     let mut producing: Option<(u64, u64, usize)> = None;
     let stop_watching = AtomicBool::new(false);
+    // The steady load, while the worker runs.
+    let mut produce =
+        |running: &std::thread::ScopedJoinHandle<'_, _>| -> Result<(), Box<dyn std::error::Error>> {
+            // The steady state, not the start: events sent while the
+            // worker was still connecting waited for it, and counted in
+            // the steady run's latency.
+            while monitor.ready().is_err() && !running.is_finished() {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let began = Instant::now();
+            let began_us = now_micros();
+            // One small pipeline per millisecond, each event stamped with
+            // the producer's clock; then wait for the last commit.
+            let total = (args.rate as f64 * args.duration.as_secs_f64()) as usize;
+            let mut sent = 0;
+            while sent < total && !running.is_finished() {
+                let due = (began.elapsed().as_secs_f64() * args.rate as f64) as usize;
+                let due = due.min(total);
+                if due > sent {
+                    let now = now_micros().to_string();
+                    let batch: Vec<Vec<(String, String)>> = (sent..due)
+                        .map(|n| {
+                            let mut f = fields(n);
+                            f.push(("sent_us".to_owned(), now.clone()));
+                            f
+                        })
+                        .collect();
+                    producer.send_batch(&batch)?;
+                    sent = due;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            producing = Some((began_us, now_micros(), sent));
+            // The last commits, as long as commits come.
+            let (mut committed, mut since) = (0, Instant::now());
+            while committed < sent && !running.is_finished() {
+                std::thread::sleep(Duration::from_millis(10));
+                let now = handler.latencies.lock().unwrap().len();
+                if now > committed {
+                    (committed, since) = (now, Instant::now());
+                } else if since.elapsed() > STUCK {
+                    return Err(format!(
+                        "{} of {sent} events not committed, and none for {STUCK:?}",
+                        sent - committed
+                    )
+                    .into());
+                }
+            }
+            shutdown.shutdown();
+            Ok(())
+        };
     let (summary, steal, stalls) =
         std::thread::scope(|scope| -> Result<_, Box<dyn std::error::Error>> {
             let watching = scope.spawn(|| watch_steal(&stop_watching));
             let probing = probe.map(|p| scope.spawn(|| probe_disk(p, &stop_watching)));
             let running = scope.spawn(|| worker.run());
-            if steady {
-                // The steady state, not the start: events sent while the
-                // worker was still connecting waited for it, and counted in
-                // the steady run's latency.
-                while monitor.ready().is_err() && !running.is_finished() {
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                let began = Instant::now();
-                let began_us = now_micros();
-                // One small pipeline per millisecond, each event stamped with
-                // the producer's clock; then wait for the last commit.
-                let total = (args.rate as f64 * args.duration.as_secs_f64()) as usize;
-                let mut sent = 0;
-                while sent < total && !running.is_finished() {
-                    let due = (began.elapsed().as_secs_f64() * args.rate as f64) as usize;
-                    let due = due.min(total);
-                    if due > sent {
-                        let now = now_micros().to_string();
-                        let batch: Vec<Vec<(String, String)>> = (sent..due)
-                            .map(|n| {
-                                let mut f = fields(n);
-                                f.push(("sent_us".to_owned(), now.clone()));
-                                f
-                            })
-                            .collect();
-                        producer.send_batch(&batch)?;
-                        sent = due;
-                    }
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                producing = Some((began_us, now_micros(), sent));
-                while handler.latencies.lock().unwrap().len() < sent && !running.is_finished() {
-                    std::thread::sleep(Duration::from_millis(10));
-                }
+            // A producer that fails (Redis gone, say) ends the run: the
+            // worker would wait out the outage, and the samplers run until
+            // it ends.
+            let produced = if steady { produce(&running) } else { Ok(()) };
+            if produced.is_err() {
                 shutdown.shutdown();
             }
             let summary = running.join().expect("the worker thread panicked");
             stop_watching.store(true, Ordering::Relaxed);
             let steal = watching.join().expect("the steal sampler panicked");
             let stalls = probing.map(|p| p.join().expect("the disk probe panicked"));
+            produced?;
             Ok((summary?, steal, stalls))
         })?;
     let elapsed = started.elapsed();

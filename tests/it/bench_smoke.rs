@@ -375,3 +375,43 @@ fn the_benchmark_explains_its_flags() {
         out.stderr
     );
 }
+
+/// Redis gone in the middle of a steady run: the producer's next send
+/// fails, and the benchmark says so and ends (it waited for ever for the
+/// worker, which waits out the outage, and for its steal sampler and disk
+/// probe, which run until the worker ends).
+#[test]
+fn a_steady_run_whose_redis_goes_away_ends_with_its_error() {
+    let mut redis = PrivateRedis::start();
+    let db = TestDb::new();
+    let probed = TempDir::new("bench-lost-redis");
+    let mut cmd = bench_command();
+    cmd.env("REDIS_URL", redis.url())
+        .env("DATABASE_URL", &db.url)
+        .env("RUST_LOG", "error")
+        .args(["--mode", "batch", "--rate", "200", "--duration", "60s"])
+        .arg("--disk-probe")
+        .arg(&probed.0);
+    let mut bench = Proc::spawn(cmd);
+    // Its first events committed: the steady load is under way.
+    let mut check = redis::Client::open(redis.url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    assert!(
+        wait_until(Duration::from_secs(30), || {
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg("th:*")
+                .query(&mut check)
+                .unwrap_or_default();
+            !keys.is_empty()
+        }),
+        "no marker written\n{}",
+        bench.stderr()
+    );
+    redis.stop();
+    let status = bench.wait(Duration::from_secs(60));
+    assert!(!status.success(), "{}\n{}", bench.stdout(), bench.stderr());
+    assert!(bench.stderr().contains("Error"), "{}", bench.stderr());
+    assert_eq!(std::fs::read_dir(&probed.0).unwrap().count(), 0);
+}
