@@ -111,7 +111,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # By default the probe's file goes in the temporary directory, which may
 # not be on the database's disk (see DISK_PROBE_DIR above).
-probe_default=${DISK_PROBE_DIR:+no}
+probe_where=${DISK_PROBE_DIR:-"this run's temporary directory (DISK_PROBE_DIR not set: it may not be on the database's disk)"}
 DISK_PROBE_DIR=${DISK_PROBE_DIR:-$work}
 
 # The migrations, through the benchmark binary's first run below; pgbench
@@ -412,8 +412,6 @@ while read -r label line; do
     printf '%-22s %10s %27s %28s %27s %28s\n' "$label" "$(field "$line" rate)" "$taskhub" "$taskhub_calm" \
         "$(latencies "$line")" "$(calm_p99 "$line")"
 done <"$work/floors"
-probe_where=$DISK_PROBE_DIR
-[[ -z $probe_default ]] && probe_where="this run's temporary directory (DISK_PROBE_DIR not set: it may not be on the database's disk)"
 cat <<EOF
 
 hol-*: 10% of events fail twice with a 1 s backoff; healthy/s is the drain
