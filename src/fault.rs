@@ -25,6 +25,9 @@ pub(crate) enum Point {
     AfterCommit,
     /// After the Redis marker, before XACK.
     AfterMarker,
+    /// A handler's event of a backlog's mixed read was put to wait for
+    /// others (`worker/gather.rs`), not applied yet.
+    Gathered,
     /// `taskhub dlq archive`: a chunk is copied and verified, not yet removed
     /// from the dead-letter stream (the id is the chunk's first dead-letter id).
     ArchiveAfterCopy,
@@ -38,6 +41,7 @@ impl Point {
             Point::BeforeCommit => "before-commit",
             Point::AfterCommit => "after-commit",
             Point::AfterMarker => "after-marker",
+            Point::Gathered => "gathered",
             Point::ArchiveAfterCopy => "archive-after-copy",
         }
     }

@@ -37,6 +37,7 @@ pub(crate) mod dead_letter;
 pub(crate) mod delivery;
 pub(crate) mod fail;
 pub(crate) mod flow;
+pub(crate) mod gather;
 pub(crate) mod monitor;
 pub(crate) mod name_check;
 pub(crate) mod pool;
@@ -450,6 +451,7 @@ impl Worker {
             handler: self.handler.clone(),
             settings: settings(config, self.handler.retry_budget()),
             suspects: Mutex::new(()),
+            gathered: Default::default(),
         });
         let namespace = stage.namespace.clone();
         let mut workers = Vec::new();
@@ -641,6 +643,7 @@ fn settings(config: &Config, budget: Option<crate::handler::RetryBudget>) -> Set
         max_attempts,
         marker_ttl: config.marker_ttl,
         ack_batch: (config.count / 4).max(1),
+        count: config.count,
         handler_timeout: config.handler_timeout,
         fused_timeout: (config.reclaim_min_idle.saturating_sub(delivery::FRESH) / 2)
             .min(config.handler_timeout),

@@ -11,6 +11,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
+use std::time::Instant;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 
@@ -23,7 +24,9 @@ use crate::worker::retry::Retry;
 /// One worker thread: runs until every sender of `jobs` is gone and the
 /// channel is drained. Finished entries are acked with the next jobs'
 /// (see `process::ACK_HOLD`): when they are due, the wait for a job ends
-/// and they are acked; and before the thread ends.
+/// and they are acked; and before the thread ends. So are the handler's
+/// events gathered from a backlog's reads (see `gather.rs`) applied when
+/// they waited long enough, and before the thread ends.
 pub(crate) fn worker_thread(
     stage: Arc<Stage>,
     jobs: &Receiver<Job>,
@@ -33,13 +36,24 @@ pub(crate) fn worker_thread(
     let mut processor = Processor::new(stage.clone(), retry, dead);
     processor.warm_up();
     loop {
-        let job = match processor.ack_due() {
+        // Gathered events that waited long enough go first, even while
+        // jobs keep coming (see `gather.rs`).
+        let gathered = stage.gathered.due();
+        if gathered.is_some_and(|due| due <= Instant::now()) {
+            apply_gathered(&mut processor, Some(Instant::now()));
+        }
+        let due = [processor.ack_due(), stage.gathered.due()]
+            .into_iter()
+            .flatten()
+            .min();
+        let job = match due {
             None => jobs.recv().map_err(|_| RecvTimeoutError::Disconnected),
             Some(due) => jobs.recv_deadline(due),
         };
         let job = match job {
             Ok(job) => job,
             Err(RecvTimeoutError::Timeout) => {
+                // Held acks, or gathered events (at the top), are due.
                 flush(&mut processor);
                 continue;
             }
@@ -60,7 +74,23 @@ pub(crate) fn worker_thread(
             );
         }
     }
+    // What waits to be gathered (the jobs channel is closed: nothing more
+    // joins it from this thread).
+    apply_gathered(&mut processor, None);
     flush(&mut processor);
+}
+
+/// Applies the gathered events due by `now`, all with `None` (see
+/// `gather.rs`); a panic doing so is logged (the events it held stay
+/// pending and will be delivered again), and the thread goes on.
+fn apply_gathered(processor: &mut Processor, now: Option<Instant>) {
+    if catch_unwind(AssertUnwindSafe(|| processor.apply_gathered_due(now))).is_err() {
+        log::error!(
+            "{}: applying gathered events panicked; those not finished stay pending and will be delivered again",
+            std::thread::current().name().unwrap_or("worker"),
+        );
+        flush(processor);
+    }
 }
 
 /// Acks what `processor` holds (see `process::ACK_HOLD`); a panic doing

@@ -33,6 +33,7 @@ use crate::config::Mode;
 use crate::dlq::Kind;
 use crate::error::{FailureClass, HandlerError};
 use crate::event::Event;
+use crate::fault::{self, Point};
 use crate::handler::Handler;
 use crate::handler::StatementCache;
 use crate::postgres::pool::PgConn;
@@ -43,6 +44,7 @@ use crate::worker::context::Common;
 use crate::worker::dead_letter;
 use crate::worker::delivery::{Delivery, Job, TRIMMED};
 use crate::worker::flow::InFlight;
+use crate::worker::gather::Gathered;
 use crate::worker::retry::Retry;
 use crate::worker::stats::Stats;
 
@@ -156,6 +158,9 @@ pub(crate) struct Stage {
     /// Held while a redelivered entry (a suspect) is applied: see
     /// `Processor::apply_one`.
     pub suspects: Mutex<()>,
+    /// The handler's events of a backlog's mixed reads, waiting for their
+    /// batch (see `gather.rs`).
+    pub gathered: Gathered,
 }
 
 /// The settings of the worker threads.
@@ -174,6 +179,10 @@ pub(crate) struct Settings {
     /// down under a heavy load (at 35,000 events/s, 8 workers holding up to
     /// a read's worth each took half the in-flight room).
     pub ack_batch: usize,
+    /// Entries per read: a job of this many came from a backlog, and the
+    /// handler's events of a mixed one are gathered up to as many (see
+    /// `gather.rs`).
+    pub count: usize,
     pub handler_timeout: Duration,
     /// The bound of the fused built-in statement (see `apply.rs`): half the
     /// time between `FRESH` and `reclaim_min_idle`, so that it commits well
@@ -284,6 +293,7 @@ impl Processor {
     pub fn process(&mut self, job: Job) {
         let Some(first) = job.first() else { return };
         let stream = first.stream.clone();
+        let read = job.len();
         let mut valid = Vec::with_capacity(job.len());
         let mut trimmed = Vec::new();
         let mut done = Finished::default();
@@ -380,9 +390,28 @@ impl Processor {
                 one_by_one.push(delivery);
             }
         }
+        // In a backlog, the handler's events of a mixed read wait for the
+        // next reads' (see `gather.rs`).
+        let (batch, handlers, gathered) = self.gather(&stream, read, batch, handlers);
+        self.apply_and_hold(&stream, (batch, handlers), one_by_one, done);
+        if let Some(gathered) = gathered {
+            self.apply_gathered(&stream, gathered);
+        }
+    }
+
+    /// Steps 3 and 4 for what a job holds: `batch` (of which `handlers` are
+    /// the handler's events), then `one_by_one`; then the markers and acks
+    /// of what finished, with `done`.
+    fn apply_and_hold(
+        &mut self,
+        stream: &Arc<str>,
+        (batch, handlers): (Vec<Delivery>, usize),
+        mut one_by_one: Vec<Delivery>,
+        mut done: Finished,
+    ) {
         // Only the handler's events count towards the failure rate that
         // guards its batches.
-        let failures = self.apply_batches(&stream, batch, &mut one_by_one, &mut done);
+        let failures = self.apply_batches(stream, batch, &mut one_by_one, &mut done);
         self.record_batch(handlers, failures);
         // A copy of an event after a copy of it that failed here (to a
         // retry or a dead letter) is acked as a duplicate, unmarked (the
@@ -390,7 +419,7 @@ impl Processor {
         // copy's, as in a batch (`apply_batch`).
         let mut failed: HashSet<String> = HashSet::new();
         for delivery in one_by_one {
-            self.ack_if_overdue(&stream, &mut done);
+            self.ack_if_overdue(stream, &mut done);
             if delivery.event_id().is_some_and(|id| failed.contains(id)) {
                 let why = "a copy of an event whose earlier copy failed here; acked as a duplicate";
                 self.acked_as_duplicate(delivery, why, &mut done);
@@ -402,7 +431,89 @@ impl Processor {
         }
         // Step 4: markers, then acks (with the next jobs' finished entries,
         // for a few milliseconds at most).
-        self.hold(&stream, done);
+        self.hold(stream, done);
+    }
+
+    /// Where a job's batch goes (see `gather.rs`), given the length of the
+    /// job as read. A full read that mixes first deliveries of both kinds
+    /// keeps its built-in statement's events, and its handler's events wait
+    /// with those of the stream's earlier reads, unless a copy of one of
+    /// them is among the others. A short read takes what waits for its
+    /// stream along, ahead of its own (they were read first). Returns the
+    /// batch to apply now, how many of it are the handler's, and the
+    /// gathered events when they made a full batch.
+    fn gather(
+        &self,
+        stream: &Arc<str>,
+        read: usize,
+        batch: Vec<Delivery>,
+        handlers: usize,
+    ) -> (Vec<Delivery>, usize, Option<Vec<Delivery>>) {
+        let gathered = &self.stage.gathered;
+        let full = self.stage.settings.count;
+        // First deliveries, as a read's are (not retries, nor entries
+        // claimed from another consumer).
+        let first = |d: &Delivery| d.delivery_count <= 1 && d.failures.is_empty();
+        if !batch.iter().all(first) {
+            return (batch, handlers, None);
+        }
+        if read < full {
+            let mut waiting = gathered.take(stream);
+            let taken = waiting.len();
+            if taken == 0 {
+                return (batch, handlers, None);
+            }
+            waiting.extend(batch);
+            return (waiting, handlers + taken, None);
+        }
+        if handlers == 0 || handlers == batch.len() {
+            return (batch, handlers, None);
+        }
+        let built_in: HashSet<&str> = batch
+            .iter()
+            .filter(|d| d.plain)
+            .map(|d| event(d).event_id())
+            .collect();
+        if batch
+            .iter()
+            .any(|d| !d.plain && built_in.contains(event(d).event_id()))
+        {
+            return (batch, handlers, None);
+        }
+        let (now, wait): (Vec<Delivery>, Vec<Delivery>) = batch.into_iter().partition(|d| d.plain);
+        // (The crash tests stop here, with them waiting.)
+        let waiting: Vec<String> = if fault::is_armed(Point::Gathered) {
+            wait.iter()
+                .map(|d| event(d).event_id().to_owned())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let batch = gathered.add(stream, wait, full);
+        for id in &waiting {
+            fault::hit(Point::Gathered, id);
+        }
+        (now, 0, batch)
+    }
+
+    /// Applies gathered handler's events of `stream` (see `gather.rs`) in
+    /// one batch.
+    fn apply_gathered(&mut self, stream: &Arc<str>, deliveries: Vec<Delivery>) {
+        let handlers = deliveries.len();
+        self.apply_and_hold(
+            stream,
+            (deliveries, handlers),
+            Vec::new(),
+            Finished::default(),
+        );
+    }
+
+    /// Applies the gathered events that waited long enough (see
+    /// `gather.rs`), or all of them with `None` (before the thread stops).
+    pub fn apply_gathered_due(&mut self, now: Option<Instant>) {
+        for (stream, deliveries) in self.stage.gathered.take_due(now) {
+            self.apply_gathered(&stream, deliveries);
+        }
     }
 
     /// Counts `delivery` as a duplicate and acks it, without a marker (the

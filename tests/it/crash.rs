@@ -867,3 +867,81 @@ fn a_statement_held_up_past_min_idle_never_commits_beside_a_letter() {
     );
     assert_eq!(db.count("SELECT count(*) FROM processed_events"), 0);
 }
+
+/// Batch mode gathers the handler's events of a backlog's mixed reads
+/// across reads (`worker/gather.rs`). A process SIGKILLed while they wait
+/// committed none of them, and they stay pending: the next run applies
+/// each once, and the built-in statement's events of the same reads once
+/// too. The chaos driver's handler is the one with both kinds (event ids
+/// ending in an odd digit are its own statement's); one worker thread
+/// reading 8 at a time, frozen at the second read's first waiting event.
+#[test]
+fn events_waiting_to_be_gathered_survive_a_kill() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("gathered"), unique("g"));
+    let ids: Vec<String> = (0..48).map(|i| format!("g-{i:02}")).collect();
+    for id in &ids {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", id), ("payload", r#"{"kind":"plain"}"#)],
+        );
+    }
+    let work = |fault: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_taskhub-chaos"));
+        cmd.env("REDIS_URL", redis_url())
+            .env("DATABASE_URL", &db.url)
+            .env("RUST_LOG", "warn")
+            .env_remove("TASKHUB_FAULT")
+            .args(["work", "--stream", &stream, "--group", &group])
+            .args(["--consumer", "c1", "--workers", "1", "--count", "8"])
+            .args(["--block-ms", "100", "--mode", "batch"])
+            .args(["--reclaim-min-idle", "60s", "--shutdown-timeout", "10s"]);
+        if let Some(fault) = fault {
+            cmd.env("TASKHUB_FAULT", fault);
+        }
+        Proc::spawn(cmd)
+    };
+    // The second read's first event of the handler's own statement.
+    let frozen = "g-09";
+    let mut first = work(Some(&format!("gathered@{frozen}")));
+    let line = format!("taskhub-fault: gathered {frozen}");
+    assert!(
+        first.wait_for(&line, RUN_TIMEOUT),
+        "never froze with {frozen} gathered:\n{}",
+        first.stderr()
+    );
+    first.kill();
+    // Waiting, not applied (with the first read's, unless those waited
+    // long enough to be applied on their own).
+    for id in [frozen, "g-11", "g-13", "g-15"] {
+        assert_eq!(db.effects(id), 0, "{id} was applied before the kill");
+    }
+    assert!(pending(&mut conn, &stream, &group) > 0);
+
+    let mut second = work(None);
+    let settled = wait_until(RUN_TIMEOUT, || {
+        pending(&mut conn, &stream, &group) == 0
+            && db.count("SELECT count(*) FROM notifications") == ids.len() as i64
+    });
+    second.signal("INT");
+    second.wait(Duration::from_secs(20));
+    let missing: Vec<&String> = ids.iter().filter(|id| db.effects(id) != 1).collect();
+    assert!(
+        settled && missing.is_empty(),
+        "not settled (not applied once: {missing:?}):\n{}",
+        second.stderr()
+    );
+    for id in &ids {
+        assert_eq!(
+            db.count(&format!(
+                "SELECT count(*) FROM processed_events WHERE event_id = '{id}'"
+            )),
+            1,
+            "{id}"
+        );
+    }
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+    assert!(dead_letters(&mut conn, &stream).is_empty());
+}

@@ -1386,6 +1386,89 @@ fn a_read_mixing_the_built_in_statement_and_handler_events_commits_once() {
     }
 }
 
+/// Batch mode, a backlog whose reads mix the two kinds (see
+/// `worker/gather.rs`): the handler's events of full reads wait for the
+/// next reads' and are applied together, so its batches hold more than
+/// one read's share, where each read was one transaction of both kinds
+/// before (the handler then got 4 events at a time here). Every event is
+/// still applied once, with its own kind's effect, and nothing is left
+/// pending.
+#[test]
+fn the_handler_events_of_a_backlog_s_mixed_reads_are_applied_together() {
+    struct Recording {
+        sql: SqlHandler,
+        /// The size of each batch the handler was given.
+        batches: Mutex<Vec<usize>>,
+    }
+    impl Handler for Recording {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            let payload = format!("own:{}", event.payload().unwrap_or_default());
+            tx.execute(
+                "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)",
+                &[&event.event_id(), &payload],
+            )?;
+            Ok(())
+        }
+        fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            self.batches.lock().unwrap().push(events.len());
+            for (i, event) in events.iter().enumerate() {
+                self.handle(event, tx).map_err(|e| e.for_event(i))?;
+            }
+            Ok(())
+        }
+        fn sql_effect(&self, event: &Event) -> Option<&SqlHandler> {
+            event.field("own").is_none().then_some(&self.sql)
+        }
+    }
+
+    const READ: usize = 16;
+    const READS: usize = 24;
+    let db = TestDb::new();
+    let (stream, group) = (unique("gathered"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let ids: Vec<String> = (0..READ * READS).map(|i| format!("e{i:04}")).collect();
+    // Every fourth event is the handler's own: 4 in each read of 16.
+    for (i, id) in ids.iter().enumerate() {
+        let mut fields = vec![("event_id", id.as_str()), ("payload", "x")];
+        if i % 4 == 0 {
+            fields.push(("own", "1"));
+        }
+        xadd(&mut conn, &stream, &fields);
+    }
+    let handler = Arc::new(Recording {
+        sql: SqlHandler::default(),
+        batches: Mutex::default(),
+    });
+    // One worker thread: each read is a job, one after the other.
+    let summary = Running::start(
+        builder(&db.url, &stream, &group)
+            .mode(taskhub::Mode::Batch)
+            .workers(1)
+            .count(READ)
+            .until_idle(true),
+        handler.clone(),
+    )
+    .join(IDLE_TIMEOUT);
+    assert_eq!(summary.applied, (READ * READS) as u64, "{summary}");
+    assert_eq!(summary.dead_lettered, 0, "{summary}");
+    let batches = handler.batches.lock().unwrap().clone();
+    assert_eq!(
+        batches.iter().sum::<usize>(),
+        READS * READ / 4,
+        "{batches:?}"
+    );
+    assert!(
+        batches.iter().any(|n| *n > READ / 4),
+        "the handler's events were never applied with another read's: {batches:?}"
+    );
+    for (i, id) in ids.iter().enumerate() {
+        let want = if i % 4 == 0 { "own:x" } else { "x" };
+        assert_eq!(effect_payloads(&db, id), [Some(want.to_owned())], "{id}");
+        assert_eq!(processed_rows(&db, &group, id), 1, "{id}");
+    }
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
 /// Regression (a review of the fused built-in statement): it passes the
 /// payload as text, which a `jsonb` `notifications.payload` column refuses
 /// (the migration keeps a table that exists); every event was dead-lettered
