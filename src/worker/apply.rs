@@ -29,7 +29,8 @@
 //! In a batch that also holds events of the handler's own code, the batch's
 //! dedup insert applies the built-in statement's events
 //! ([`sql::DEDUP_BATCH_AND_DEFAULT`]) and the handler the others, in one
-//! transaction.
+//! transaction. (In a backlog such a read is split instead, its handler's
+//! events gathered with other reads': see `gather.rs`.)
 
 use std::time::Instant;
 

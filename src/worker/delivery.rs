@@ -59,6 +59,9 @@ pub(crate) struct Delivery {
     /// (`apply::plain`): asked once per attempt, by `Processor::process`,
     /// for the events it batches.
     pub plain: bool,
+    /// Its read came back with as many new entries as it asked for: the
+    /// stream is ahead of the workers (see `gather.rs`).
+    pub behind: bool,
     /// Another consumer that holds this entry (a deleted entry found
     /// pending for it, see `reclaim.rs`): its dead letter is fenced by that
     /// consumer and count instead of this one's.
@@ -136,6 +139,7 @@ impl Delivery {
                 ticket: Some(ticket),
                 seen: entry.seen,
                 plain: false,
+                behind: false,
                 holder: None,
             });
         }
@@ -167,6 +171,7 @@ impl Delivery {
             ticket,
             seen: None,
             plain: false,
+            behind: false,
             holder: None,
         }
     }

@@ -11,15 +11,27 @@
 //! events drained at 0.67–0.79x the rate of a backlog of the built-in
 //! statement's events alone.
 //!
-//! So a read that came back full (the stream is ahead of the workers) is
-//! split: its built-in statement's events commit at once, in their one
-//! statement, and its handler's events wait here until a read's worth of
-//! them (`--count`) has gathered from the stream's reads, or the oldest has
-//! waited [`GATHER_WAIT`]; then one transaction applies them all. A short
-//! read (the stream is caught up) is not split, and takes what waits here
-//! for its stream along into its own transaction: gathering adds no wait
-//! where there is no backlog. Copies of one event in one read stay
-//! together, so that the first copy is still the one applied.
+//! So a read that came back with all it asked for (the stream is ahead of
+//! the workers; the reader marks its deliveries `behind`) is split: its
+//! built-in statement's events commit at once, in their one statement, and
+//! its handler's events wait here until a read's worth of them (`--count`)
+//! has gathered from the stream's reads, or the oldest has waited
+//! [`GATHER_WAIT`]; then one transaction applies them. A short read (the
+//! stream is caught up) is not split, and takes what waits here for its
+//! stream along into its own transaction, as much as fits in a read:
+//! gathering adds no wait where there is no backlog, and no batch holds
+//! more than `--count` events. Copies of one event in one read stay
+//! together, so the first copy in a read is still the one applied (across
+//! reads, as ever, the copy that commits first is).
+//!
+//! Where the built-in statement cannot be fused with the dedup insert (a
+//! `jsonb` payload column), a read is one transaction either way, and is
+//! not split.
+//!
+//! The worker thread that gathered events may then be busy with a long
+//! job: the first events of a stream's set, and every job a thread takes
+//! while something waits, wake one worker thread waiting for a job
+//! ([`Gathered::wake`]), which then waits for their deadline too.
 //!
 //! Nothing is lost by waiting here: the entries are pending in Redis (a
 //! crash redelivers them, and `processed_events` settles what committed),
@@ -29,15 +41,30 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use crossbeam_channel::{Receiver, Sender};
+
 use crate::worker::delivery::Delivery;
 
 /// The longest a gathered event waits for others to join it.
 pub(crate) const GATHER_WAIT: Duration = Duration::from_millis(20);
 
 /// The handler's events waiting for their batch, per stream.
-#[derive(Default)]
 pub(crate) struct Gathered {
     streams: Mutex<Vec<Waiting>>,
+    /// A word to the worker threads that something waits, with a deadline
+    /// (see `pool.rs`): one waiting for a job with no deadline of its own
+    /// would otherwise sleep through it, however long the thread that
+    /// gathered the events stays busy.
+    wake: (Sender<()>, Receiver<()>),
+}
+
+impl Default for Gathered {
+    fn default() -> Gathered {
+        Gathered {
+            streams: Mutex::default(),
+            wake: crossbeam_channel::bounded(1),
+        }
+    }
 }
 
 /// What waits for one stream.
@@ -49,8 +76,8 @@ struct Waiting {
 }
 
 impl Gathered {
-    /// Adds `deliveries` of `stream`; returns what waits for the stream,
-    /// them included, once that is at least `full`.
+    /// Adds `deliveries` of `stream`; returns the `full` that waited
+    /// longest, them included, once that many wait.
     pub fn add(
         &self,
         stream: &Arc<str>,
@@ -66,20 +93,38 @@ impl Gathered {
                     deliveries: Vec::new(),
                     since: Instant::now(),
                 });
+                self.wake();
                 streams.len() - 1
             }
         };
-        streams[at].deliveries.extend(deliveries);
-        (streams[at].deliveries.len() >= full).then(|| streams.swap_remove(at).deliveries)
+        let waiting = &mut streams[at];
+        waiting.deliveries.extend(deliveries);
+        if waiting.deliveries.len() < full.max(1) {
+            return None;
+        }
+        let rest = waiting.deliveries.split_off(full.max(1));
+        let batch = std::mem::replace(&mut waiting.deliveries, rest);
+        // What is left came now.
+        waiting.since = Instant::now();
+        if waiting.deliveries.is_empty() {
+            streams.swap_remove(at);
+        }
+        Some(batch)
     }
 
-    /// Takes what waits for `stream`.
-    pub fn take(&self, stream: &str) -> Vec<Delivery> {
+    /// Takes up to `most` of what waits for `stream`, those that waited
+    /// longest.
+    pub fn take(&self, stream: &str, most: usize) -> Vec<Delivery> {
         let mut streams = self.lock();
-        match streams.iter().position(|w| &*w.stream == stream) {
-            Some(at) => streams.swap_remove(at).deliveries,
-            None => Vec::new(),
+        let Some(at) = streams.iter().position(|w| &*w.stream == stream) else {
+            return Vec::new();
+        };
+        let waiting = &mut streams[at];
+        if waiting.deliveries.len() <= most {
+            return streams.swap_remove(at).deliveries;
         }
+        let rest = waiting.deliveries.split_off(most);
+        std::mem::replace(&mut waiting.deliveries, rest)
     }
 
     /// When the oldest waiting event has waited [`GATHER_WAIT`] (`None`:
@@ -98,6 +143,17 @@ impl Gathered {
             .partition(|w| now.is_none_or(|now| w.since + GATHER_WAIT <= now));
         *streams = rest;
         due.into_iter().map(|w| (w.stream, w.deliveries)).collect()
+    }
+
+    /// Tells one worker thread waiting for a job that something waits here
+    /// (see [`Gathered::woken`]); a word not taken yet stands.
+    pub fn wake(&self) {
+        let _ = self.wake.0.try_send(());
+    }
+
+    /// Where that word comes: a worker thread waits on it beside the jobs.
+    pub fn woken(&self) -> &Receiver<()> {
+        &self.wake.1
     }
 
     /// The lock: what it guards is only moved in and out, so a panic while
@@ -133,13 +189,49 @@ mod tests {
         assert!(gathered.add(&a, vec![delivery(&a, "1-0")], 3).is_none());
         assert!(gathered.add(&b, vec![delivery(&b, "1-0")], 3).is_none());
         let full = gathered
-            .add(&a, vec![delivery(&a, "2-0"), delivery(&a, "3-0")], 3)
+            .add(
+                &a,
+                vec![
+                    delivery(&a, "2-0"),
+                    delivery(&a, "3-0"),
+                    delivery(&a, "4-0"),
+                ],
+                3,
+            )
             .expect("full");
+        // Never more than a full batch: the newest waits on.
         assert_eq!(ids(&full), ["1-0", "2-0", "3-0"]);
+        assert_eq!(ids(&gathered.take("a", 10)), ["4-0"]);
         // The other stream's wait on.
-        assert_eq!(ids(&gathered.take("b")), ["1-0"]);
-        assert!(gathered.take("a").is_empty());
+        assert_eq!(ids(&gathered.take("b", 10)), ["1-0"]);
+        assert!(gathered.take("a", 10).is_empty());
         assert!(gathered.due().is_none());
+    }
+
+    #[test]
+    fn a_short_read_takes_along_only_what_fits_the_oldest_first() {
+        let gathered = Gathered::default();
+        let a: Arc<str> = "a".into();
+        let three = vec![
+            delivery(&a, "1-0"),
+            delivery(&a, "2-0"),
+            delivery(&a, "3-0"),
+        ];
+        assert!(gathered.add(&a, three, 10).is_none());
+        assert_eq!(ids(&gathered.take("a", 2)), ["1-0", "2-0"]);
+        assert_eq!(ids(&gathered.take("a", 0)), Vec::<&str>::new());
+        assert_eq!(ids(&gathered.take("a", 2)), ["3-0"]);
+    }
+
+    #[test]
+    fn the_first_events_of_a_stream_wake_one_waiting_worker() {
+        let gathered = Gathered::default();
+        let a: Arc<str> = "a".into();
+        gathered.add(&a, vec![delivery(&a, "1-0")], 10);
+        gathered.add(&a, vec![delivery(&a, "2-0")], 10);
+        assert!(gathered.woken().try_recv().is_ok());
+        // One word for the set, not one per event.
+        assert!(gathered.woken().try_recv().is_err());
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{Receiver, Select, Sender};
 
 use crate::worker::dead_letter;
 use crate::worker::delivery::Job;
@@ -35,44 +35,52 @@ pub(crate) fn worker_thread(
 ) {
     let mut processor = Processor::new(stage.clone(), retry, dead);
     processor.warm_up();
+    let gathered = &stage.gathered;
     loop {
         // Gathered events that waited long enough go first, even while
         // jobs keep coming (see `gather.rs`).
-        let gathered = stage.gathered.due();
-        if gathered.is_some_and(|due| due <= Instant::now()) {
+        if gathered.due().is_some_and(|due| due <= Instant::now()) {
             apply_gathered(&mut processor, Some(Instant::now()));
         }
-        let due = [processor.ack_due(), stage.gathered.due()]
+        let due = [processor.ack_due(), gathered.due()]
             .into_iter()
             .flatten()
             .min();
-        let job = match due {
-            None => jobs.recv().map_err(|_| RecvTimeoutError::Disconnected),
-            Some(due) => jobs.recv_deadline(due),
+        // A job, or the word that events were gathered (then the wait
+        // starts again, with their deadline), or the deadline.
+        let mut select = Select::new();
+        let for_job = select.recv(jobs);
+        select.recv(gathered.woken());
+        let ready = match due {
+            None => Ok(select.select()),
+            Some(due) => select.select_deadline(due),
         };
-        let job = match job {
-            Ok(job) => job,
-            Err(RecvTimeoutError::Timeout) => {
-                // Held acks, or gathered events (at the top), are due.
-                flush(&mut processor);
+        let job = match ready {
+            Ok(op) if op.index() == for_job => op.recv(jobs),
+            Ok(op) => {
+                let _ = op.recv(gathered.woken());
                 continue;
             }
-            Err(RecvTimeoutError::Disconnected) => break,
+            Err(_) => {
+                if processor.ack_due().is_some_and(|due| due <= Instant::now()) {
+                    flush(&mut processor);
+                }
+                continue;
+            }
         };
+        let Ok(job) = job else { break }; // closed and drained
+        if gathered.due().is_some() {
+            // This thread may be busy for a while: the word goes on to
+            // one that waits, for the deadline of what is gathered.
+            gathered.wake();
+        }
         let entries = job.len();
-        if catch_unwind(AssertUnwindSafe(|| processor.process(job))).is_err() {
+        run(&mut processor, |p| p.process(job)).unwrap_or_else(|()| {
             log::error!(
                 "{}: processing a batch of {entries} entries panicked; those not finished stay pending and will be delivered again",
-                std::thread::current().name().unwrap_or("worker"),
-            );
-            // What earlier jobs finished is still owed its ack.
-            flush(&mut processor);
-            processor = Processor::new(
-                stage.clone(),
-                processor.retry_sender(),
-                processor.dead_sender(),
-            );
-        }
+                thread_name(),
+            )
+        });
     }
     // What waits to be gathered (the jobs channel is closed: nothing more
     // joins it from this thread).
@@ -81,16 +89,35 @@ pub(crate) fn worker_thread(
 }
 
 /// Applies the gathered events due by `now`, all with `None` (see
-/// `gather.rs`); a panic doing so is logged (the events it held stay
-/// pending and will be delivered again), and the thread goes on.
+/// `gather.rs`), as [`run`] runs a job.
 fn apply_gathered(processor: &mut Processor, now: Option<Instant>) {
-    if catch_unwind(AssertUnwindSafe(|| processor.apply_gathered_due(now))).is_err() {
+    run(processor, |p| p.apply_gathered_due(now)).unwrap_or_else(|()| {
         log::error!(
             "{}: applying gathered events panicked; those not finished stay pending and will be delivered again",
-            std::thread::current().name().unwrap_or("worker"),
-        );
-        flush(processor);
+            thread_name(),
+        )
+    });
+}
+
+/// Runs `step` on `processor`. After a panic (`Err`, for the caller to
+/// log; the entries the step held and had not handed on stay pending),
+/// what earlier steps finished is acked, and a new processor (a new
+/// database session) goes on, so the pool stays at full size.
+fn run(processor: &mut Processor, step: impl FnOnce(&mut Processor)) -> Result<(), ()> {
+    if catch_unwind(AssertUnwindSafe(|| step(processor))).is_ok() {
+        return Ok(());
     }
+    flush(processor);
+    *processor = Processor::new(
+        processor.stage.clone(),
+        processor.retry_sender(),
+        processor.dead_sender(),
+    );
+    Err(())
+}
+
+fn thread_name() -> String {
+    std::thread::current().name().unwrap_or("worker").to_owned()
 }
 
 /// Acks what `processor` holds (see `process::ACK_HOLD`); a panic doing
@@ -99,7 +126,7 @@ fn flush(processor: &mut Processor) {
     if catch_unwind(AssertUnwindSafe(|| processor.flush_acks())).is_err() {
         log::error!(
             "{}: acking finished entries panicked; they stay pending and will be delivered again (as duplicates)",
-            std::thread::current().name().unwrap_or("worker"),
+            thread_name(),
         );
     }
 }

@@ -9,8 +9,11 @@
 //!    (a marked event is a duplicate) and the dead-letter index (an entry
 //!    dead-lettered before, delivered again because its group was created
 //!    again, is only acked);
-//! 3. the rest is applied: first deliveries in one transaction per batch
-//!    (batch mode), redeliveries and retries one at a time;
+//! 3. the rest is applied: in batch mode, first deliveries and retries in
+//!    one transaction per batch (in a backlog, the handler's own events of
+//!    reads that mix them with the built-in statement's are gathered across
+//!    reads first, see `gather.rs`), redeliveries one at a time; in
+//!    per-event mode, each event in its own transaction;
 //! 4. one pipelined round trip sets the markers of what committed and XACKs
 //!    everything finished: once the oldest finished entry has waited 50 ms
 //!    ([`ACK_HOLD`]: the finished entries of the next jobs join it), or
@@ -293,7 +296,7 @@ impl Processor {
     pub fn process(&mut self, job: Job) {
         let Some(first) = job.first() else { return };
         let stream = first.stream.clone();
-        let read = job.len();
+        let behind = first.behind;
         let mut valid = Vec::with_capacity(job.len());
         let mut trimmed = Vec::new();
         let mut done = Finished::default();
@@ -392,7 +395,7 @@ impl Processor {
         }
         // In a backlog, the handler's events of a mixed read wait for the
         // next reads' (see `gather.rs`).
-        let (batch, handlers, gathered) = self.gather(&stream, read, batch, handlers);
+        let (batch, handlers, gathered) = self.gather(&stream, behind, batch, handlers);
         self.apply_and_hold(&stream, (batch, handlers), one_by_one, done);
         if let Some(gathered) = gathered {
             self.apply_gathered(&stream, gathered);
@@ -434,18 +437,19 @@ impl Processor {
         self.hold(stream, done);
     }
 
-    /// Where a job's batch goes (see `gather.rs`), given the length of the
-    /// job as read. A full read that mixes first deliveries of both kinds
-    /// keeps its built-in statement's events, and its handler's events wait
-    /// with those of the stream's earlier reads, unless a copy of one of
-    /// them is among the others. A short read takes what waits for its
-    /// stream along, ahead of its own (they were read first). Returns the
-    /// batch to apply now, how many of it are the handler's, and the
-    /// gathered events when they made a full batch.
+    /// Where a job's batch goes (see `gather.rs`). A read that came back
+    /// full (`behind`) and mixes first deliveries of both kinds keeps its
+    /// built-in statement's events, and its handler's events wait with
+    /// those of the stream's other reads, unless a copy of one of them is
+    /// among the others, or the built-in statement cannot be fused here
+    /// (then the read is one transaction either way). A short read takes
+    /// along what waits for its stream, as much as fits in a read, before
+    /// its own. Returns the batch to apply now, how many of it are the
+    /// handler's, and a full batch of gathered events to apply after it.
     fn gather(
         &self,
         stream: &Arc<str>,
-        read: usize,
+        behind: bool,
         batch: Vec<Delivery>,
         handlers: usize,
     ) -> (Vec<Delivery>, usize, Option<Vec<Delivery>>) {
@@ -457,8 +461,8 @@ impl Processor {
         if !batch.iter().all(first) {
             return (batch, handlers, None);
         }
-        if read < full {
-            let mut waiting = gathered.take(stream);
+        if !behind {
+            let mut waiting = gathered.take(stream, full.saturating_sub(batch.len()));
             let taken = waiting.len();
             if taken == 0 {
                 return (batch, handlers, None);
@@ -466,7 +470,7 @@ impl Processor {
             waiting.extend(batch);
             return (waiting, handlers + taken, None);
         }
-        if handlers == 0 || handlers == batch.len() {
+        if handlers == 0 || handlers == batch.len() || self.default_folds == Some(false) {
             return (batch, handlers, None);
         }
         let built_in: HashSet<&str> = batch
@@ -481,8 +485,8 @@ impl Processor {
             return (batch, handlers, None);
         }
         let (now, wait): (Vec<Delivery>, Vec<Delivery>) = batch.into_iter().partition(|d| d.plain);
-        // (The crash tests stop here, with them waiting.)
-        let waiting: Vec<String> = if fault::is_armed(Point::Gathered) {
+        // (The crash tests stop here, with these gathered and not applied.)
+        let gathering: Vec<String> = if fault::is_armed(Point::Gathered) {
             wait.iter()
                 .map(|d| event(d).event_id().to_owned())
                 .collect()
@@ -490,7 +494,7 @@ impl Processor {
             Vec::new()
         };
         let batch = gathered.add(stream, wait, full);
-        for id in &waiting {
+        for id in &gathering {
             fault::hit(Point::Gathered, id);
         }
         (now, 0, batch)

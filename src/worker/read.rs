@@ -153,7 +153,10 @@ impl Reader {
                             stream,
                             entries.iter().map(|e| (e.id.as_str(), Some(1), e.bytes())),
                         );
-                        let job = Delivery::from_entries(
+                        // All it asked for: the stream is ahead (see
+                        // `gather.rs`).
+                        let behind = !idle && entries.len() >= asked;
+                        let mut job = Delivery::from_entries(
                             &common.stats,
                             claim.limits,
                             stream,
@@ -162,6 +165,7 @@ impl Reader {
                             sent_at,
                             |_| 1,
                         );
+                        job.iter_mut().for_each(|d| d.behind = behind);
                         (job, idle)
                     }),
             };

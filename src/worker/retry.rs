@@ -226,6 +226,7 @@ fn back_to_pool(
         ticket: retry.ticket,
         seen: None,
         plain: false,
+        behind: false,
         holder: None,
     }
 }
