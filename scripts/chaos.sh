@@ -613,6 +613,10 @@ ABORT_DEATHS=$(cat "$DIR"/run/exits.* 2>/dev/null | grep -c '^134$' || true)
 KILLED_SEEN=$(cat "$DIR"/run/exits.* 2>/dev/null | grep -c '^137$' || true)
 START_FAILURES=$(cat "$DIR"/run/exits.* 2>/dev/null | grep -c '^1$' || true)
 RECLAIMED=$(cat "$DIR"/w*.log | sed -n 's/.*reclaimed \([0-9]*\) entries.*/\1/p' | awk '{ s += $1 } END { print s + 0 }')
+# The handler's events of backlogs' mixed reads that waited for other reads'
+# (batch mode, src/worker/gather.rs), from the summaries of the processes
+# that stopped gracefully (a killed one prints none: a lower bound).
+GATHERED=$(cat "$DIR"/w*.out 2>/dev/null | sed -n 's/.* gathered=\([0-9]*\).*/\1/p' | awk '{ s += $1 } END { print s + 0 }')
 say "worker exits: $KILLED_SEEN SIGKILL, $ABORT_DEATHS abort, $START_FAILURES start failures (a server was down)"
 
 NET_TEXT=""
@@ -631,7 +635,8 @@ RUST_LOG=warn "$CHAOS_BIN" check --stream "$STREAM" --group "$GROUP" --manifest 
     --figure "graceful restarts while PostgreSQL is down=$PG_GRACEFUL_DONE ($GRACEFUL_STOPS SIGTERMs)" \
     --figure "XGROUP DESTROY=$DESTROYS_DONE" \
     --figure "XTRIM MINID (entries deleted)=$TRIMS_DONE ($TRIMMED)" \
-    --figure "deployments (same group, own stream and database)=$DEPLOYMENTS" || status=1
+    --figure "deployments (same group, own stream and database)=$DEPLOYMENTS" \
+    --figure "handler's events gathered across reads (graceful exits' summaries)=$GATHERED" || status=1
 if ((DEPLOYMENTS == 2)); then
     # The second deployment: the same entries on its own stream, one worker
     # process, no trims, destroys or permanent kills of its own.

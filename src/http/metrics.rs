@@ -32,7 +32,7 @@ fn head(out: &mut String, name: &str, kind: &str, help: &str) {
 /// The counters that have a `stream` label, and how to read each one.
 type PerStream = (&'static str, &'static str, fn(&Summary) -> u64);
 
-const COUNTERS: [PerStream; 5] = [
+const COUNTERS: [PerStream; 6] = [
     (
         "taskhub_events_read_total",
         "Entries read from the stream, redeliveries included.",
@@ -57,6 +57,11 @@ const COUNTERS: [PerStream; 5] = [
         "taskhub_reclaimed_total",
         "Entries taken over from other consumers.",
         |s| s.reclaimed,
+    ),
+    (
+        "taskhub_gathered_total",
+        "The handler's own events of a backlog's mixed reads that waited to be applied with other reads' (batch mode).",
+        |s| s.gathered,
     ),
 ];
 

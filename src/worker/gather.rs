@@ -20,9 +20,9 @@
 //! stream is caught up) is not split, and takes what waits here for its
 //! stream along into its own transaction, as much as fits in a read:
 //! gathering adds no wait where there is no backlog, and no batch holds
-//! more than `--count` events. Copies of one event in one read stay
-//! together, so the first copy in a read is still the one applied (across
-//! reads, as ever, the copy that commits first is).
+//! more than `--count` events. A read that holds copies of one event is
+//! not split, so the first copy in a read is still the one applied
+//! (across reads, as ever, the copy that commits first is).
 //!
 //! Where the built-in statement cannot be fused with the dedup insert (a
 //! `jsonb` payload column), a read is one transaction either way, and is
@@ -71,7 +71,8 @@ impl Default for Gathered {
 struct Waiting {
     stream: Arc<str>,
     deliveries: Vec<Delivery>,
-    /// When the oldest of them came.
+    /// When the oldest of them came (or earlier: a short read that took
+    /// the oldest along leaves it as it was, so the rest is due sooner).
     since: Instant,
 }
 

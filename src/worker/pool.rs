@@ -40,6 +40,9 @@ pub(crate) fn worker_thread(
         // Gathered events that waited long enough go first, even while
         // jobs keep coming (see `gather.rs`).
         if gathered.due().is_some_and(|due| due <= Instant::now()) {
+            // Busy for a while: the deadline of what else waits goes to a
+            // thread that waits for a job.
+            gathered.wake();
             apply_gathered(&mut processor, Some(Instant::now()));
         }
         let due = [processor.ack_due(), gathered.due()]

@@ -440,9 +440,10 @@ impl Processor {
     /// Where a job's batch goes (see `gather.rs`). A read that came back
     /// full (`behind`) and mixes first deliveries of both kinds keeps its
     /// built-in statement's events, and its handler's events wait with
-    /// those of the stream's other reads, unless a copy of one of them is
-    /// among the others, or the built-in statement cannot be fused here
-    /// (then the read is one transaction either way). A short read takes
+    /// those of the stream's other reads, unless the read holds copies of
+    /// one event (they stay together), or the built-in statement is not
+    /// known to be fused here (where it cannot be, the read is one
+    /// transaction either way). A short read takes
     /// along what waits for its stream, as much as fits in a read, before
     /// its own. Returns the batch to apply now, how many of it are the
     /// handler's, and a full batch of gathered events to apply after it.
@@ -470,18 +471,11 @@ impl Processor {
             waiting.extend(batch);
             return (waiting, handlers + taken, None);
         }
-        if handlers == 0 || handlers == batch.len() || self.default_folds == Some(false) {
+        if handlers == 0 || handlers == batch.len() || self.default_folds != Some(true) {
             return (batch, handlers, None);
         }
-        let built_in: HashSet<&str> = batch
-            .iter()
-            .filter(|d| d.plain)
-            .map(|d| event(d).event_id())
-            .collect();
-        if batch
-            .iter()
-            .any(|d| !d.plain && built_in.contains(event(d).event_id()))
-        {
+        let mut ids = HashSet::with_capacity(batch.len());
+        if !batch.iter().all(|d| ids.insert(event(d).event_id())) {
             return (batch, handlers, None);
         }
         let (now, wait): (Vec<Delivery>, Vec<Delivery>) = batch.into_iter().partition(|d| d.plain);
@@ -493,6 +487,10 @@ impl Processor {
         } else {
             Vec::new()
         };
+        Stats::add(
+            &self.stage.common.stats.of(stream).gathered,
+            wait.len() as u64,
+        );
         let batch = gathered.add(stream, wait, full);
         for id in &gathering {
             fault::hit(Point::Gathered, id);

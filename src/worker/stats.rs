@@ -22,6 +22,7 @@ pub(crate) struct Counters {
     pub dead_invalid: AtomicU64,
     pub dead_trimmed: AtomicU64,
     pub reclaimed: AtomicU64,
+    pub gathered: AtomicU64,
 }
 
 /// Counters of one worker.
@@ -70,6 +71,9 @@ pub struct Summary {
     pub dead_trimmed: u64,
     /// Entries taken over from other consumers.
     pub reclaimed: u64,
+    /// The handler's own events of a backlog's mixed reads that waited to
+    /// be applied with other reads' (batch mode; see `worker/gather.rs`).
+    pub gathered: u64,
     /// Handler panics caught.
     pub panics: u64,
     /// Times another running instance was found using this one's consumer
@@ -136,6 +140,7 @@ impl Counters {
             dead_invalid: AtomicU64::new(0),
             dead_trimmed: AtomicU64::new(0),
             reclaimed: AtomicU64::new(0),
+            gathered: AtomicU64::new(0),
         }
     }
 
@@ -160,6 +165,7 @@ impl Counters {
             dead_invalid: dead[3],
             dead_trimmed: dead[4],
             reclaimed: get(&self.reclaimed),
+            gathered: get(&self.gathered),
             panics: 0,
             name_clashes: 0,
         }
@@ -179,6 +185,7 @@ impl Summary {
         self.dead_invalid += other.dead_invalid;
         self.dead_trimmed += other.dead_trimmed;
         self.reclaimed += other.reclaimed;
+        self.gathered += other.gathered;
         self.panics += other.panics;
         self.name_clashes += other.name_clashes;
     }
@@ -201,7 +208,12 @@ impl std::fmt::Display for Summary {
             self.dead_invalid,
             self.dead_trimmed,
             self.reclaimed
-        )
+        )?;
+        // Only where it happens (batch mode, a handler with both kinds).
+        if self.gathered > 0 {
+            write!(f, " gathered={}", self.gathered)?;
+        }
+        Ok(())
     }
 }
 

@@ -1261,7 +1261,9 @@ fn hostile_values_are_stored_verbatim_by_the_one_round_trip_transaction() {
 }
 
 /// Batch mode: a read that mixes events whose whole effect is the built-in
-/// statement with events of the handler's own code commits once. The
+/// statement with events of the handler's own code commits once, when the
+/// stream is caught up (a short read; in a backlog such reads are split
+/// and their handler's events gathered: see the next test). The
 /// batch's dedup insert applies the former, the handler the latter, one
 /// COMMIT for both (before, each kind had a transaction of its own: two WAL
 /// flushes and a switch of the session each way per read, and under 10%
@@ -1327,7 +1329,10 @@ fn a_read_mixing_the_built_in_statement_and_handler_events_commits_once() {
             ("p1", true, None),
         ],
     ];
-    for events in reads {
+    // As a short read (the stream caught up), and as a full one (a read
+    // of all it asked for, which is not split for the gathering when it
+    // holds copies of one event: see `worker/gather.rs`).
+    for (events, count) in reads.iter().flat_map(|e| [(*e, 64), (*e, e.len())]) {
         let db = TestDb::new();
         let (stream, group) = (unique("mixed"), unique("g"));
         let mut conn = redis(&redis_url());
@@ -1345,7 +1350,8 @@ fn a_read_mixing_the_built_in_statement_and_handler_events_commits_once() {
         let summary = run_until_idle(
             builder(&db.url, &stream, &group)
                 .mode(taskhub::Mode::Batch)
-                .workers(1),
+                .workers(1)
+                .count(count),
             Mixed {
                 sql: SqlHandler::default(),
                 attempts: Mutex::default(),
@@ -1451,6 +1457,7 @@ fn the_handler_events_of_a_backlog_s_mixed_reads_are_applied_together() {
     .join(IDLE_TIMEOUT);
     assert_eq!(summary.applied, (READ * READS) as u64, "{summary}");
     assert_eq!(summary.dead_lettered, 0, "{summary}");
+    assert!(summary.gathered > 0, "{summary}");
     let batches = handler.batches.lock().unwrap().clone();
     assert_eq!(
         batches.iter().sum::<usize>(),
