@@ -888,7 +888,7 @@ fn events_waiting_to_be_gathered_survive_a_kill() {
             &[("event_id", id), ("payload", r#"{"kind":"plain"}"#)],
         );
     }
-    let work = |fault: Option<&str>| {
+    let work = || {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_taskhub-chaos"));
         cmd.env("REDIS_URL", redis_url())
             .env("DATABASE_URL", &db.url)
@@ -898,21 +898,11 @@ fn events_waiting_to_be_gathered_survive_a_kill() {
             .args(["--consumer", "c1", "--workers", "1", "--count", "8"])
             .args(["--block-ms", "100", "--mode", "batch"])
             .args(["--reclaim-min-idle", "60s", "--shutdown-timeout", "10s"]);
-        if let Some(fault) = fault {
-            cmd.env("TASKHUB_FAULT", fault);
-        }
-        Proc::spawn(cmd)
+        cmd
     };
     // The second read's first event of the handler's own statement.
     let frozen = "g-09";
-    let mut first = work(Some(&format!("gathered@{frozen}")));
-    let line = format!("taskhub-fault: gathered {frozen}");
-    assert!(
-        first.wait_for(&line, RUN_TIMEOUT),
-        "never froze with {frozen} gathered:\n{}",
-        first.stderr()
-    );
-    first.kill();
+    run_until_fault_then_kill(work(), &format!("gathered@{frozen}"));
     // Waiting, not applied (with the first read's, unless those waited
     // long enough to be applied on their own).
     for id in [frozen, "g-11", "g-13", "g-15"] {
@@ -920,7 +910,7 @@ fn events_waiting_to_be_gathered_survive_a_kill() {
     }
     assert!(pending(&mut conn, &stream, &group) > 0);
 
-    let mut second = work(None);
+    let mut second = Proc::spawn(work());
     let settled = wait_until(RUN_TIMEOUT, || {
         pending(&mut conn, &stream, &group) == 0
             && db.count("SELECT count(*) FROM notifications") == ids.len() as i64
