@@ -1476,6 +1476,94 @@ fn the_handler_events_of_a_backlog_s_mixed_reads_are_applied_together() {
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 }
 
+/// Gathered events wait 20 ms at most, whoever is busy (see
+/// `worker/gather.rs`): here the thread that gathered a read's handler
+/// events then runs its built-in statement's events for 2 s (a trigger
+/// sleeps 0.5 s a row), and the other worker thread, already waiting for
+/// a job with no deadline of its own when the events came, is woken and
+/// applies them meanwhile. Without the wake (seen failing: the handler's
+/// events committed only after the built-in statement's) they waited for
+/// the busy thread.
+#[test]
+fn gathered_events_do_not_wait_for_the_busy_thread_that_gathered_them() {
+    struct Own {
+        sql: SqlHandler,
+    }
+    impl Handler for Own {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            tx.execute(
+                "INSERT INTO notifications (event_id, payload) VALUES ($1, 'own')",
+                &[&event.event_id()],
+            )?;
+            Ok(())
+        }
+        fn sql_effect(&self, event: &Event) -> Option<&SqlHandler> {
+            event.field("own").is_none().then_some(&self.sql)
+        }
+    }
+    let db = TestDb::new();
+    db.client()
+        .batch_execute(
+            "CREATE FUNCTION slow_insert() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN IF NEW.payload = 'slow' THEN PERFORM pg_sleep(0.5); END IF; RETURN NEW; END $$; \
+             CREATE TRIGGER slow_insert BEFORE INSERT ON notifications \
+             FOR EACH ROW EXECUTE FUNCTION slow_insert()",
+        )
+        .unwrap();
+    let (stream, group) = (unique("busy"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let running = Running::start(
+        builder(&db.url, &stream, &group)
+            .mode(taskhub::Mode::Batch)
+            .workers(2)
+            .count(8),
+        Own {
+            sql: SqlHandler::default(),
+        },
+    );
+    // Both worker threads warmed up and waiting for a job, with nothing
+    // held or gathered: no deadline.
+    std::thread::sleep(Duration::from_millis(1500));
+    // Then one full read of 8, added at once: the built-in statement's
+    // (slow to insert) and the handler's own, in turn.
+    let (mut built_in, mut own) = (Vec::new(), Vec::new());
+    let mut add = redis::pipe();
+    add.atomic();
+    for i in 0..8 {
+        let id = format!("b{i}");
+        let mut xadd = redis::cmd("XADD");
+        xadd.arg(&stream).arg("*").arg("event_id").arg(&id);
+        if i % 2 == 0 {
+            xadd.arg("payload").arg("slow");
+            built_in.push(id);
+        } else {
+            xadd.arg("payload").arg("x").arg("own").arg("1");
+            own.push(id);
+        }
+        add.add_command(xadd).ignore();
+    }
+    add.query::<()>(&mut conn).unwrap();
+    let own_applied = wait_until(Duration::from_secs(20), || {
+        own.iter().all(|id| db.effects(id) == 1)
+    });
+    let built_in_then: i64 = built_in.iter().map(|id| db.effects(id)).sum();
+    let all_applied = wait_until(Duration::from_secs(20), || {
+        built_in.iter().chain(&own).all(|id| db.effects(id) == 1)
+            && pending(&mut conn, &stream, &group) == 0
+    });
+    let summary = running.stop();
+    assert!(own_applied && all_applied, "{summary}");
+    assert_eq!(
+        built_in_then, 0,
+        "the handler's events were applied only after the built-in statement's: {summary}"
+    );
+    assert!(summary.gathered > 0, "{summary}");
+    for id in built_in.iter().chain(&own) {
+        assert_eq!(db.effects(id), 1, "{id}");
+    }
+    assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
 /// Regression (a review of the fused built-in statement): it passes the
 /// payload as text, which a `jsonb` `notifications.payload` column refuses
 /// (the migration keeps a table that exists); every event was dead-lettered
