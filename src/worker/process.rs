@@ -394,8 +394,13 @@ impl Processor {
             }
         }
         // In a backlog, the handler's events of a mixed read wait for the
-        // next reads' (see `gather.rs`).
-        let (batch, handlers, gathered) = self.gather(&stream, behind, batch, handlers);
+        // next reads' (see `gather.rs`; batch mode only: in per-event mode
+        // nothing is batched, nor gathered).
+        let (batch, handlers, gathered) = if batch_mode {
+            self.gather(&stream, behind, batch, handlers)
+        } else {
+            (batch, handlers, None)
+        };
         self.apply_and_hold(&stream, (batch, handlers), one_by_one, done);
         if let Some(gathered) = gathered {
             self.apply_gathered(&stream, gathered);
