@@ -1403,22 +1403,27 @@ fn a_read_mixing_the_built_in_statement_and_handler_events_commits_once() {
 fn the_handler_events_of_a_backlog_s_mixed_reads_are_applied_together() {
     struct Recording {
         sql: SqlHandler,
-        /// The size of each batch the handler was given.
+        /// The size of each batch the handler was given (1 for an event
+        /// given alone: a batch of one event goes one by one).
         batches: Mutex<Vec<usize>>,
+    }
+    fn own_effect(event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        let payload = format!("own:{}", event.payload().unwrap_or_default());
+        tx.execute(
+            "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)",
+            &[&event.event_id(), &payload],
+        )?;
+        Ok(())
     }
     impl Handler for Recording {
         fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-            let payload = format!("own:{}", event.payload().unwrap_or_default());
-            tx.execute(
-                "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)",
-                &[&event.event_id(), &payload],
-            )?;
-            Ok(())
+            self.batches.lock().unwrap().push(1);
+            own_effect(event, tx)
         }
         fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
             self.batches.lock().unwrap().push(events.len());
             for (i, event) in events.iter().enumerate() {
-                self.handle(event, tx).map_err(|e| e.for_event(i))?;
+                own_effect(event, tx).map_err(|e| e.for_event(i))?;
             }
             Ok(())
         }
