@@ -437,6 +437,10 @@ fn bursts(samples: &[StealSample]) -> Vec<(u64, u64)> {
 /// producer ended gives up (Redis or PostgreSQL gone for good).
 const STUCK: Duration = Duration::from_secs(60);
 
+/// A steady run whose worker is not ready this long after its start
+/// gives up before its producer sends anything.
+const READY_WAIT: Duration = Duration::from_secs(30);
+
 /// A sync of the disk probe that took longer than this is a stall.
 const STALL: Duration = Duration::from_millis(5);
 
@@ -787,8 +791,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             // The steady state, not the start: events sent while the
             // worker was still connecting waited for it, and counted in
             // the steady run's latency.
-            while monitor.ready().is_err() && !running.is_finished() {
-                std::thread::sleep(Duration::from_millis(5));
+            // A worker not ready within READY_WAIT (its Redis gone before
+            // the first event, say) ends the run: the producer would wait
+            // for it for ever.
+            let waiting = Instant::now();
+            while !running.is_finished() {
+                match monitor.ready() {
+                    Ok(()) => break,
+                    Err(problems) if waiting.elapsed() > READY_WAIT => {
+                        return Err(format!(
+                            "the worker was not ready within {READY_WAIT:?}: {}",
+                            problems.join("; ")
+                        )
+                        .into());
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
             }
             let began = Instant::now();
             let began_us = now_micros();
