@@ -11,9 +11,10 @@
 # 1. makes sure the programs the tests start themselves are installed: they
 #    run private `redis-server` and `initdb`/`pg_ctl` instances (and a private
 #    Redis Cluster joined with `redis-cli --cluster create`), render pages in
-#    chromium, make certificates with openssl and check metrics with promtool,
-#    so it installs the Debian packages redis-server, redis-tools, postgresql,
-#    chromium, openssl and prometheus if missing;
+#    chromium, make certificates with openssl, check metrics with promtool
+#    and count the benchmark's instructions with valgrind, so it installs the
+#    Debian packages redis-server, redis-tools, postgresql, chromium, openssl,
+#    valgrind and prometheus if missing;
 # 2. exports TASKHUB_PG_BIN, the directory holding initdb and pg_ctl (Debian
 #    keeps them in /usr/lib/postgresql/<version>/bin, outside PATH);
 # 3. makes sure Redis and PostgreSQL answer at the defaults (scripts/services.sh);
@@ -44,6 +45,9 @@ pg_bin_dir >/dev/null || missing+=(postgresql)
 # tests/it/tls.rs and tests/it/cluster.rs make their certificates with the openssl
 # command (the build itself needs no OpenSSL: TLS is rustls).
 command -v openssl >/dev/null 2>&1 || missing+=(openssl)
+# tests/it/bench_smoke.rs runs scripts/instructions.sh, which counts
+# instructions with valgrind.
+command -v valgrind >/dev/null 2>&1 || missing+=(valgrind)
 # tests/it/operate.rs checks /metrics with `promtool check metrics`; the package
 # alone, not the services it recommends.
 lean=()

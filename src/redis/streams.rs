@@ -441,14 +441,14 @@ pub(crate) fn read_group_bounded(
         }
         other => return Err(protocol_error(format!("read: {other:?}"))),
     };
-    let entries = crate::redis::packed::unpack(&packed).map_err(protocol_error)?;
+    let entries = crate::redis::packed::entries(&packed).map_err(protocol_error)?;
     // What the blocking read took and another consumer claimed meanwhile
     // is that consumer's.
     let mut entries = blocked
         .into_iter()
         .zip(kept)
         .filter_map(|(entry, kept)| (kept == b'1').then_some(entry))
-        .chain(parse_entries(entries).map_err(protocol_error)?)
+        .chain(entries)
         .collect::<Vec<_>>();
     let Some((ns, _)) = keys.markers else {
         return Ok(entries);

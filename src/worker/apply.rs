@@ -34,6 +34,8 @@
 
 use std::time::Instant;
 
+use foldhash::HashSetExt;
+
 use crate::config::Mode;
 use crate::error::{classify_postgres, FailureClass, HandlerError};
 use crate::event::Event;
@@ -322,7 +324,7 @@ impl Processor {
     /// the batch.
     fn apply_batch_statement(&mut self, batch: &[Delivery]) -> Result<Option<Batch>, HandlerError> {
         let stage = self.stage.clone();
-        let mut seen = std::collections::HashSet::new();
+        let mut seen = foldhash::HashSet::with_capacity(batch.len());
         // The first copy of each event id: its id, payload and position.
         let (mut ids, mut payloads, mut first) = (Vec::new(), Vec::new(), Vec::new());
         for (i, d) in batch.iter().enumerate() {
@@ -385,7 +387,7 @@ impl Processor {
             }
         };
         observe_handler(&stage, started);
-        let mut inserted: std::collections::HashSet<&str> =
+        let mut inserted: foldhash::HashSet<&str> =
             rows.iter().map(|row| row.get::<_, &str>(0)).collect();
         // The first delivery of each inserted id is new; later copies of the
         // same id in this batch are duplicates.
@@ -737,7 +739,7 @@ impl Processor {
         let rows = if folded {
             // The first copy of each event id: a later one is a duplicate
             // whatever its kind, and must not add an effect of its own.
-            let mut seen = std::collections::HashSet::new();
+            let mut seen = foldhash::HashSet::with_capacity(batch.len());
             let (mut first, mut payloads, mut flags) = (Vec::new(), Vec::new(), Vec::new());
             for (d, f) in batch.iter().zip(&fold) {
                 let event = event(d);
@@ -759,8 +761,7 @@ impl Processor {
         };
         self.reached_database = true;
         let xid: Option<i64> = rows.first().map(|row| row.get(1));
-        let mut inserted: std::collections::HashSet<String> =
-            rows.into_iter().map(|row| row.get(0)).collect();
+        let mut inserted: foldhash::HashSet<&str> = rows.iter().map(|row| row.get(0)).collect();
         // The first delivery of each inserted id is new; later copies of the
         // same id in this batch are duplicates.
         let new: Vec<bool> = ids.iter().map(|id| inserted.remove(*id)).collect();

@@ -16,7 +16,6 @@
 //! them. The set also tells the reclaimer and the restart path which entries
 //! this process is already working on, so none runs twice here.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -41,8 +40,11 @@ struct Inner {
 #[derive(Debug, Default)]
 struct State {
     /// Held entries, with the delivery count Redis gave the latest delivery
-    /// of each to this process (see [`Ticket::token`]).
-    entries: HashMap<Arc<str>, Option<u64>>,
+    /// of each to this process (see [`Ticket::token`]). Every entry read
+    /// is looked up, added and removed here: with `foldhash`, not SipHash
+    /// (its keys are at most as many as the entries in flight, so a
+    /// producer who chose colliding entry ids would slow little).
+    entries: foldhash::HashMap<Arc<str>, Option<u64>>,
     reserved: usize,
     parked: usize,
     /// Bytes of the fields held by tickets that are not parked.

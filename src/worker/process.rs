@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
+use foldhash::HashSetExt;
 
 use crate::backoff::Backoff;
 use crate::config::Mode;
@@ -479,7 +480,7 @@ impl Processor {
         if handlers == 0 || handlers == batch.len() || self.default_folds != Some(true) {
             return (batch, handlers, None);
         }
-        let mut ids = HashSet::with_capacity(batch.len());
+        let mut ids = foldhash::HashSet::with_capacity(batch.len());
         if !batch.iter().all(|d| ids.insert(event(d).event_id())) {
             return (batch, handlers, None);
         }

@@ -420,3 +420,42 @@ fn a_steady_run_whose_redis_goes_away_ends_with_its_error() {
     assert!(bench.stderr().contains("Error"), "{}", bench.stderr());
     assert_eq!(std::fs::read_dir(&probed.0).unwrap().count(), 0);
 }
+
+/// `scripts/instructions.sh` (the README's repeatable measure of our CPU
+/// per event) counts a run's instructions with valgrind and prints them per
+/// event, in both modes; a mode it does not know, or a run that did not
+/// apply every event, is an error, not a figure.
+#[test]
+fn the_instruction_count_runs_in_both_modes() {
+    let db = TestDb::new();
+    let bench = bench_command().get_program().to_owned();
+    let run = |args: &[&str]| {
+        let mut cmd = Command::new("bash");
+        cmd.arg(repo_path("scripts/instructions.sh"))
+            .args(args)
+            .env("BENCH_BIN", &bench)
+            .env("DATABASE_URL", &db.url)
+            .env("REDIS_URL", redis_url());
+        output(cmd, None, Duration::from_secs(300))
+    };
+    for mode in ["batch", "per-event"] {
+        let out = run(&[mode, "300"]);
+        assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+        let figure = out
+            .stdout
+            .strip_prefix("instructions per event: ")
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|n| n.parse::<u64>().ok());
+        // A run of the worker takes thousands of instructions per event;
+        // a count of the main thread alone, or of nothing, would not.
+        assert!(
+            figure.is_some_and(|n| n > 1_000),
+            "no count in: {}",
+            out.stdout
+        );
+        assert!(out.stdout.contains(&format!("({mode}, 300 events")));
+    }
+    let out = run(&["fast"]);
+    assert_eq!(out.status.code(), Some(2), "{}", out.stderr);
+    assert!(out.stderr.contains("not 'fast'"), "{}", out.stderr);
+}
