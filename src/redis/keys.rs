@@ -142,15 +142,55 @@ impl Namespace {
 
 /// The marker of `event_id` in `scope`, in namespace `ns`.
 pub(crate) fn marker(ns: &str, scope: &str, event_id: &str) -> String {
-    // Built by hand: with `format!` this and the tag took twice as long,
-    // and they run for every event acked.
+    let mut key = String::with_capacity(30 + ns.len() + scope.len() + event_id.len());
+    push_marker(&mut key, ns, scope, event_id);
+    key
+}
+
+/// Appends [`marker`]`(ns, scope, event_id)` to `key`. Built by hand:
+/// with `format!` this and the tag took twice as long, and they run for
+/// every event acked.
+fn push_marker(key: &mut String, ns: &str, scope: &str, event_id: &str) {
     let mut digits = [0u8; 20];
     let len = decimal(scope.len(), &mut digits);
-    let mut key = String::with_capacity(6 + ns.len() + len.len() + scope.len() + event_id.len());
     for part in ["th:", ns, ":", len, ":", scope, ":", event_id] {
         key.push_str(part);
     }
-    key
+}
+
+/// The markers of several events in one buffer: one allocation for the
+/// events an ack marks, where a `String` each was one per event.
+pub(crate) struct MarkerKeys {
+    text: String,
+    ends: Vec<usize>,
+}
+
+impl MarkerKeys {
+    pub fn new<'a>(
+        ns: &str,
+        scope: &str,
+        event_ids: impl ExactSizeIterator<Item = &'a str>,
+    ) -> MarkerKeys {
+        let n = event_ids.len();
+        let mut keys = MarkerKeys {
+            text: String::with_capacity(n * (64 + ns.len() + scope.len())),
+            ends: Vec::with_capacity(n),
+        };
+        for event_id in event_ids {
+            push_marker(&mut keys.text, ns, scope, event_id);
+            keys.ends.push(keys.text.len());
+        }
+        keys
+    }
+
+    /// The keys, in the order of the event ids.
+    pub fn keys(&self) -> Vec<&str> {
+        let starts = std::iter::once(0).chain(self.ends.iter().copied());
+        starts
+            .zip(&self.ends)
+            .map(|(start, &end)| &self.text[start..end])
+            .collect()
+    }
 }
 
 /// `n` in decimal, written at the end of `buf`.
@@ -306,6 +346,17 @@ mod tests {
             format!("{}e:1", marker_prefix("00ff", "g:x")),
             marker("00ff", "g:x", "e:1")
         );
+    }
+
+    #[test]
+    fn markers_in_one_buffer_are_the_markers_one_by_one() {
+        let ids = ["e-1", "", "é:2", "e-1"];
+        let keys = MarkerKeys::new("00ff", "g:x", ids.into_iter());
+        let want: Vec<String> = ids.iter().map(|id| marker("00ff", "g:x", id)).collect();
+        assert_eq!(keys.keys(), want);
+        assert!(MarkerKeys::new("00ff", "g", [].into_iter())
+            .keys()
+            .is_empty());
     }
 
     #[test]

@@ -141,7 +141,7 @@ return acked
 /// slots, so a cluster takes the pipeline.
 pub(crate) fn set_and_ack(
     conn: &mut RedisConn,
-    keys: &[String],
+    keys: &[&str],
     ttl_secs: u64,
     (stream, in_flight, group): (&str, &str, &str),
     ids: &[&str],

@@ -26,11 +26,9 @@ impl Processor {
         let ns = self.stage.namespace.get();
         let split = fault::is_armed(Point::AfterMarker);
         let scope = &self.stage.settings.scope;
-        let keys: Vec<String> = done
-            .to_mark
-            .iter()
-            .map(|&i| crate::redis::keys::marker(&ns, scope, event(&finished[i]).event_id()))
-            .collect();
+        let marked = done.to_mark.iter().map(|&i| event(&finished[i]).event_id());
+        let markers = crate::redis::keys::MarkerKeys::new(&ns, scope, marked);
+        let keys = markers.keys();
         let ids: Vec<&str> = finished.iter().map(|d| d.entry_id.as_str()).collect();
         let in_flight = crate::redis::keys::in_flight_ids(stream, &group);
         let acked = self.with_redis(|conn| {
@@ -76,7 +74,7 @@ impl Processor {
 /// then the process dies at `after-marker` of one of these events.
 fn mark_then_ack(
     conn: &mut RedisConn,
-    keys: &[String],
+    keys: &[&str],
     ttl: u64,
     (stream, in_flight, group): (&str, &str, &str),
     ids: &[&str],

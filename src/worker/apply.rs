@@ -326,7 +326,12 @@ impl Processor {
         let stage = self.stage.clone();
         let mut seen = foldhash::HashSet::with_capacity(batch.len());
         // The first copy of each event id: its id, payload and position.
-        let (mut ids, mut payloads, mut first) = (Vec::new(), Vec::new(), Vec::new());
+        let n = batch.len();
+        let (mut ids, mut payloads, mut first) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
         for (i, d) in batch.iter().enumerate() {
             let event = event(d);
             let Ok(payload) = sql::payload(event) else {
@@ -740,7 +745,12 @@ impl Processor {
             // The first copy of each event id: a later one is a duplicate
             // whatever its kind, and must not add an effect of its own.
             let mut seen = foldhash::HashSet::with_capacity(batch.len());
-            let (mut first, mut payloads, mut flags) = (Vec::new(), Vec::new(), Vec::new());
+            let n = batch.len();
+            let (mut first, mut payloads, mut flags) = (
+                Vec::with_capacity(n),
+                Vec::with_capacity(n),
+                Vec::with_capacity(n),
+            );
             for (d, f) in batch.iter().zip(&fold) {
                 let event = event(d);
                 if seen.insert(event.event_id()) {

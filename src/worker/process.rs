@@ -84,6 +84,14 @@ const ACK_WITHIN: Duration = Duration::from_millis(250);
 pub(crate) const ACK_HOLD: Duration = Duration::from_millis(50);
 
 impl Finished {
+    fn with_capacity(deliveries: usize) -> Finished {
+        Finished {
+            deliveries: Vec::with_capacity(deliveries),
+            to_mark: Vec::with_capacity(deliveries),
+            since: None,
+        }
+    }
+
     /// Adds `other`'s deliveries after these.
     fn append(&mut self, other: Finished) {
         let base = self.deliveries.len();
@@ -300,7 +308,9 @@ impl Processor {
         let behind = first.behind;
         let mut valid = Vec::with_capacity(job.len());
         let mut trimmed = Vec::new();
-        let mut done = Finished::default();
+        // Each delivery ends here (a `Delivery` is a few hundred bytes:
+        // growing the list a push at a time copied them again and again).
+        let mut done = Finished::with_capacity(job.len());
         for delivery in job {
             let fields = match &delivery.body {
                 Ok(event) => event.fields(),

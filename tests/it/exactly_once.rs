@@ -1399,53 +1399,79 @@ fn a_read_mixing_the_built_in_statement_and_handler_events_commits_once() {
 /// before (the handler then got 4 events at a time here). Every event is
 /// still applied once, with its own kind's effect, and nothing is left
 /// pending.
-#[test]
-fn the_handler_events_of_a_backlog_s_mixed_reads_are_applied_together() {
-    struct Recording {
-        sql: SqlHandler,
-        /// The size of each batch the handler was given (1 for an event
-        /// given alone: a batch of one event goes one by one).
-        batches: Mutex<Vec<usize>>,
+/// A handler whose effect is the built-in statement's, but for the events
+/// with an `own` field, whose effect is its own (`own:` and the payload);
+/// it records the size of each batch of its own events it was given (1
+/// for an event given alone: a batch of one event goes one by one).
+struct Recording {
+    sql: SqlHandler,
+    batches: Mutex<Vec<usize>>,
+}
+
+fn own_effect(event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+    let payload = format!("own:{}", event.payload().unwrap_or_default());
+    tx.execute(
+        "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)",
+        &[&event.event_id(), &payload],
+    )?;
+    Ok(())
+}
+
+impl Handler for Recording {
+    fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        self.batches.lock().unwrap().push(1);
+        own_effect(event, tx)
     }
-    fn own_effect(event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-        let payload = format!("own:{}", event.payload().unwrap_or_default());
-        tx.execute(
-            "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)",
-            &[&event.event_id(), &payload],
-        )?;
+    fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        self.batches.lock().unwrap().push(events.len());
+        for (i, event) in events.iter().enumerate() {
+            own_effect(event, tx).map_err(|e| e.for_event(i))?;
+        }
         Ok(())
     }
-    impl Handler for Recording {
-        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-            self.batches.lock().unwrap().push(1);
-            own_effect(event, tx)
-        }
-        fn handle_batch(&self, events: &[&Event], tx: &mut Tx<'_>) -> Result<(), HandlerError> {
-            self.batches.lock().unwrap().push(events.len());
-            for (i, event) in events.iter().enumerate() {
-                own_effect(event, tx).map_err(|e| e.for_event(i))?;
-            }
-            Ok(())
-        }
-        fn sql_effect(&self, event: &Event) -> Option<&SqlHandler> {
-            event.field("own").is_none().then_some(&self.sql)
-        }
+    fn sql_effect(&self, event: &Event) -> Option<&SqlHandler> {
+        event.field("own").is_none().then_some(&self.sql)
     }
+}
 
-    const READ: usize = 16;
-    const READS: usize = 24;
-    let db = TestDb::new();
-    let (stream, group) = (unique("gathered"), unique("g"));
-    let mut conn = redis(&redis_url());
-    let ids: Vec<String> = (0..READ * READS).map(|i| format!("e{i:04}")).collect();
-    // Every fourth event is the handler's own: 4 in each read of 16.
+/// Adds `count` events to `stream`, ids `prefix` and a number, every fourth
+/// one the handler's own (see [`Recording`]); returns their ids.
+fn mixed_backlog(
+    conn: &mut redis::Connection,
+    stream: &str,
+    prefix: &str,
+    count: usize,
+) -> Vec<String> {
+    let ids: Vec<String> = (0..count).map(|i| format!("{prefix}{i:04}")).collect();
     for (i, id) in ids.iter().enumerate() {
         let mut fields = vec![("event_id", id.as_str()), ("payload", "x")];
         if i % 4 == 0 {
             fields.push(("own", "1"));
         }
-        xadd(&mut conn, &stream, &fields);
+        xadd(conn, stream, &fields);
     }
+    ids
+}
+
+/// Each of `ids` (from [`mixed_backlog`]) applied once, with its own kind's
+/// effect.
+fn assert_mixed_applied_once(db: &TestDb, group: &str, ids: &[String]) {
+    for (i, id) in ids.iter().enumerate() {
+        let want = if i % 4 == 0 { "own:x" } else { "x" };
+        assert_eq!(effect_payloads(db, id), [Some(want.to_owned())], "{id}");
+        assert_eq!(processed_rows(db, group, id), 1, "{id}");
+    }
+}
+
+#[test]
+fn the_handler_events_of_a_backlog_s_mixed_reads_are_applied_together() {
+    const READ: usize = 16;
+    const READS: usize = 24;
+    let db = TestDb::new();
+    let (stream, group) = (unique("gathered"), unique("g"));
+    let mut conn = redis(&redis_url());
+    // Every fourth event is the handler's own: 4 in each read of 16.
+    let ids = mixed_backlog(&mut conn, &stream, "e", READ * READS);
     let handler = Arc::new(Recording {
         sql: SqlHandler::default(),
         batches: Mutex::default(),
@@ -1473,12 +1499,54 @@ fn the_handler_events_of_a_backlog_s_mixed_reads_are_applied_together() {
         batches.iter().any(|n| *n > READ / 4),
         "the handler's events were never applied with another read's: {batches:?}"
     );
-    for (i, id) in ids.iter().enumerate() {
-        let want = if i % 4 == 0 { "own:x" } else { "x" };
-        assert_eq!(effect_payloads(&db, id), [Some(want.to_owned())], "{id}");
-        assert_eq!(processed_rows(&db, &group, id), 1, "{id}");
-    }
+    assert_mixed_applied_once(&db, &group, &ids);
     assert_eq!(pending(&mut conn, &stream, &group), 0);
+}
+
+/// The same with two streams read at once, by two worker threads: each
+/// stream's handler events are gathered apart (a batch never mixes
+/// streams, whose acks go to their own stream) and fall due at their own
+/// times. Every event of both is applied once, with its own kind's
+/// effect, and nothing is left pending on either.
+#[test]
+fn two_streams_gather_their_handler_events_apart() {
+    const READ: usize = 16;
+    const READS: usize = 16;
+    let db = TestDb::new();
+    let (a, b, group) = (unique("gather-a"), unique("gather-b"), unique("g"));
+    let mut conn = redis(&redis_url());
+    let ids_a = mixed_backlog(&mut conn, &a, "a", READ * READS);
+    let ids_b = mixed_backlog(&mut conn, &b, "b", READ * READS);
+    let handler = Arc::new(Recording {
+        sql: SqlHandler::default(),
+        batches: Mutex::default(),
+    });
+    let summary = Running::start(
+        builder(&db.url, &a, &group)
+            .stream(&b)
+            // Nothing claimed back while it runs: an event the gathering
+            // lost stays pending.
+            .reclaim_min_idle(Duration::from_secs(120))
+            .mode(taskhub::Mode::Batch)
+            .workers(2)
+            .count(READ)
+            .until_idle(true),
+        handler.clone(),
+    )
+    .join(IDLE_TIMEOUT);
+    assert_eq!(summary.applied, (2 * READ * READS) as u64, "{summary}");
+    assert_eq!(summary.dead_lettered, 0, "{summary}");
+    assert!(summary.gathered > 0, "{summary}");
+    let batches = handler.batches.lock().unwrap().clone();
+    assert_eq!(
+        batches.iter().sum::<usize>(),
+        2 * READS * READ / 4,
+        "{batches:?}"
+    );
+    assert_mixed_applied_once(&db, &group, &ids_a);
+    assert_mixed_applied_once(&db, &group, &ids_b);
+    assert_eq!(pending(&mut conn, &a, &group), 0);
+    assert_eq!(pending(&mut conn, &b, &group), 0);
 }
 
 /// Gathered events wait 20 ms at most, whoever is busy (see
