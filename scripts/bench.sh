@@ -41,7 +41,9 @@
 #    stalls;
 # 6. prints one table: events/s, latency, CPU per event, peak RSS, the
 #    host's steal during each run, and each rate as a ratio of the matching
-#    ceiling.
+#    ceiling;
+# 7. with valgrind, our instructions per event in a drain of each mode
+#    (scripts/instructions.sh), which the machine's load does not move.
 set -euo pipefail
 # Where the steady runs probe the disk for stalls (bench --disk-probe):
 # every commit waits for the database's WAL to reach its disk, so this
@@ -451,3 +453,15 @@ for a core). An event that queued behind a burst's or a stall's backlog
 but was sent after it counts as calm.
 disk probe: ${probe_where}
 EOF
+
+# Our CPU per event as instructions (scripts/instructions.sh): the same
+# within 0.2% from one run to the next, where the seconds above drift by
+# 10-40% on a shared host. Skipped without valgrind.
+echo
+if command -v valgrind >/dev/null 2>&1; then
+    echo "our instructions per event (callgrind; scripts/instructions.sh):"
+    BENCH_BIN=$PWD/target/release/examples/bench bash scripts/instructions.sh batch 20000
+    BENCH_BIN=$PWD/target/release/examples/bench bash scripts/instructions.sh per-event 10000
+else
+    echo "our instructions per event: skipped (no valgrind; apt-get install valgrind)"
+fi
