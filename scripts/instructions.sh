@@ -9,9 +9,14 @@
 # events, and prints the instructions per event of the worker's threads (the
 # readers, the worker threads, the ack, retry and dead-letter threads): all
 # but the main thread, which only preloads the events and checks the result.
-# The same binary and inputs give the same count within about 0.2%, with
+# The same binary and inputs give the same count within about 0.5%, with
 # the other core busy or not, where the CPU seconds of `scripts/bench.sh`
 # vary by 10-40% between runs of the same code (docs/performance-log.md).
+# Per event it reads 16 entries at a time (`--count 16`): under valgrind
+# the worker runs about 50 times slower, and with the default 64 an entry
+# could wait in the queue past the second after which it takes the path of
+# an entry held long (BEGIN, the ownership check, COMMIT): the same binary
+# counted 31,319 and 48,409 instructions per event in two runs.
 # It does not count the kernel's time (system calls, switches) nor cache
 # misses: it compares two versions of our own code, not their speed.
 #
@@ -64,8 +69,10 @@ trap 'rm -rf "$work"' EXIT
 "$bench" --events 10 >/dev/null
 psql "$DATABASE_URL" -X -q -c "TRUNCATE processed_events, notifications" -c CHECKPOINT
 
+count=()
+[[ $mode == per-event ]] && count=(--count 16)
 (cd "$work" && valgrind --tool=callgrind --separate-threads=yes \
-    "$bench" --mode "$mode" --events "$events" >report.txt 2>valgrind.txt) || {
+    "$bench" --mode "$mode" --events "$events" "${count[@]}" >report.txt 2>valgrind.txt) || {
     cat "$work/valgrind.txt" "$work/report.txt" >&2
     exit 1
 }
