@@ -455,7 +455,7 @@ disk probe: ${probe_where}
 EOF
 
 # Our CPU per event as instructions (scripts/instructions.sh): the same
-# within 0.2% from one run to the next, where the seconds above drift by
+# within about 1% from one run to the next, where the seconds above drift by
 # 10-40% on a shared host. Skipped without valgrind.
 echo
 if command -v valgrind >/dev/null 2>&1; then

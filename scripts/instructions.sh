@@ -9,7 +9,7 @@
 # events, and prints the instructions per event of the worker's threads (the
 # readers, the worker threads, the ack, retry and dead-letter threads): all
 # but the main thread, which only preloads the events and checks the result.
-# The same binary and inputs give the same count within about 0.5%, with
+# The same binary and inputs give the same count within about 1%, with
 # the other core busy or not, where the CPU seconds of `scripts/bench.sh`
 # vary by 10-40% between runs of the same code (docs/performance-log.md).
 # Per event it reads 16 entries at a time (`--count 16`): under valgrind
