@@ -21,8 +21,9 @@
 # misses: it compares two versions of our own code, not their speed.
 #
 # The database and Redis are those of the benchmark: DATABASE_URL (a
-# scratch database, whose tables it empties) and REDIS_URL (the benchmark
-# deletes its own keys). Under valgrind the worker runs about 50x slower,
+# scratch database: the run adds its events' rows to it, under a scope of
+# its own, and takes nothing away) and REDIS_URL (the benchmark deletes its
+# own keys). Under valgrind the worker runs about 50x slower,
 # so the timings in the benchmark's own report mean nothing here.
 # BENCH_BIN: the absolute path of a benchmark binary already built (the
 # tests pass theirs), instead of building the release one.
@@ -50,7 +51,7 @@ command -v valgrind >/dev/null 2>&1 || {
     echo "instructions: valgrind not found (Debian: apt-get install valgrind)" >&2
     exit 1
 }
-: "${DATABASE_URL:?set DATABASE_URL to a scratch database (it is emptied)}"
+: "${DATABASE_URL:?set DATABASE_URL to a scratch database (the run adds rows to it)}"
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379}
 export RUST_LOG=${RUST_LOG:-warn}
 
@@ -65,9 +66,6 @@ if [[ -z $bench ]]; then
 fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-# The tables, through a tiny first run; then empty ones and a checkpoint.
-"$bench" --events 10 >/dev/null
-psql "$DATABASE_URL" -X -q -c "TRUNCATE processed_events, notifications" -c CHECKPOINT
 
 count=()
 [[ $mode == per-event ]] && count=(--count 16)
