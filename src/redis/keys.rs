@@ -220,7 +220,7 @@ pub(crate) fn marker_prefix(ns: &str, scope: &str) -> String {
 /// taken for one. Markers written with the value `1` by earlier versions
 /// simply miss, and PostgreSQL answers for them. Built without an
 /// allocation: it runs for every event acked.
-pub(crate) fn marker_tag(key: &str) -> [u8; 18] {
+pub(crate) fn marker_tag(key: &str) -> [u8; MARKER_TAG_LEN] {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     let hash = fnv1a(key.as_bytes());
     let mut tag = *b"m:0000000000000000";
@@ -229,6 +229,9 @@ pub(crate) fn marker_tag(key: &str) -> [u8; 18] {
     }
     tag
 }
+
+/// The length of a [`marker_tag`]: `m:` and 16 hex digits.
+pub(crate) const MARKER_TAG_LEN: usize = 18;
 
 /// [`marker_tag`] as text, for tests that write markers by hand.
 #[cfg(test)]

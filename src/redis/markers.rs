@@ -34,7 +34,7 @@
 use redis::{RedisError, RedisResult, Value};
 
 use crate::redis::conn::{Pipe, RedisConn};
-use crate::redis::keys::{self, marker_tag};
+use crate::redis::keys::{self, marker_tag, MARKER_TAG_LEN};
 use crate::redis::script::Script;
 
 /// What the fast path learnt about a job's entries, in their order.
@@ -147,7 +147,12 @@ pub(crate) fn set_and_ack(
     ids: &[&str],
 ) -> RedisResult<()> {
     debug_assert!(!conn.is_cluster());
-    let mut cmd = MARK_AND_ACK_SCRIPT.cmd();
+    // Sized up front: an ack holds a few hundred arguments.
+    let args = 5 + keys.len() * 2 + ids.len();
+    let marked: usize = keys.iter().map(|k| k.len() + MARKER_TAG_LEN).sum();
+    let acked: usize = ids.iter().map(|id| id.len()).sum();
+    let bytes = stream.len() + in_flight.len() + group.len() + marked + acked + 40;
+    let mut cmd = MARK_AND_ACK_SCRIPT.cmd_with_capacity(args, bytes);
     cmd.arg(keys.len() + 2)
         .arg(stream)
         .arg(in_flight)

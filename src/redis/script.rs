@@ -28,8 +28,15 @@ impl Script {
     /// `EVALSHA <digest>`: the caller adds the number of keys, the keys and
     /// the arguments, then runs it with [`Script::query`].
     pub(crate) fn cmd(&self) -> redis::Cmd {
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&self.sha);
+        self.cmd_with_capacity(0, 0)
+    }
+
+    /// [`Script::cmd`] with room for `args` more arguments of `bytes` in
+    /// all: a call of many arguments (an ack's markers and ids) then
+    /// builds without growing its buffers.
+    pub(crate) fn cmd_with_capacity(&self, args: usize, bytes: usize) -> redis::Cmd {
+        let mut cmd = redis::Cmd::with_capacity(args + 2, bytes + "EVALSHA".len() + self.sha.len());
+        cmd.arg("EVALSHA").arg(&self.sha);
         cmd
     }
 

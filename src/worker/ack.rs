@@ -63,8 +63,9 @@ impl Processor {
                 finished.len()
             );
         }
+        // Given back as they are taken: no list of them to build.
         let tickets = done.deliveries.iter_mut().filter_map(|d| d.ticket.take());
-        self.stage.flow.release_all(tickets.collect::<Vec<_>>());
+        self.stage.flow.release_all(tickets);
     }
 }
 

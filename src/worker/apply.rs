@@ -775,18 +775,17 @@ impl Processor {
         // The first delivery of each inserted id is new; later copies of the
         // same id in this batch are duplicates.
         let new: Vec<bool> = ids.iter().map(|id| inserted.remove(*id)).collect();
-        // The new events whose effect the dedup insert applied.
-        let applied: Vec<usize> = (0..batch.len()).filter(|i| new[*i] && fold[*i]).collect();
-        let (positions, events): (Vec<usize>, Vec<&Event>) = batch
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| new[*i] && !fold[*i])
-            .map(|(i, d)| (i, event(d)))
-            .unzip();
+        // The new events whose effect the dedup insert applied, and those
+        // the handler applies (both end up in `applied`: sized for all).
+        let mut applied: Vec<usize> = Vec::with_capacity(batch.len());
+        applied.extend((0..batch.len()).filter(|i| new[*i] && fold[*i]));
+        let (mut positions, mut events) = (Vec::with_capacity(batch.len()), Vec::new());
+        positions.extend((0..batch.len()).filter(|i| new[*i] && !fold[*i]));
+        events.reserve_exact(positions.len());
+        events.extend(positions.iter().map(|i| event(&batch[*i])));
         let Some(xid) = xid else {
             return Ok(Batch::Applied(new, Vec::new())); // all duplicates; rolled back
         };
-        let (mut positions, mut events) = (positions, events);
         for e in &events {
             fault::hit(Point::InHandler, e.event_id());
         }
@@ -876,7 +875,6 @@ impl Processor {
         }
         // What this COMMIT applies: the built-in statement's new events and
         // the handler's that did not fail, in the batch's order.
-        let mut applied = applied;
         applied.extend(positions);
         applied.sort_unstable();
         if applied.is_empty() {
