@@ -531,7 +531,8 @@ pub(crate) enum Owned {
 /// and if so resets its idle time (XCLAIM JUSTID, which keeps the count)
 /// and answers the entry (cut down by [`BOUND`]) when ARGV[6] is `fields`.
 /// KEYS: stream. One reply per pair: `{0}` (not ours), `{2, idle ms}`
-/// (deleted from the stream), `{1}` or `{1, entries}`.
+/// (deleted from the stream), `{1}` or `{1, entries}`, the entries packed
+/// with MessagePack as the read script packs them (see `packed.rs`).
 const CLAIM_IF_OWNED: &str = r"
 local out = {}
 for i = 7, #ARGV - 1, 2 do
@@ -547,7 +548,7 @@ for i = 7, #ARGV - 1, 2 do
         else
             redis.call('XCLAIM', KEYS[1], ARGV[4], ARGV[5], 0, id, 'JUSTID')
             if ARGV[6] == 'fields' then
-                out[#out + 1] = {1, bound(e)}
+                out[#out + 1] = {1, cmsgpack.pack(bound(e))}
             else
                 out[#out + 1] = {1}
             end
@@ -622,7 +623,10 @@ fn parse_owned(reply: redis::Value) -> RedisResult<Owned> {
     };
     Ok(match status {
         1 if parts.len() > 1 => {
-            let entries = parse_entries(parts.swap_remove(1)).map_err(protocol_error)?;
+            let redis::Value::BulkString(packed) = parts.swap_remove(1) else {
+                return Err(protocol_error("ownership check: entries not packed".into()));
+            };
+            let entries = crate::redis::packed::entries(&packed).map_err(protocol_error)?;
             Owned::Yes(entries.into_iter().next())
         }
         1 => Owned::Yes(None),
@@ -1007,6 +1011,52 @@ pub(crate) mod tests {
         ];
         assert_eq!(got, want);
         cmd(&mut c, &["DEL", &a, &b]);
+    }
+
+    #[test]
+    fn an_entry_the_ownership_check_reads_back_is_whole_or_cut_as_a_read_s() {
+        // Under the size limit its fields come back as written; over it,
+        // cut down in Redis with what was cut, as the read script does.
+        let mut c = conn();
+        let s = format!("owned-fields-{}", uuid::Uuid::new_v4());
+        cmd(&mut c, &["XGROUP", "CREATE", &s, "g", "0", "MKSTREAM"]);
+        let big = "x".repeat(5000);
+        cmd(
+            &mut c,
+            &["XADD", &s, "1-1", "event_id", "e-1", "payload", "{\"a\":1}"],
+        );
+        cmd(
+            &mut c,
+            &["XADD", &s, "1-2", "event_id", "e-2", "payload", &big],
+        );
+        cmd(
+            &mut c,
+            &["XREADGROUP", "GROUP", "g", "me", "STREAMS", &s, ">"],
+        );
+        let held = ["1-1", "1-2"].map(|entry_id| Held {
+            stream: &s,
+            entry_id,
+            count: 1,
+        });
+        let got = owned(&mut c, "g", "me", &held, Some(1000)).unwrap();
+        let [Owned::Yes(Some(whole)), Owned::Yes(Some(cut))] = &got[..] else {
+            panic!("{got:?}")
+        };
+        let field = |name: &str, value: &[u8]| (name.as_bytes().to_vec(), value.to_vec());
+        assert_eq!(whole.id, "1-1");
+        assert_eq!(
+            whole.fields.as_deref(),
+            Some(&[field("event_id", b"e-1"), field("payload", b"{\"a\":1}")][..])
+        );
+        assert!(whole.cut.is_none());
+        assert_eq!(cut.id, "1-2");
+        let what = cut.cut.as_ref().expect("cut down");
+        assert_eq!((what.bytes, what.fields), (8 + 3 + 7 + 5000, 2));
+        assert_eq!(what.sizes, [3, 5000]);
+        let fields = cut.fields.as_deref().expect("fields");
+        assert_eq!(fields[0], field("event_id", b"e-2"));
+        assert_eq!(fields[1], field("payload", &big.as_bytes()[..PREFIX]));
+        cmd(&mut c, &["DEL", &s]);
     }
 
     /// Event ids up to 64 bytes, entries up to 1 MiB.
