@@ -1029,17 +1029,29 @@ pub(crate) mod tests {
             &mut c,
             &["XADD", &s, "1-2", "event_id", "e-2", "payload", &big],
         );
+        // Bytes that are no UTF-8, NUL among them, come back as they were.
+        let binary: &[u8] = b"\x00\xff\xfe\x80";
+        redis::cmd("XADD")
+            .arg(&s)
+            .arg("1-3")
+            .arg("event_id")
+            .arg("e-3")
+            .arg("raw")
+            .arg(binary)
+            .query::<()>(&mut c)
+            .unwrap();
         cmd(
             &mut c,
             &["XREADGROUP", "GROUP", "g", "me", "STREAMS", &s, ">"],
         );
-        let held = ["1-1", "1-2"].map(|entry_id| Held {
+        let held = ["1-1", "1-2", "1-3"].map(|entry_id| Held {
             stream: &s,
             entry_id,
             count: 1,
         });
         let got = owned(&mut c, "g", "me", &held, Some(1000)).unwrap();
-        let [Owned::Yes(Some(whole)), Owned::Yes(Some(cut))] = &got[..] else {
+        let [Owned::Yes(Some(whole)), Owned::Yes(Some(cut)), Owned::Yes(Some(raw))] = &got[..]
+        else {
             panic!("{got:?}")
         };
         let field = |name: &str, value: &[u8]| (name.as_bytes().to_vec(), value.to_vec());
@@ -1056,6 +1068,10 @@ pub(crate) mod tests {
         let fields = cut.fields.as_deref().expect("fields");
         assert_eq!(fields[0], field("event_id", b"e-2"));
         assert_eq!(fields[1], field("payload", &big.as_bytes()[..PREFIX]));
+        assert_eq!(
+            raw.fields.as_deref(),
+            Some(&[field("event_id", b"e-3"), field("raw", binary)][..])
+        );
         cmd(&mut c, &["DEL", &s]);
     }
 

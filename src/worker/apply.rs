@@ -779,10 +779,8 @@ impl Processor {
         // the handler applies (both end up in `applied`: sized for all).
         let mut applied: Vec<usize> = Vec::with_capacity(batch.len());
         applied.extend((0..batch.len()).filter(|i| new[*i] && fold[*i]));
-        let (mut positions, mut events) = (Vec::with_capacity(batch.len()), Vec::new());
-        positions.extend((0..batch.len()).filter(|i| new[*i] && !fold[*i]));
-        events.reserve_exact(positions.len());
-        events.extend(positions.iter().map(|i| event(&batch[*i])));
+        let mut positions: Vec<usize> = (0..batch.len()).filter(|i| new[*i] && !fold[*i]).collect();
+        let mut events: Vec<&Event> = positions.iter().map(|i| event(&batch[*i])).collect();
         let Some(xid) = xid else {
             return Ok(Batch::Applied(new, Vec::new())); // all duplicates; rolled back
         };
