@@ -10,8 +10,175 @@
 use std::fmt;
 use std::sync::Arc;
 
-/// The raw fields of a stream entry, in the order Redis returned them.
+/// Fields as pairs of owned names and values: what a dead letter keeps (see
+/// [`EntryFields`] for an event's).
 pub type Fields = Vec<(Vec<u8>, Vec<u8>)>;
+
+/// The raw fields of a stream entry, in the order Redis returned them:
+/// names and values side by side in one buffer.
+///
+/// Every entry read is one of these, made by the reader thread and dropped
+/// by a worker thread, where glibc's allocator is slowest: a buffer and a
+/// list of ends is two allocations per entry, where a `Vec` per name and
+/// per value was five for an event of two fields (callgrind: see
+/// docs/performance-log.md, 2026-12-07).
+///
+/// ```
+/// # use taskhub::EntryFields;
+/// let mut fields = EntryFields::default();
+/// fields.push(b"event_id", b"order-1");
+/// fields.push(b"payload", b"{}");
+/// for (name, value) in &fields {
+///     println!("{} = {}", String::from_utf8_lossy(name), String::from_utf8_lossy(value));
+/// }
+/// assert_eq!(fields.get(1), Some((&b"payload"[..], &b"{}"[..])));
+/// assert_eq!(fields.to_vec()[0].1, b"order-1");
+/// let same: EntryFields = [("event_id", "order-1"), ("payload", "{}")].into_iter().collect();
+/// assert_eq!(same, fields);
+/// ```
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct EntryFields {
+    /// Each name then its value, one after another.
+    bytes: Vec<u8>,
+    /// Where each name and each value ends in `bytes`, alternately.
+    ends: Vec<usize>,
+}
+
+impl EntryFields {
+    /// Room for `fields` fields of `bytes` bytes in all.
+    pub fn with_capacity(fields: usize, bytes: usize) -> EntryFields {
+        EntryFields {
+            bytes: Vec::with_capacity(bytes),
+            ends: Vec::with_capacity(fields * 2),
+        }
+    }
+
+    /// Adds a field at the end.
+    pub fn push(&mut self, name: &[u8], value: &[u8]) {
+        self.bytes.extend_from_slice(name);
+        self.ends.push(self.bytes.len());
+        self.bytes.extend_from_slice(value);
+        self.ends.push(self.bytes.len());
+    }
+
+    /// The number of fields.
+    pub fn len(&self) -> usize {
+        self.ends.len() / 2
+    }
+
+    /// Whether there are no fields.
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    /// The size of all names and values together.
+    pub fn byte_len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// The `i`th field, (name, value).
+    pub fn get(&self, i: usize) -> Option<(&[u8], &[u8])> {
+        let value_end = *self.ends.get(2 * i + 1)?;
+        let name_end = self.ends[2 * i];
+        let start = match i {
+            0 => 0,
+            _ => self.ends[2 * i - 1],
+        };
+        Some((
+            &self.bytes[start..name_end],
+            &self.bytes[name_end..value_end],
+        ))
+    }
+
+    /// The fields in order, (name, value).
+    pub fn iter(&self) -> FieldsIter<'_> {
+        FieldsIter {
+            fields: self,
+            next: 0,
+        }
+    }
+
+    /// The value of the first field named `name`.
+    pub fn value_of(&self, name: &[u8]) -> Option<&[u8]> {
+        self.iter().find(|(k, _)| *k == name).map(|(_, v)| v)
+    }
+
+    /// The fields as owned pairs.
+    pub fn to_vec(&self) -> Fields {
+        self.iter().map(|(k, v)| (k.to_vec(), v.to_vec())).collect()
+    }
+
+    /// Keeps the first `fields` fields and the first `prefix` bytes of each
+    /// of their names and values, giving the rest of the memory back.
+    fn cut_down(&mut self, fields: usize, prefix: usize) {
+        let mut kept = EntryFields::default();
+        for (k, v) in self.iter().take(fields) {
+            kept.push(&k[..k.len().min(prefix)], &v[..v.len().min(prefix)]);
+        }
+        kept.bytes.shrink_to_fit();
+        kept.ends.shrink_to_fit();
+        *self = kept;
+    }
+}
+
+impl<K: AsRef<[u8]>, V: AsRef<[u8]>> FromIterator<(K, V)> for EntryFields {
+    fn from_iter<I: IntoIterator<Item = (K, V)>>(pairs: I) -> EntryFields {
+        let mut fields = EntryFields::default();
+        for (k, v) in pairs {
+            fields.push(k.as_ref(), v.as_ref());
+        }
+        fields
+    }
+}
+
+/// Names and values as text, with the bytes that are not printable ASCII
+/// escaped (`\xff`): exact, where a lossy conversion would hide binary data.
+impl fmt::Debug for EntryFields {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        struct Raw<'a>(&'a [u8]);
+        impl fmt::Debug for Raw<'_> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "\"{}\"", self.0.escape_ascii())
+            }
+        }
+        f.debug_list()
+            .entries(self.iter().map(|(k, v)| (Raw(k), Raw(v))))
+            .finish()
+    }
+}
+
+impl<'a> IntoIterator for &'a EntryFields {
+    type Item = (&'a [u8], &'a [u8]);
+    type IntoIter = FieldsIter<'a>;
+
+    fn into_iter(self) -> FieldsIter<'a> {
+        self.iter()
+    }
+}
+
+/// The fields of an [`EntryFields`], in order.
+#[derive(Clone)]
+pub struct FieldsIter<'a> {
+    fields: &'a EntryFields,
+    next: usize,
+}
+
+impl<'a> Iterator for FieldsIter<'a> {
+    type Item = (&'a [u8], &'a [u8]);
+
+    fn next(&mut self) -> Option<(&'a [u8], &'a [u8])> {
+        let field = self.fields.get(self.next)?;
+        self.next += 1;
+        Some(field)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let left = self.fields.len().saturating_sub(self.next);
+        (left, Some(left))
+    }
+}
+
+impl ExactSizeIterator for FieldsIter<'_> {}
 
 /// One event, read from a stream and ready for a [`Handler`](crate::Handler).
 #[derive(Debug, Clone)]
@@ -19,7 +186,7 @@ pub struct Event {
     pub(crate) stream: Arc<str>,
     pub(crate) entry_id: String,
     pub(crate) event_id: String,
-    pub(crate) fields: Fields,
+    pub(crate) fields: EntryFields,
     pub(crate) delivery_count: u64,
 }
 
@@ -61,19 +228,15 @@ pub(crate) struct Cut {
 impl Cut {
     /// Cuts `fields` down in place, as the server-side reads do, and
     /// returns what was cut. For an entry that arrived whole.
-    fn apply(fields: &mut Fields) -> Cut {
-        let bytes = fields.iter().map(|(k, v)| (k.len() + v.len()) as u64).sum();
+    fn apply(fields: &mut EntryFields) -> Cut {
+        let bytes = fields.byte_len() as u64;
         let count = fields.len() as u64;
-        fields.truncate(MOST_FIELDS);
-        let mut sizes = Vec::with_capacity(fields.len());
-        for (k, v) in fields.iter_mut() {
-            sizes.push(v.len() as u64);
-            for part in [k, v] {
-                part.truncate(PREFIX);
-                part.shrink_to_fit();
-            }
-        }
-        fields.shrink_to_fit();
+        let sizes = fields
+            .iter()
+            .take(MOST_FIELDS)
+            .map(|(_, v)| v.len() as u64)
+            .collect();
+        fields.cut_down(MOST_FIELDS, PREFIX);
         Cut {
             bytes,
             fields: count,
@@ -82,7 +245,7 @@ impl Cut {
     }
 
     /// Why the entry is invalid, with the sizes of its first fields.
-    fn reason(&self, kept: &Fields, limit: usize) -> Invalid {
+    fn reason(&self, kept: &EntryFields, limit: usize) -> Invalid {
         let sizes: Vec<String> = kept
             .iter()
             .zip(&self.sizes)
@@ -106,22 +269,21 @@ impl Event {
     pub(crate) fn parse(
         stream: Arc<str>,
         entry_id: String,
-        mut fields: Fields,
+        mut fields: EntryFields,
         cut: Option<Cut>,
         delivery_count: u64,
         limits: Limits,
     ) -> Result<Event, (Fields, Invalid)> {
         let cut = cut.or_else(|| {
-            let size: usize = fields.iter().map(|(k, v)| k.len() + v.len()).sum();
-            (size > limits.max_entry_bytes).then(|| Cut::apply(&mut fields))
+            (fields.byte_len() > limits.max_entry_bytes).then(|| Cut::apply(&mut fields))
         });
         if let Some(cut) = cut {
             let why = cut.reason(&fields, limits.max_entry_bytes);
-            return Err((fields, why));
+            return Err((fields.to_vec(), why));
         }
         let event_id = match check_event_id(&fields, limits.max_event_id_bytes) {
             Ok(id) => id,
-            Err(why) => return Err((fields, why)),
+            Err(why) => return Err((fields.to_vec(), why)),
         };
         Ok(Event {
             stream,
@@ -155,10 +317,7 @@ impl Event {
 
     /// The raw value of a field.
     pub fn field(&self, name: &str) -> Option<&[u8]> {
-        self.fields
-            .iter()
-            .find(|(k, _)| k.as_slice() == name.as_bytes())
-            .map(|(_, v)| v.as_slice())
+        self.fields.value_of(name.as_bytes())
     }
 
     /// The value of a field as text; `None` when absent or not UTF-8.
@@ -166,8 +325,9 @@ impl Event {
         self.field(name).and_then(|v| std::str::from_utf8(v).ok())
     }
 
-    /// All fields, raw, in stream order (`event_id` and `payload` included).
-    pub fn fields(&self) -> &[(Vec<u8>, Vec<u8>)] {
+    /// All fields, raw, in stream order (`event_id` and `payload` included):
+    /// `for (name, value) in event.fields()` gives each as `&[u8]`.
+    pub fn fields(&self) -> &EntryFields {
         &self.fields
     }
 
@@ -193,11 +353,9 @@ impl Event {
     }
 }
 
-fn check_event_id(fields: &Fields, max: usize) -> Result<String, Invalid> {
+fn check_event_id(fields: &EntryFields, max: usize) -> Result<String, Invalid> {
     let raw = fields
-        .iter()
-        .find(|(k, _)| k.as_slice() == b"event_id")
-        .map(|(_, v)| v.as_slice())
+        .value_of(b"event_id")
         .ok_or_else(|| Invalid("missing field event_id".into()))?;
     if raw.is_empty() {
         return Err(Invalid("empty event_id".into()));
@@ -231,7 +389,7 @@ fn check_event_id(fields: &Fields, max: usize) -> Result<String, Invalid> {
 #[derive(Debug)]
 pub(crate) struct RawEntry {
     pub id: String,
-    pub fields: Option<Fields>,
+    pub fields: Option<EntryFields>,
     pub cut: Option<Cut>,
     /// What the read script found for it, when it looked (see
     /// `streams::read_group_bounded`).
@@ -241,9 +399,7 @@ pub(crate) struct RawEntry {
 impl RawEntry {
     /// Bytes of the fields held.
     pub fn bytes(&self) -> usize {
-        self.fields
-            .as_ref()
-            .map_or(0, |f| f.iter().map(|(k, v)| k.len() + v.len()).sum())
+        self.fields.as_ref().map_or(0, EntryFields::byte_len)
     }
 }
 
@@ -291,32 +447,32 @@ pub(crate) fn parse_entries(value: redis::Value) -> Result<Vec<RawEntry>, String
 }
 
 /// Parses an entry's fields, `[k, v, ...]` (or a map), as raw bytes.
-pub(crate) fn parse_fields(body: redis::Value) -> Result<Fields, String> {
+pub(crate) fn parse_fields(body: redis::Value) -> Result<EntryFields, String> {
+    let mut fields = EntryFields::default();
+    let mut push = |k, v| -> Result<(), String> {
+        let k = bytes(k).ok_or("field name is not a string")?;
+        let v = bytes(v).ok_or("field value is not a string")?;
+        fields.push(&k, &v);
+        Ok(())
+    };
     match body {
         redis::Value::Array(flat) => {
-            let mut fields = Vec::with_capacity(flat.len() / 2);
-            let mut it = flat.into_iter();
-            while let Some(k) = it.next() {
-                let v = it.next().ok_or("odd number of field items")?;
-                fields.push((
-                    bytes(k).ok_or("field name is not a string")?,
-                    bytes(v).ok_or("field value is not a string")?,
-                ));
+            if !flat.len().is_multiple_of(2) {
+                return Err("odd number of field items".into());
             }
-            Ok(fields)
+            let mut it = flat.into_iter();
+            while let (Some(k), Some(v)) = (it.next(), it.next()) {
+                push(k, v)?;
+            }
         }
         redis::Value::Map(map) => {
-            let mut fields = Vec::with_capacity(map.len());
             for (k, v) in map {
-                fields.push((
-                    bytes(k).ok_or("field name is not a string")?,
-                    bytes(v).ok_or("field value is not a string")?,
-                ));
+                push(k, v)?;
             }
-            Ok(fields)
         }
-        other => Err(format!("unexpected entry body {other:?}")),
+        other => return Err(format!("unexpected entry body {other:?}")),
     }
+    Ok(fields)
 }
 
 /// Parses an XREADGROUP reply into (stream, entries) pairs.
@@ -431,6 +587,37 @@ mod tests {
     }
 
     #[test]
+    fn entry_fields_keep_each_name_and_value_apart_and_whole() {
+        let pairs: [(&[u8], &[u8]); 4] = [
+            (b"event_id", b"e1"),
+            (b"", b"empty name"),
+            (b"empty value", b""),
+            (b"bin", b"\x00\xff\x00"),
+        ];
+        let fields: EntryFields = pairs.into_iter().collect();
+        assert_eq!((fields.len(), fields.is_empty()), (4, false));
+        assert_eq!(fields.byte_len(), 8 + 2 + 10 + 11 + 3 + 3);
+        assert_eq!(fields.iter().collect::<Vec<_>>(), pairs);
+        assert_eq!(fields.iter().len(), 4);
+        assert_eq!(fields.get(1), Some((&b""[..], &b"empty name"[..])));
+        assert_eq!(fields.get(4), None);
+        assert_eq!(fields.value_of(b"empty value"), Some(&b""[..]));
+        assert_eq!(fields.value_of(b"missing"), None);
+        assert_eq!(
+            fields.to_vec()[3],
+            (b"bin".to_vec(), b"\x00\xff\x00".to_vec())
+        );
+        assert_eq!(
+            format!("{fields:?}"),
+            r#"[("event_id", "e1"), ("", "empty name"), ("empty value", ""), ("bin", "\x00\xff\x00")]"#
+        );
+        let none = EntryFields::default();
+        assert_eq!((none.len(), none.is_empty(), none.byte_len()), (0, true, 0));
+        assert_eq!(none.iter().next(), None);
+        assert_eq!(none.get(0), None);
+    }
+
+    #[test]
     fn an_oversize_entry_is_cut_down_at_once() {
         let fields: Fields = vec![
             (b"event_id".to_vec(), b"e".to_vec()),
@@ -440,6 +627,7 @@ mod tests {
             max_event_id_bytes: 32,
             max_entry_bytes: 1_000,
         };
+        let fields = fields.into_iter().collect();
         let (kept, why) =
             Event::parse("s".into(), "1-0".into(), fields, None, 1, limits).unwrap_err();
         assert_eq!(kept[1].1.len(), PREFIX);
@@ -463,7 +651,7 @@ mod tests {
         ]);
         let entries = parse_entries(v).unwrap();
         assert_eq!(entries.len(), 2);
-        assert_eq!(entries[0].fields.as_ref().unwrap()[0].1, b"a");
+        assert_eq!(entries[0].fields.as_ref().unwrap().get(0).unwrap().1, b"a");
         assert!(entries[1].fields.is_none());
     }
 }

@@ -91,7 +91,7 @@ pub use dlq::{DeadLetter, Kind as DeadLetterKind};
 pub use error::{
     classify_postgres, classify_sqlstate, Error, ErrorKind, FailureClass, HandlerError,
 };
-pub use event::{Event, Fields, Invalid};
+pub use event::{EntryFields, Event, Fields, FieldsIter, Invalid};
 pub use handler::http::{HttpHandler, HTTP_BUDGET};
 pub use handler::sql::{SqlHandler, DEFAULT_STATEMENT};
 pub use handler::{handler_fn, FnHandler, Handler, RetryBudget, Tx};

@@ -505,6 +505,7 @@ pub(crate) mod tests {
             max_event_id_bytes: 256,
             max_entry_bytes: limit,
         };
+        let fields = fields.into_iter().collect();
         let parsed = crate::event::Event::parse("s".into(), "1-0".into(), fields, None, 1, limits);
         let Err((kept, why)) = parsed else {
             panic!("not refused as oversize")

@@ -78,7 +78,7 @@ pub(crate) fn scan(
             scanned.entries += 1;
             let id = entry.id;
             if let Some(fields) = entry.fields {
-                if !visit(id.clone(), fields) {
+                if !visit(id.clone(), fields.to_vec()) {
                     return Ok(scanned);
                 }
             }
@@ -222,7 +222,7 @@ pub(crate) fn fetch(
         .map(|reply| {
             let mut entries = parse_entries(reply)
                 .map_err(|e| Error::new(ErrorKind::Redis, format!("{dlq}: {e}")))?;
-            Ok(entries.pop().and_then(|e| e.fields))
+            Ok(entries.pop().and_then(|e| e.fields).map(|f| f.to_vec()))
         })
         .collect()
 }

@@ -148,7 +148,7 @@ impl HttpHandler {
     fn fields_header(event: &Event) -> Result<String, HandlerError> {
         let mut others = serde_json::Map::new();
         for (k, v) in event.fields() {
-            if k.as_slice() == b"payload" {
+            if k == b"payload" {
                 continue;
             }
             let (Ok(k), Ok(v)) = (std::str::from_utf8(k), std::str::from_utf8(v)) else {

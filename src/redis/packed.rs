@@ -20,7 +20,7 @@
 use rmp::decode::{read_marker, Bytes, RmpRead};
 use rmp::Marker;
 
-use crate::event::{Cut, Fields, RawEntry};
+use crate::event::{Cut, EntryFields, RawEntry};
 
 /// The entries `packed` holds: `[[id, fields], ...]`, where `fields` is
 /// `[name, value, ...]`, or `false` for an entry deleted while pending, and
@@ -80,14 +80,17 @@ fn entry(rd: &mut Bytes<'_>) -> Result<RawEntry, String> {
 }
 
 /// `[name, value, ...]` of `items` items.
-fn fields(rd: &mut Bytes<'_>, items: usize) -> Result<Fields, String> {
+fn fields(rd: &mut Bytes<'_>, items: usize) -> Result<EntryFields, String> {
     if !items.is_multiple_of(2) {
         return Err("packed entries: an odd number of field items".into());
     }
-    let mut fields = Vec::with_capacity((items / 2).min(rd.remaining_slice().len()));
+    // The names and values take at most what is left of the string, less
+    // a byte of each one's length: room for all of them at once.
+    let left = rd.remaining_slice().len();
+    let mut fields = EntryFields::with_capacity((items / 2).min(left), left.saturating_sub(items));
     for _ in 0..items / 2 {
-        let name = string(rd)?.to_vec();
-        fields.push((name, string(rd)?.to_vec()));
+        let name = string(rd)?;
+        fields.push(name, string(rd)?);
     }
     Ok(fields)
 }
@@ -157,9 +160,8 @@ fn int(rd: &mut Bytes<'_>) -> Result<u64, String> {
 mod tests {
     use super::*;
 
-    fn pairs(fields: &[(&str, &str)]) -> Fields {
-        let bytes = |s: &str| s.as_bytes().to_vec();
-        fields.iter().map(|(k, v)| (bytes(k), bytes(v))).collect()
+    fn pairs(fields: &[(&str, &str)]) -> EntryFields {
+        fields.iter().copied().collect()
     }
 
     #[test]
@@ -188,7 +190,7 @@ mod tests {
             [
                 ("1-0".into(), Some(pairs(&[("event_id", "e")])), None, true),
                 ("2-0".into(), None, None, true),
-                ("3-0".into(), Some(Vec::new()), Some(cut), true),
+                ("3-0".into(), Some(EntryFields::default()), Some(cut), true),
             ]
         );
         // Nothing read: an empty array, or an empty table packed as a map.

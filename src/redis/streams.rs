@@ -475,10 +475,8 @@ pub(crate) fn read_group_bounded(
 pub(crate) fn event_id_of(entry: &RawEntry, longest: usize) -> Option<&[u8]> {
     entry
         .fields
-        .iter()
-        .flatten()
-        .find(|(k, _)| k == b"event_id")
-        .map(|(_, id)| id.as_slice())
+        .as_ref()?
+        .value_of(b"event_id")
         .filter(|id| id.len() <= longest)
 }
 
@@ -828,6 +826,7 @@ pub(crate) mod tests {
     //! `redis://127.0.0.1:6379`), like the integration tests.
 
     use super::*;
+    use crate::event::EntryFields;
 
     /// The test Redis.
     pub(crate) fn url() -> String {
@@ -1057,7 +1056,7 @@ pub(crate) mod tests {
         let field = |name: &str, value: &[u8]| (name.as_bytes().to_vec(), value.to_vec());
         assert_eq!(whole.id, "1-1");
         assert_eq!(
-            whole.fields.as_deref(),
+            whole.fields.as_ref().map(EntryFields::to_vec).as_deref(),
             Some(&[field("event_id", b"e-1"), field("payload", b"{\"a\":1}")][..])
         );
         assert!(whole.cut.is_none());
@@ -1065,11 +1064,11 @@ pub(crate) mod tests {
         let what = cut.cut.as_ref().expect("cut down");
         assert_eq!((what.bytes, what.fields), (8 + 3 + 7 + 5000, 2));
         assert_eq!(what.sizes, [3, 5000]);
-        let fields = cut.fields.as_deref().expect("fields");
+        let fields = cut.fields.as_ref().expect("fields").to_vec();
         assert_eq!(fields[0], field("event_id", b"e-2"));
         assert_eq!(fields[1], field("payload", &big.as_bytes()[..PREFIX]));
         assert_eq!(
-            raw.fields.as_deref(),
+            raw.fields.as_ref().map(EntryFields::to_vec).as_deref(),
             Some(&[field("event_id", b"e-3"), field("raw", binary)][..])
         );
         cmd(&mut c, &["DEL", &s]);

@@ -218,7 +218,7 @@ impl Processor {
                 &mut delivery.body,
                 Err((Vec::new(), Invalid(String::new()))),
             ) {
-                Ok(event) => event.fields,
+                Ok(event) => event.fields.to_vec(),
                 Err((fields, _)) => fields,
             },
         };

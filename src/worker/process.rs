@@ -231,7 +231,7 @@ impl Processor {
         Processor {
             stage,
             pg: None,
-            cache: StatementCache::new(),
+            cache: StatementCache::default(),
             retry,
             dead,
             failure_rate: 0.0,
@@ -312,11 +312,14 @@ impl Processor {
         // growing the list a push at a time copied them again and again).
         let mut done = Finished::with_capacity(job.len());
         for delivery in job {
-            let fields = match &delivery.body {
-                Ok(event) => event.fields(),
-                Err((fields, _)) => fields.as_slice(),
+            let field = |name: &str| match &delivery.body {
+                Ok(event) => event.field(name),
+                Err((fields, _)) => fields
+                    .iter()
+                    .find(|(k, _)| k == name.as_bytes())
+                    .map(|(_, v)| v.as_slice()),
             };
-            if let Some(other) = replayed_for(fields, &stream, &self.stage.settings.group) {
+            if let Some(other) = replayed_for(field, &stream, &self.stage.settings.group) {
                 match self.replayed_for_group(&stream, &delivery.entry_id, &other) {
                     // Another group's dead letter put back: that group's
                     // redo, not news for this one (which had the original).
@@ -995,13 +998,11 @@ pub(crate) fn event(delivery: &Delivery) -> &Event {
 /// applies it. An entry copied from another stream with its fields (a
 /// bridge, a restore) is no replay of this stream: `None`, as for every
 /// other entry.
-fn replayed_for(fields: &[(Vec<u8>, Vec<u8>)], stream: &str, group: &str) -> Option<Vec<u8>> {
-    let field = |name: &str| {
-        fields
-            .iter()
-            .find(|(k, _)| k.as_slice() == name.as_bytes())
-            .map(|(_, v)| v.as_slice())
-    };
+fn replayed_for<'a>(
+    field: impl Fn(&str) -> Option<&'a [u8]>,
+    stream: &str,
+    group: &str,
+) -> Option<Vec<u8>> {
     field("replayed_from")?;
     if field("replay_stream")? != stream.as_bytes() {
         return None;

@@ -178,7 +178,7 @@ impl Retry {
             Err((Vec::new(), Invalid(String::new()))),
         ) {
             Ok(event) if !delivery.trimmed => {
-                let bytes = event.fields.iter().map(|(k, v)| k.len() + v.len()).sum();
+                let bytes = event.fields.byte_len();
                 Some(Box::new(Kept { event, bytes }))
             }
             _ => None,
@@ -412,7 +412,7 @@ impl Retrier {
                 cut,
                 ..
             })) => {
-                bytes = fields.iter().map(|(k, v)| k.len() + v.len()).sum();
+                bytes = fields.byte_len();
                 let event = Event::parse(
                     retry.stream.clone(),
                     retry.entry_id.clone(),

@@ -1038,8 +1038,8 @@ fn raw_binary_fields_reach_a_library_handler_intact() {
                 &[
                     &event.event_id(),
                     &(pos as i32),
-                    k,
-                    v,
+                    &k,
+                    &v,
                     &event.payload(),
                     &(event.delivery_count() as i64),
                 ],
