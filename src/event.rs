@@ -103,6 +103,12 @@ impl EntryFields {
         self.iter().find(|(k, _)| *k == name).map(|(_, v)| v)
     }
 
+    /// The bytes its buffer holds room for.
+    #[cfg(test)]
+    pub(crate) fn allocated(&self) -> usize {
+        self.bytes.capacity()
+    }
+
     /// The fields as owned pairs.
     pub fn to_vec(&self) -> Fields {
         self.iter().map(|(k, v)| (k.to_vec(), v.to_vec())).collect()
@@ -472,6 +478,9 @@ pub(crate) fn parse_fields(body: redis::Value) -> Result<EntryFields, String> {
         }
         other => return Err(format!("unexpected entry body {other:?}")),
     }
+    // Grown a push at a time: give back what the last growth left over.
+    fields.bytes.shrink_to_fit();
+    fields.ends.shrink_to_fit();
     Ok(fields)
 }
 
@@ -634,6 +643,25 @@ mod tests {
         assert!(kept[1].1.capacity() <= PREFIX, "memory given back");
         assert!(why.0.contains("10016 bytes in 2 fields"), "{why}");
         assert!(why.0.contains("payload 10000"), "{why}");
+    }
+
+    #[test]
+    fn fields_parsed_from_a_reply_hold_no_more_than_their_bytes() {
+        use redis::Value::*;
+        let body = Array(
+            (0..10)
+                .flat_map(|n| {
+                    [
+                        BulkString(format!("f{n}").into_bytes()),
+                        BulkString(vec![b'v'; 100]),
+                    ]
+                })
+                .collect(),
+        );
+        let fields = parse_fields(body).unwrap();
+        assert_eq!(fields.len(), 10);
+        assert_eq!(fields.byte_len(), 10 * (2 + 100));
+        assert_eq!(fields.allocated(), fields.byte_len());
     }
 
     #[test]
