@@ -36,7 +36,7 @@ pub type Fields = Vec<(Vec<u8>, Vec<u8>)>;
 /// let same: EntryFields = [("event_id", "order-1"), ("payload", "{}")].into_iter().collect();
 /// assert_eq!(same, fields);
 /// ```
-#[derive(Clone, Default, PartialEq, Eq)]
+#[derive(Clone, Default, PartialEq, Eq, Hash)]
 pub struct EntryFields {
     /// Each name then its value, one after another.
     bytes: Vec<u8>,
@@ -78,7 +78,10 @@ impl EntryFields {
 
     /// The `i`th field, (name, value).
     pub fn get(&self, i: usize) -> Option<(&[u8], &[u8])> {
-        let value_end = *self.ends.get(2 * i + 1)?;
+        if i >= self.len() {
+            return None;
+        }
+        let value_end = self.ends[2 * i + 1];
         let name_end = self.ends[2 * i];
         let start = match i {
             0 => 0,
@@ -93,8 +96,9 @@ impl EntryFields {
     /// The fields in order, (name, value).
     pub fn iter(&self) -> FieldsIter<'_> {
         FieldsIter {
-            fields: self,
-            next: 0,
+            bytes: &self.bytes,
+            ends: self.ends.chunks_exact(2),
+            start: 0,
         }
     }
 
@@ -112,6 +116,35 @@ impl EntryFields {
     /// The fields as owned pairs.
     pub fn to_vec(&self) -> Fields {
         self.iter().map(|(k, v)| (k.to_vec(), v.to_vec())).collect()
+    }
+
+    /// `pairs` in one buffer of their size; over `limit` bytes (names and
+    /// values), only what an oversize entry's dead letter keeps (the first
+    /// [`MOST_FIELDS`] fields, [`PREFIX`] bytes of each name and value), with
+    /// what was cut, as the reads cut such entries down in Redis: an entry
+    /// that arrived whole is then never held twice.
+    pub(crate) fn from_pairs(pairs: &Fields, limit: usize) -> (EntryFields, Option<Cut>) {
+        let bytes: usize = pairs.iter().map(|(k, v)| k.len() + v.len()).sum();
+        if bytes <= limit {
+            let mut fields = EntryFields::with_capacity(pairs.len(), bytes);
+            for (k, v) in pairs {
+                fields.push(k, v);
+            }
+            return (fields, None);
+        }
+        let kept = &pairs[..pairs.len().min(MOST_FIELDS)];
+        let cut = Cut {
+            bytes: bytes as u64,
+            fields: pairs.len() as u64,
+            sizes: kept.iter().map(|(_, v)| v.len() as u64).collect(),
+        };
+        let prefix = |part: &[u8]| part.len().min(PREFIX);
+        let size = kept.iter().map(|(k, v)| prefix(k) + prefix(v)).sum();
+        let mut fields = EntryFields::with_capacity(kept.len(), size);
+        for (k, v) in kept {
+            fields.push(&k[..prefix(k)], &v[..prefix(v)]);
+        }
+        (fields, Some(cut))
     }
 
     /// Keeps the first `fields` fields and the first `prefix` bytes of each
@@ -163,28 +196,37 @@ impl<'a> IntoIterator for &'a EntryFields {
 }
 
 /// The fields of an [`EntryFields`], in order.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct FieldsIter<'a> {
-    fields: &'a EntryFields,
-    next: usize,
+    bytes: &'a [u8],
+    /// (name end, value end) of the fields left.
+    ends: std::slice::ChunksExact<'a, usize>,
+    /// Where the next name starts.
+    start: usize,
 }
 
 impl<'a> Iterator for FieldsIter<'a> {
     type Item = (&'a [u8], &'a [u8]);
 
     fn next(&mut self) -> Option<(&'a [u8], &'a [u8])> {
-        let field = self.fields.get(self.next)?;
-        self.next += 1;
-        Some(field)
+        let &[name_end, value_end] = self.ends.next()? else {
+            return None; // chunks of two: never
+        };
+        let start = std::mem::replace(&mut self.start, value_end);
+        Some((
+            &self.bytes[start..name_end],
+            &self.bytes[name_end..value_end],
+        ))
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        let left = self.fields.len().saturating_sub(self.next);
-        (left, Some(left))
+        self.ends.size_hint()
     }
 }
 
 impl ExactSizeIterator for FieldsIter<'_> {}
+
+impl std::iter::FusedIterator for FieldsIter<'_> {}
 
 /// One event, read from a stream and ready for a [`Handler`](crate::Handler).
 #[derive(Debug, Clone)]
@@ -410,8 +452,43 @@ impl RawEntry {
 }
 
 /// Parses the `[[id, [k, v, ...]], ...]` part of XREADGROUP, XRANGE and
-/// XAUTOCLAIM replies, keeping values as raw bytes.
-pub(crate) fn parse_entries(value: redis::Value) -> Result<Vec<RawEntry>, String> {
+/// XAUTOCLAIM replies, keeping values as raw bytes; an entry over
+/// `max_entry_bytes` that came whole is cut down as it is read (see
+/// [`EntryFields::from_pairs`]).
+pub(crate) fn parse_entries(
+    value: redis::Value,
+    max_entry_bytes: usize,
+) -> Result<Vec<RawEntry>, String> {
+    entries_of(value, |id, pairs, cut| {
+        let (fields, cut) = match pairs {
+            Some(pairs) => {
+                let (fields, cut_here) = EntryFields::from_pairs(&pairs, max_entry_bytes);
+                (Some(fields), cut.or(cut_here))
+            }
+            None => (None, cut),
+        };
+        RawEntry {
+            id,
+            fields,
+            cut,
+            seen: None,
+        }
+    })
+}
+
+/// [`parse_entries`] for entries kept as pairs, whole (dead letters).
+pub(crate) fn parse_entry_pairs(
+    value: redis::Value,
+) -> Result<Vec<(String, Option<Fields>)>, String> {
+    entries_of(value, |id, pairs, _| (id, pairs))
+}
+
+/// Each entry of `value` as `make` makes it of its id, its fields and
+/// what the server cut of it.
+fn entries_of<T>(
+    value: redis::Value,
+    mut make: impl FnMut(String, Option<Fields>, Option<Cut>) -> T,
+) -> Result<Vec<T>, String> {
     let redis::Value::Array(items) = value else {
         return match value {
             redis::Value::Nil => Ok(Vec::new()),
@@ -442,51 +519,40 @@ pub(crate) fn parse_entries(value: redis::Value) -> Result<Vec<RawEntry>, String
             }),
             _ => None,
         };
-        entries.push(RawEntry {
-            id,
-            fields,
-            cut,
-            seen: None,
-        });
+        entries.push(make(id, fields, cut));
     }
     Ok(entries)
 }
 
 /// Parses an entry's fields, `[k, v, ...]` (or a map), as raw bytes.
-pub(crate) fn parse_fields(body: redis::Value) -> Result<EntryFields, String> {
-    let mut fields = EntryFields::default();
-    let mut push = |k, v| -> Result<(), String> {
-        let k = bytes(k).ok_or("field name is not a string")?;
-        let v = bytes(v).ok_or("field value is not a string")?;
-        fields.push(&k, &v);
-        Ok(())
+pub(crate) fn parse_fields(body: redis::Value) -> Result<Fields, String> {
+    let field = |k, v| -> Result<(Vec<u8>, Vec<u8>), String> {
+        Ok((
+            bytes(k).ok_or("field name is not a string")?,
+            bytes(v).ok_or("field value is not a string")?,
+        ))
     };
     match body {
         redis::Value::Array(flat) => {
             if !flat.len().is_multiple_of(2) {
                 return Err("odd number of field items".into());
             }
+            let mut fields = Vec::with_capacity(flat.len() / 2);
             let mut it = flat.into_iter();
             while let (Some(k), Some(v)) = (it.next(), it.next()) {
-                push(k, v)?;
+                fields.push(field(k, v)?);
             }
+            Ok(fields)
         }
-        redis::Value::Map(map) => {
-            for (k, v) in map {
-                push(k, v)?;
-            }
-        }
-        other => return Err(format!("unexpected entry body {other:?}")),
+        redis::Value::Map(map) => map.into_iter().map(|(k, v)| field(k, v)).collect(),
+        other => Err(format!("unexpected entry body {other:?}")),
     }
-    // Grown a push at a time: give back what the last growth left over.
-    fields.bytes.shrink_to_fit();
-    fields.ends.shrink_to_fit();
-    Ok(fields)
 }
 
 /// Parses an XREADGROUP reply into (stream, entries) pairs.
 pub(crate) fn parse_read_reply(
     value: redis::Value,
+    max_entry_bytes: usize,
 ) -> Result<Vec<(String, Vec<RawEntry>)>, String> {
     let streams = match value {
         redis::Value::Nil => return Ok(Vec::new()),
@@ -510,7 +576,7 @@ pub(crate) fn parse_read_reply(
             let name = bytes(name)
                 .and_then(|b| String::from_utf8(b).ok())
                 .ok_or("stream name is not a string")?;
-            Ok((name, parse_entries(entries)?))
+            Ok((name, parse_entries(entries, max_entry_bytes)?))
         })
         .collect()
 }
@@ -658,10 +724,46 @@ mod tests {
                 })
                 .collect(),
         );
-        let fields = parse_fields(body).unwrap();
+        let entry = |body| Array(vec![Array(vec![BulkString(b"1-0".to_vec()), body])]);
+        let mut read = parse_entries(entry(body.clone()), 1 << 20).unwrap();
+        let fields = read.pop().unwrap().fields.unwrap();
         assert_eq!(fields.len(), 10);
         assert_eq!(fields.byte_len(), 10 * (2 + 100));
         assert_eq!(fields.allocated(), fields.byte_len());
+        assert_eq!(fields.to_vec(), parse_fields(body).unwrap());
+    }
+
+    #[test]
+    fn an_entry_over_the_limit_that_came_whole_is_cut_down_as_it_is_read() {
+        use redis::Value::*;
+        let mut items = vec![
+            BulkString(b"event_id".to_vec()),
+            BulkString(b"e".to_vec()),
+            BulkString(b"payload".to_vec()),
+            BulkString(vec![b'x'; 10_000]),
+        ];
+        for n in 0..70 {
+            items.push(BulkString(format!("f{n}").into_bytes()));
+            items.push(BulkString(b"v".to_vec()));
+        }
+        let reply = Array(vec![Array(vec![BulkString(b"1-0".to_vec()), Array(items)])]);
+        let entry = parse_entries(reply.clone(), 1_000).unwrap().pop().unwrap();
+        let fields = entry.fields.unwrap();
+        assert_eq!(fields.len(), MOST_FIELDS);
+        assert_eq!(fields.get(1).unwrap().1.len(), PREFIX);
+        assert_eq!(
+            fields.allocated(),
+            fields.byte_len(),
+            "only the prefixes held"
+        );
+        let cut = entry.cut.expect("cut down");
+        assert_eq!((cut.fields, cut.sizes.len()), (72, MOST_FIELDS));
+        assert_eq!(cut.bytes, 8 + 1 + 7 + 10_000 + 70 * 2 + 10 + 60 * 2);
+        // The same as an entry cut down after it was read whole.
+        let whole = parse_entries(reply, usize::MAX).unwrap().pop().unwrap();
+        let mut cut_after = whole.fields.unwrap();
+        assert_eq!(Cut::apply(&mut cut_after), cut);
+        assert_eq!(cut_after, fields);
     }
 
     #[test]
@@ -677,7 +779,7 @@ mod tests {
             ]),
             Array(vec![BulkString(b"2-0".to_vec()), Nil]),
         ]);
-        let entries = parse_entries(v).unwrap();
+        let entries = parse_entries(v, 1 << 20).unwrap();
         assert_eq!(entries.len(), 2);
         assert_eq!(entries[0].fields.as_ref().unwrap().get(0).unwrap().1, b"a");
         assert!(entries[1].fields.is_none());

@@ -8,7 +8,7 @@ use crate::dlq::filter::{check_ids, Filter};
 use crate::dlq::letter::{dead_letter_stream, DeadLetter};
 use crate::dlq::redis_error;
 use crate::error::{Error, ErrorKind};
-use crate::event::{parse_entries, Fields};
+use crate::event::{parse_entry_pairs, Fields};
 use crate::redis::RedisConn;
 /// Dead letters read per round trip, at most.
 pub(crate) const PAGE: usize = 100;
@@ -67,18 +67,17 @@ pub(crate) fn scan(
         );
         cmd.arg(&end).arg(page);
         let value: redis::Value = cmd.query(conn).map_err(redis_error(dlq))?;
-        let entries = parse_entries(value)
+        let entries = parse_entry_pairs(value)
             .map_err(|e| Error::new(ErrorKind::Redis, format!("{dlq}: {e}")))?;
         let n = entries.len();
         let Some(last) = entries.last() else {
             return Ok(scanned);
         };
-        end = format!("({}", last.id);
-        for entry in entries {
+        end = format!("({}", last.0);
+        for (id, fields) in entries {
             scanned.entries += 1;
-            let id = entry.id;
-            if let Some(fields) = entry.fields {
-                if !visit(id.clone(), fields.to_vec()) {
+            if let Some(fields) = fields {
+                if !visit(id.clone(), fields) {
                     return Ok(scanned);
                 }
             }
@@ -220,9 +219,9 @@ pub(crate) fn fetch(
     replies
         .into_iter()
         .map(|reply| {
-            let mut entries = parse_entries(reply)
+            let mut entries = parse_entry_pairs(reply)
                 .map_err(|e| Error::new(ErrorKind::Redis, format!("{dlq}: {e}")))?;
-            Ok(entries.pop().and_then(|e| e.fields).map(|f| f.to_vec()))
+            Ok(entries.pop().and_then(|(_, fields)| fields))
         })
         .collect()
 }

@@ -10,8 +10,9 @@
 //! Only what `cmsgpack.pack` makes of a script's entries is taken: arrays,
 //! strings, integers, `false` (a deleted entry's missing fields) and nil.
 //!
-//! The entries are read straight into [`RawEntry`]s: each name and value is
-//! copied once, into the `Vec` the event keeps. (Unpacking into redis-rs's
+//! The entries are read straight into [`RawEntry`]s: each entry's names and
+//! values are copied once, into the one buffer the event keeps
+//! ([`EntryFields`], sized first). (Unpacking into redis-rs's
 //! reply first, and reading that as `event::parse_entries` reads a reply,
 //! made two arrays per entry that were thrown away at once, and allocations
 //! made by the reader thread and freed by the workers are where glibc's
@@ -29,9 +30,9 @@ use crate::event::{Cut, EntryFields, RawEntry};
 pub(crate) fn entries(packed: &[u8]) -> Result<Vec<RawEntry>, String> {
     let mut rd = Bytes::new(packed);
     let n = array(&mut rd)?;
-    // Each entry takes a byte at least: a length beyond what is left is a
-    // broken string, not a reason to reserve memory.
-    let mut entries = Vec::with_capacity(n.min(rd.remaining_slice().len()));
+    // Each entry takes three bytes at least (an array, an id, `false`): a
+    // length beyond that is a broken string, not a reason to reserve memory.
+    let mut entries = Vec::with_capacity(n.min(rd.remaining_slice().len() / 3));
     for _ in 0..n {
         entries.push(entry(&mut rd)?);
     }
@@ -240,6 +241,10 @@ mod tests {
             &[0x91, 0x95, 0xa1, b'1', 0x90, 0xff, 0x00, 0x90], // a negative size
             &[0x90, 0x00],                         // a byte too many
             &[0xc1],                               // a reserved marker
+            &[0x91, 0x92, 0xa1, b'1', 0xdd, 0xff, 0xff, 0xff, 0xfe], // a huge field count
+            &[
+                0x91, 0x92, 0xa1, b'1', 0x92, 0xdb, 0xff, 0xff, 0xff, 0xff, 0xa0,
+            ], // a 4 GiB name
         ] {
             assert!(entries(bad).is_err(), "{bad:?}");
         }

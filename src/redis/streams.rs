@@ -481,7 +481,10 @@ pub(crate) fn event_id_of(entry: &RawEntry, longest: usize) -> Option<&[u8]> {
 }
 
 /// XREADGROUP of one stream: `from` is `>` for new entries (blocking up to
-/// `block_ms`) or an id for this consumer's pending entries after it.
+/// `block_ms`) or an id for this consumer's pending entries after it. The
+/// entries come whole; one over `max_entry_bytes` is cut down as it is
+/// read (see `EntryFields::from_pairs`).
+#[allow(clippy::too_many_arguments)] // the command's own arguments, and the size limit
 pub(crate) fn read_group(
     conn: &mut RedisConn,
     stream: &str,
@@ -490,6 +493,7 @@ pub(crate) fn read_group(
     count: usize,
     block_ms: Option<u64>,
     from: &str,
+    max_entry_bytes: usize,
 ) -> RedisResult<Vec<RawEntry>> {
     let mut cmd = redis::cmd("XREADGROUP");
     cmd.arg("GROUP")
@@ -502,7 +506,7 @@ pub(crate) fn read_group(
     }
     cmd.arg("STREAMS").arg(stream).arg(from);
     let reply: redis::Value = cmd.query(conn)?;
-    let mut streams = parse_read_reply(reply).map_err(protocol_error)?;
+    let mut streams = parse_read_reply(reply, max_entry_bytes).map_err(protocol_error)?;
     Ok(streams
         .pop()
         .map(|(_, entries)| entries)
@@ -778,8 +782,8 @@ pub(crate) fn claim(
             .collect(),
         _ => Vec::new(),
     };
-    let entries =
-        parse_entries(parts.pop().unwrap_or(redis::Value::Nil)).map_err(protocol_error)?;
+    let entries = parse_entries(parts.pop().unwrap_or(redis::Value::Nil), max_entry_bytes)
+        .map_err(protocol_error)?;
     let row_of = |id: &str| rows.iter().find(|r| r.id == id);
     Ok(Claimed {
         entries: entries
@@ -1359,7 +1363,7 @@ pub(crate) mod tests {
             all.sort();
             all
         };
-        let blocked = read_group(&mut c, stream, "g", "me", 1, Some(100), ">").unwrap();
+        let blocked = read_group(&mut c, stream, "g", "me", 1, Some(100), ">", 1 << 20).unwrap();
         assert_eq!(blocked.len(), 1);
         // No room for more: only the blocked entry, recorded and looked up.
         let only = read_group_bounded(&mut c, stream, &keys, ("g", "me"), 0, ">", LIMITS, blocked)
@@ -1381,7 +1385,7 @@ pub(crate) mod tests {
             .unwrap();
         assert_eq!(pending[0].3, 1, "{pending:?}");
         // Room for more: the blocked entry first, then the rest.
-        let blocked = read_group(&mut c, stream, "g", "me", 1, Some(100), ">").unwrap();
+        let blocked = read_group(&mut c, stream, "g", "me", 1, Some(100), ">", 1 << 20).unwrap();
         let all = read_group_bounded(&mut c, stream, &keys, ("g", "me"), 10, ">", LIMITS, blocked)
             .unwrap();
         let got: Vec<(&str, bool)> = all
@@ -1402,7 +1406,7 @@ pub(crate) mod tests {
         let mut add = redis::cmd("XADD");
         add.arg(stream).arg("*").arg("event_id").arg("z");
         let z = add.query::<String>(&mut c).unwrap();
-        let blocked = read_group(&mut c, stream, "g", "me", 1, Some(100), ">").unwrap();
+        let blocked = read_group(&mut c, stream, "g", "me", 1, Some(100), ">", 1 << 20).unwrap();
         assert_eq!(blocked[0].id, z);
         cmd(&mut c, &["XCLAIM", stream, "g", "other", "0", &z, "JUSTID"]);
         let none = read_group_bounded(&mut c, stream, &keys, ("g", "me"), 10, ">", LIMITS, blocked)

@@ -282,10 +282,10 @@ impl Processor {
             // caught: once it is held over a second (outages are waited out
             // with backoff), it takes the path below, whose BEGIN tells them
             // apart.
-            match conn.query_opt(&fused, &[&scope, &event_id, &payload]) {
-                Ok(row) => {
+            match conn.execute(&fused, &[&scope, &event_id, &payload]) {
+                Ok(rows) => {
                     observe_handler(&stage, started);
-                    if row.is_none() {
+                    if rows == 0 {
                         return Ok(Applied::Duplicate); // it inserted nothing
                     }
                     Stats::add(&stage.common.stats.commits, 1);

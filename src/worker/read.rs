@@ -268,7 +268,8 @@ impl Reader {
             }
         }
         let block = self.block.as_millis() as u64;
-        let blocked = streams::read_group(c, stream, group, consumer, 1, Some(block), ">")?;
+        let max = claim.limits.max_entry_bytes;
+        let blocked = streams::read_group(c, stream, group, consumer, 1, Some(block), ">", max)?;
         if blocked.is_empty() {
             // Nothing came for a whole BLOCK: still drained, the next read
             // blocks at once (a read script first would find nothing).
