@@ -21,7 +21,7 @@ pub type Fields = Vec<(Vec<u8>, Vec<u8>)>;
 /// by a worker thread, where glibc's allocator is slowest: a buffer and a
 /// list of ends is two allocations per entry, where a `Vec` per name and
 /// per value was five for an event of two fields (callgrind: see
-/// docs/performance-log.md, 2026-12-07).
+/// docs/performance-log.md, "2026-12-07, the later morning").
 ///
 /// ```
 /// # use taskhub::EntryFields;
@@ -132,31 +132,8 @@ impl EntryFields {
             }
             return (fields, None);
         }
-        let kept = &pairs[..pairs.len().min(MOST_FIELDS)];
-        let cut = Cut {
-            bytes: bytes as u64,
-            fields: pairs.len() as u64,
-            sizes: kept.iter().map(|(_, v)| v.len() as u64).collect(),
-        };
-        let prefix = |part: &[u8]| part.len().min(PREFIX);
-        let size = kept.iter().map(|(k, v)| prefix(k) + prefix(v)).sum();
-        let mut fields = EntryFields::with_capacity(kept.len(), size);
-        for (k, v) in kept {
-            fields.push(&k[..prefix(k)], &v[..prefix(v)]);
-        }
+        let (fields, cut) = Cut::of(pairs.iter().map(|(k, v)| (&k[..], &v[..])));
         (fields, Some(cut))
-    }
-
-    /// Keeps the first `fields` fields and the first `prefix` bytes of each
-    /// of their names and values, giving the rest of the memory back.
-    fn cut_down(&mut self, fields: usize, prefix: usize) {
-        let mut kept = EntryFields::default();
-        for (k, v) in self.iter().take(fields) {
-            kept.push(&k[..k.len().min(prefix)], &v[..v.len().min(prefix)]);
-        }
-        kept.bytes.shrink_to_fit();
-        kept.ends.shrink_to_fit();
-        *self = kept;
     }
 }
 
@@ -277,19 +254,37 @@ impl Cut {
     /// Cuts `fields` down in place, as the server-side reads do, and
     /// returns what was cut. For an entry that arrived whole.
     fn apply(fields: &mut EntryFields) -> Cut {
-        let bytes = fields.byte_len() as u64;
-        let count = fields.len() as u64;
-        let sizes = fields
-            .iter()
-            .take(MOST_FIELDS)
-            .map(|(_, v)| v.len() as u64)
-            .collect();
-        fields.cut_down(MOST_FIELDS, PREFIX);
-        Cut {
+        let (kept, cut) = Cut::of(fields.iter());
+        *fields = kept;
+        cut
+    }
+
+    /// What an oversize entry of `fields` keeps (its first [`MOST_FIELDS`]
+    /// fields, [`PREFIX`] bytes of each name and value, in a buffer of
+    /// their size), and what was cut.
+    fn of<'a>(fields: impl Iterator<Item = (&'a [u8], &'a [u8])> + Clone) -> (EntryFields, Cut) {
+        let prefix = |part: &'a [u8]| &part[..part.len().min(PREFIX)];
+        let kept = fields.clone().take(MOST_FIELDS);
+        let n = kept.clone().count();
+        let size = kept
+            .clone()
+            .map(|(k, v)| prefix(k).len() + prefix(v).len())
+            .sum();
+        let mut sizes = Vec::with_capacity(n);
+        let mut fields_kept = EntryFields::with_capacity(n, size);
+        for (k, v) in kept {
+            sizes.push(v.len() as u64);
+            fields_kept.push(prefix(k), prefix(v));
+        }
+        let (bytes, count) = fields.fold((0, 0), |(bytes, count), (k, v)| {
+            (bytes + (k.len() + v.len()) as u64, count + 1)
+        });
+        let cut = Cut {
             bytes,
             fields: count,
             sizes,
-        }
+        };
+        (fields_kept, cut)
     }
 
     /// Why the entry is invalid, with the sizes of its first fields.
