@@ -390,6 +390,96 @@ fn very_wide_invalid_entries_are_dead_lettered_whole() {
     del(&mut conn, &[&stream, &dlq]);
 }
 
+/// An oversize entry that arrives while the worker waits in its blocking
+/// read (taken whole by XREADGROUP, and cut down as it is parsed) gets the
+/// same dead letter as the same entry read from a backlog (cut down in
+/// Redis by the read script): the same fields kept (64 of 72, 256 bytes of
+/// each), the same reason; the event after it is applied.
+#[test]
+fn an_oversize_entry_gets_the_same_dead_letter_from_a_blocking_read_as_from_a_backlog() {
+    let db = TestDb::new();
+    let group = unique("g");
+    let mut conn = redis(&redis_url());
+    let mut big: Vec<(Vec<u8>, Vec<u8>)> = vec![
+        (b"event_id".to_vec(), b"big".to_vec()),
+        (b"payload".to_vec(), vec![b'p'; 5000]),
+    ];
+    big.extend((0..70).map(|i| (format!("f{i:02}").into_bytes(), vec![b'v'; 300])));
+    let small = [("event_id", "small"), ("payload", "p")];
+    let handler = || {
+        handler_fn(|event: &Event, tx: &mut Tx<'_>| {
+            tx.execute(INSERT, &[&event.event_id(), &event.payload()])?;
+            Ok::<(), HandlerError>(())
+        })
+    };
+
+    // From a backlog: written before the worker starts.
+    let backlog = unique("s");
+    xadd_raw(&mut conn, &backlog, &big);
+    xadd(&mut conn, &backlog, &small);
+    let worker = builder(&db.url, &backlog, &group)
+        .max_entry_bytes(1024)
+        .until_idle(true)
+        .build(handler())
+        .unwrap();
+    let summary = Running::of(worker).join(Duration::from_secs(30));
+    assert_eq!((summary.dead_invalid, summary.applied), (1, 1), "{summary}");
+
+    // Live: written while the worker waits in its blocking read.
+    let live = unique("s");
+    let db2 = TestDb::new();
+    let worker = builder(&db2.url, &live, &group)
+        .max_entry_bytes(1024)
+        .build(handler())
+        .unwrap();
+    let running = Running::of(worker);
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            let groups: redis::RedisResult<Vec<HashMap<String, redis::Value>>> =
+                redis::cmd("XINFO")
+                    .arg("GROUPS")
+                    .arg(&live)
+                    .query(&mut conn);
+            groups.is_ok_and(|g| g.len() == 1)
+        }),
+        "the worker did not create its group"
+    );
+    std::thread::sleep(Duration::from_millis(500)); // in its blocking read
+    xadd_raw(&mut conn, &live, &big);
+    xadd(&mut conn, &live, &small);
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            dead_letters(&mut conn, &live).len() == 1 && db2.effects("small") == 1
+        }),
+        "the live oversize entry was not dead-lettered, or the event after it not applied"
+    );
+    let summary = running.stop();
+    assert_eq!((summary.dead_invalid, summary.applied), (1, 1), "{summary}");
+    assert_eq!(pending(&mut conn, &live, &group), 0);
+
+    let (from_backlog, from_live) = (
+        dead_letters(&mut conn, &backlog).remove(0),
+        dead_letters(&mut conn, &live).remove(0),
+    );
+    for l in [&from_backlog, &from_live] {
+        assert_eq!(l.kind, DeadLetterKind::Invalid);
+        assert_eq!(l.event_id.as_deref(), Some("big"));
+        assert!(
+            l.reason.contains("over the limit of 1024 bytes"),
+            "{}",
+            l.reason
+        );
+        assert_eq!(l.fields.len(), 64, "the first 64 fields kept");
+        assert_eq!(l.field("payload"), Some(&[b'p'; 256][..]));
+    }
+    assert_eq!(from_live.fields, from_backlog.fields);
+    assert_eq!(from_live.reason, from_backlog.reason);
+    for stream in [&backlog, &live] {
+        let dlq = taskhub::dlq::dead_letter_stream(stream);
+        del(&mut conn, &[stream, &dlq]);
+    }
+}
+
 /// A key beside the stream that holds something else than taskhub keeps
 /// there (a string at `<stream>:dlq`, say) is a start-up error naming it.
 /// It used to be found at the first dead letter, as "Redis: unavailable
