@@ -76,6 +76,14 @@ impl EntryFields {
         self.bytes.len()
     }
 
+    /// What holding the fields takes: their names and values, and
+    /// [`FIELD_COST`] bytes for each field (where its name and value end).
+    /// This is the size `--max-entry-bytes` limits, so that an entry of
+    /// many empty fields is not free.
+    pub(crate) fn size(&self) -> usize {
+        size_of(self.byte_len(), self.len())
+    }
+
     /// The `i`th field, (name, value).
     pub fn get(&self, i: usize) -> Option<(&[u8], &[u8])> {
         if i >= self.len() {
@@ -125,7 +133,7 @@ impl EntryFields {
     /// that arrived whole is then never held twice.
     pub(crate) fn from_pairs(pairs: &Fields, limit: usize) -> (EntryFields, Option<Cut>) {
         let bytes: usize = pairs.iter().map(|(k, v)| k.len() + v.len()).sum();
-        if bytes <= limit {
+        if size_of(bytes, pairs.len()) <= limit {
             let mut fields = EntryFields::with_capacity(pairs.len(), bytes);
             for (k, v) in pairs {
                 fields.push(k, v);
@@ -236,6 +244,17 @@ pub(crate) struct Limits {
 pub(crate) const PREFIX: usize = 256;
 /// Fields that an oversize entry's dead letter keeps.
 pub(crate) const MOST_FIELDS: usize = 64;
+/// What each field of an entry counts towards `--max-entry-bytes` beside
+/// its name and value: the two ends [`EntryFields`] keeps of it. Without
+/// it, an entry of a million empty fields counted 0 bytes and took 16 MB
+/// to hold (the read script counts the same: `BOUND` in `streams.rs`).
+pub(crate) const FIELD_COST: usize = 16;
+
+/// The size an entry of `bytes` bytes of names and values in `fields`
+/// fields counts towards `--max-entry-bytes`.
+pub(crate) fn size_of(bytes: usize, fields: usize) -> usize {
+    bytes.saturating_add(fields.saturating_mul(FIELD_COST))
+}
 
 /// What Redis did not send of an entry over the size limit: the reads cut
 /// such entries down on the server (see `streams.rs`), so they never take
@@ -296,9 +315,11 @@ impl Cut {
             .map(|((k, _), n)| format!("{} {n}", String::from_utf8_lossy(k)))
             .collect();
         Invalid(format!(
-            "entry is {} bytes in {} fields, over the limit of {limit} bytes; the dead letter keeps the name and first {PREFIX} bytes of its first {MOST_FIELDS} fields (value sizes: {})",
+            "entry is {} bytes in {} fields, over the limit of {limit} bytes (it counts {} with {FIELD_COST} bytes a field); the dead letter keeps the name and first {PREFIX} bytes of its first {MOST_FIELDS} fields (value sizes: {})",
             self.bytes,
             self.fields,
+            self.bytes
+                .saturating_add(self.fields.saturating_mul(FIELD_COST as u64)),
             sizes.join(", ")
         ))
     }
@@ -317,9 +338,8 @@ impl Event {
         delivery_count: u64,
         limits: Limits,
     ) -> Result<Event, (Fields, Invalid)> {
-        let cut = cut.or_else(|| {
-            (fields.byte_len() > limits.max_entry_bytes).then(|| Cut::apply(&mut fields))
-        });
+        let cut = cut
+            .or_else(|| (fields.size() > limits.max_entry_bytes).then(|| Cut::apply(&mut fields)));
         if let Some(cut) = cut {
             let why = cut.reason(&fields, limits.max_entry_bytes);
             return Err((fields.to_vec(), why));
@@ -440,9 +460,9 @@ pub(crate) struct RawEntry {
 }
 
 impl RawEntry {
-    /// Bytes of the fields held.
+    /// Bytes of the fields held (see [`EntryFields::size`]).
     pub fn bytes(&self) -> usize {
-        self.fields.as_ref().map_or(0, EntryFields::byte_len)
+        self.fields.as_ref().map_or(0, EntryFields::size)
     }
 }
 
@@ -599,7 +619,7 @@ mod tests {
 
     const LIMITS: Limits = Limits {
         max_event_id_bytes: 32,
-        max_entry_bytes: 64,
+        max_entry_bytes: 128,
     };
 
     fn parse(fields: &[(&[u8], &[u8])]) -> Result<Event, Invalid> {
@@ -645,10 +665,12 @@ mod tests {
             .unwrap_err()
             .0
             .contains("limit"));
-        assert!(parse(&[(b"event_id", b"e"), (b"payload", &[b'a'; 64])])
+        // 128 bytes: 16 of names and values and 16 a field for the two.
+        assert!(parse(&[(b"event_id", b"e"), (b"payload", &[b'a'; 80])]).is_ok());
+        assert!(parse(&[(b"event_id", b"e"), (b"payload", &[b'a'; 81])])
             .unwrap_err()
             .0
-            .contains("entry is"));
+            .starts_with("entry is 97 bytes in 2 fields, over the limit of 128 bytes (it counts 129 with 16 bytes a field)"));
         let e = parse(&[(b"event_id", b"'; DROP TABLE x;--<b>\"")]).unwrap();
         assert_eq!(
             e.fields_json().unwrap(),

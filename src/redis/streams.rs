@@ -184,10 +184,11 @@ pub(crate) fn is_nogroup(e: &redis::RedisError) -> bool {
 }
 
 /// A Lua function, `bound(entries)`, that cuts each entry larger than
-/// ARGV[1] bytes down to the names and first ARGV[2] bytes of its first
-/// ARGV[3] fields, in place, and appends what it cut: such an entry becomes
-/// `{id, fields, bytes, field count, {value sizes}}`. Scripts that use it
-/// take those three arguments first.
+/// ARGV[1] bytes (its names and values, and `FIELD_COST` bytes a field:
+/// see `EntryFields::size`) down to the names and first ARGV[2] bytes of
+/// its first ARGV[3] fields, in place, and appends what it cut: such an
+/// entry becomes `{id, fields, bytes of names and values, field count,
+/// {value sizes}}`. Scripts that use it take those three arguments first.
 const BOUND: &str = r"
 local function bound(entries)
     local max, keep, most = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -196,7 +197,7 @@ local function bound(entries)
         if type(f) == 'table' then
             local size = 0
             for i = 1, #f do size = size + #f[i] end
-            if size > max then
+            if size + 16 * (#f / 2) > max then
                 local cut, sizes = {}, {}
                 for i = 1, math.min(#f, most * 2), 2 do
                     cut[#cut + 1] = string.sub(f[i], 1, keep)
@@ -1014,6 +1015,53 @@ pub(crate) mod tests {
         ];
         assert_eq!(got, want);
         cmd(&mut c, &["DEL", &a, &b]);
+    }
+
+    #[test]
+    fn the_read_script_and_the_parser_count_an_entry_s_fields_alike() {
+        // An entry of many empty fields: 9 bytes of names and values, but
+        // 101 fields of 16 bytes each to hold. At its size it is whole on
+        // both sides, a byte under it cut on both (the script counted the
+        // bytes alone: a million empty fields were 0 bytes, and 16 MB here).
+        use crate::event::{size_of, FIELD_COST};
+        let mut c = conn();
+        let s = format!("many-fields-{}", uuid::Uuid::new_v4());
+        cmd(&mut c, &["XGROUP", "CREATE", &s, "g", "0", "MKSTREAM"]);
+        let mut xadd = redis::cmd("XADD");
+        xadd.arg(&s).arg("1-1").arg("event_id").arg("a");
+        let mut pairs = vec![(b"event_id".to_vec(), b"a".to_vec())];
+        for _ in 0..100 {
+            xadd.arg("").arg("");
+            pairs.push((Vec::new(), Vec::new()));
+        }
+        xadd.query::<()>(&mut c).unwrap();
+        cmd(
+            &mut c,
+            &["XREADGROUP", "GROUP", "g", "me", "STREAMS", &s, ">"],
+        );
+        let size = size_of(9, 101);
+        assert_eq!(size, 9 + 101 * FIELD_COST);
+        let held = [Held {
+            stream: &s,
+            entry_id: "1-1",
+            count: 1,
+        }];
+        for (limit, cut) in [(size, false), (size - 1, true)] {
+            let got = owned(&mut c, "g", "me", &held, Some(limit)).unwrap();
+            let [Owned::Yes(Some(entry))] = &got[..] else {
+                panic!("{got:?}")
+            };
+            assert_eq!(
+                entry.cut.is_some(),
+                cut,
+                "the script, at a limit of {limit}"
+            );
+            let (fields, parsed) = EntryFields::from_pairs(&pairs, limit);
+            assert_eq!(parsed.is_some(), cut, "the parser, at a limit of {limit}");
+            assert_eq!(entry.cut, parsed);
+            assert_eq!(entry.fields.as_ref(), Some(&fields));
+        }
+        cmd(&mut c, &["DEL", &s]);
     }
 
     #[test]

@@ -178,7 +178,7 @@ impl Retry {
             Err((Vec::new(), Invalid(String::new()))),
         ) {
             Ok(event) if !delivery.trimmed => {
-                let bytes = event.fields.byte_len();
+                let bytes = event.fields.size();
                 Some(Box::new(Kept { event, bytes }))
             }
             _ => None,
@@ -412,7 +412,7 @@ impl Retrier {
                 cut,
                 ..
             })) => {
-                bytes = fields.byte_len();
+                bytes = fields.size();
                 let event = Event::parse(
                     retry.stream.clone(),
                     retry.entry_id.clone(),

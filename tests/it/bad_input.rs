@@ -6,6 +6,9 @@
 //!
 //! - an entry with 1,000 fields: applied, every field reaches the handler
 //!   (library handler and `taskhub run --sql` with `$3`);
+//! - an oversize entry, and one of many empty fields (16 bytes a field
+//!   count towards the limit): the same dead letter whether it arrives in
+//!   the blocking read or in a backlog;
 //! - a 5 MB payload: dead-lettered as invalid with the default entry limit,
 //!   the reason naming the size and the limit, the payload kept whole in the
 //!   dead letter; applied with `--max-entry-bytes 8000000`;
@@ -397,14 +400,56 @@ fn very_wide_invalid_entries_are_dead_lettered_whole() {
 /// each), the same reason; the event after it is applied.
 #[test]
 fn an_oversize_entry_gets_the_same_dead_letter_from_a_blocking_read_as_from_a_backlog() {
-    let db = TestDb::new();
-    let group = unique("g");
-    let mut conn = redis(&redis_url());
     let mut big: Vec<(Vec<u8>, Vec<u8>)> = vec![
         (b"event_id".to_vec(), b"big".to_vec()),
         (b"payload".to_vec(), vec![b'p'; 5000]),
     ];
     big.extend((0..70).map(|i| (format!("f{i:02}").into_bytes(), vec![b'v'; 300])));
+    let letter = dead_letter_from_a_blocking_read_and_from_a_backlog(&big, 1024);
+    assert!(
+        letter.reason.contains("over the limit of 1024 bytes"),
+        "{}",
+        letter.reason
+    );
+    assert_eq!(letter.fields.len(), 64, "the first 64 fields kept");
+    assert_eq!(letter.field("payload"), Some(&[b'p'; 256][..]));
+}
+
+/// An entry of many empty fields counts what it takes to hold (16 bytes a
+/// field beside its names and values), read whole or from a backlog: 1,001
+/// fields of 12 bytes in all are 16,028 bytes, over a limit of 4,096, and
+/// dead-lettered as oversize. Counted by their bytes alone, they passed any
+/// limit: a producer's entries of a million empty fields were 0 bytes each
+/// to the in-flight budget and 16 MB each to hold (seen failing: applied).
+#[test]
+fn an_entry_of_many_empty_fields_counts_what_it_takes_to_hold() {
+    let mut wide: Vec<(Vec<u8>, Vec<u8>)> = vec![(b"event_id".to_vec(), b"wide".to_vec())];
+    wide.extend((0..1000).map(|_| (Vec::new(), Vec::new())));
+    let letter = dead_letter_from_a_blocking_read_and_from_a_backlog(&wide, 4096);
+    assert!(
+        letter.reason.starts_with(
+            "entry is 12 bytes in 1001 fields, over the limit of 4096 bytes (it counts 16028 with 16 bytes a field)"
+        ),
+        "{}",
+        letter.reason
+    );
+    assert_eq!(letter.fields.len(), 64, "the first 64 fields kept");
+    assert_eq!(letter.event_id.as_deref(), Some("wide"));
+}
+
+/// Writes `big` (event_id `big` or `wide`) and a small event to a stream
+/// before a worker with `max_entry_bytes` starts, and to another while its
+/// worker waits in its blocking read; checks both are dead-lettered
+/// `invalid` alike, the small events applied, nothing pending. Returns the
+/// letter.
+fn dead_letter_from_a_blocking_read_and_from_a_backlog(
+    big: &[(Vec<u8>, Vec<u8>)],
+    max_entry_bytes: usize,
+) -> taskhub::DeadLetter {
+    let db = TestDb::new();
+    let group = unique("g");
+    let mut conn = redis(&redis_url());
+    let big_id = String::from_utf8(big[0].1.clone()).unwrap();
     let small = [("event_id", "small"), ("payload", "p")];
     let handler = || {
         handler_fn(|event: &Event, tx: &mut Tx<'_>| {
@@ -415,10 +460,10 @@ fn an_oversize_entry_gets_the_same_dead_letter_from_a_blocking_read_as_from_a_ba
 
     // From a backlog: written before the worker starts.
     let backlog = unique("s");
-    xadd_raw(&mut conn, &backlog, &big);
+    xadd_raw(&mut conn, &backlog, big);
     xadd(&mut conn, &backlog, &small);
     let worker = builder(&db.url, &backlog, &group)
-        .max_entry_bytes(1024)
+        .max_entry_bytes(max_entry_bytes)
         .until_idle(true)
         .build(handler())
         .unwrap();
@@ -429,7 +474,7 @@ fn an_oversize_entry_gets_the_same_dead_letter_from_a_blocking_read_as_from_a_ba
     let live = unique("s");
     let db2 = TestDb::new();
     let worker = builder(&db2.url, &live, &group)
-        .max_entry_bytes(1024)
+        .max_entry_bytes(max_entry_bytes)
         .build(handler())
         .unwrap();
     let running = Running::of(worker);
@@ -445,7 +490,7 @@ fn an_oversize_entry_gets_the_same_dead_letter_from_a_blocking_read_as_from_a_ba
         "the worker did not create its group"
     );
     std::thread::sleep(Duration::from_millis(500)); // in its blocking read
-    xadd_raw(&mut conn, &live, &big);
+    xadd_raw(&mut conn, &live, big);
     xadd(&mut conn, &live, &small);
     assert!(
         wait_until(Duration::from_secs(20), || {
@@ -456,6 +501,7 @@ fn an_oversize_entry_gets_the_same_dead_letter_from_a_blocking_read_as_from_a_ba
     let summary = running.stop();
     assert_eq!((summary.dead_invalid, summary.applied), (1, 1), "{summary}");
     assert_eq!(pending(&mut conn, &live, &group), 0);
+    assert_eq!((db.effects(&big_id), db2.effects(&big_id)), (0, 0));
 
     let (from_backlog, from_live) = (
         dead_letters(&mut conn, &backlog).remove(0),
@@ -463,14 +509,7 @@ fn an_oversize_entry_gets_the_same_dead_letter_from_a_blocking_read_as_from_a_ba
     );
     for l in [&from_backlog, &from_live] {
         assert_eq!(l.kind, DeadLetterKind::Invalid);
-        assert_eq!(l.event_id.as_deref(), Some("big"));
-        assert!(
-            l.reason.contains("over the limit of 1024 bytes"),
-            "{}",
-            l.reason
-        );
-        assert_eq!(l.fields.len(), 64, "the first 64 fields kept");
-        assert_eq!(l.field("payload"), Some(&[b'p'; 256][..]));
+        assert_eq!(l.event_id.as_deref(), Some(&big_id[..]));
     }
     assert_eq!(from_live.fields, from_backlog.fields);
     assert_eq!(from_live.reason, from_backlog.reason);
@@ -478,6 +517,7 @@ fn an_oversize_entry_gets_the_same_dead_letter_from_a_blocking_read_as_from_a_ba
         let dlq = taskhub::dlq::dead_letter_stream(stream);
         del(&mut conn, &[stream, &dlq]);
     }
+    from_live
 }
 
 /// A key beside the stream that holds something else than taskhub keeps
