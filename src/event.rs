@@ -14,6 +14,15 @@ use std::sync::Arc;
 /// [`EntryFields`] for an event's).
 pub type Fields = Vec<(Vec<u8>, Vec<u8>)>;
 
+/// The value of the first field of `fields` named `name` (see
+/// [`EntryFields::value_of`] for an event's).
+pub(crate) fn value_in<'a>(fields: &'a [(Vec<u8>, Vec<u8>)], name: &[u8]) -> Option<&'a [u8]> {
+    fields
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_slice())
+}
+
 /// The raw fields of a stream entry, in the order Redis returned them:
 /// names and values side by side in one buffer.
 ///

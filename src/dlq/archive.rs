@@ -16,6 +16,7 @@ use crate::dlq::letter::dead_letter_stream;
 use crate::dlq::read::{fetch, matching_ids};
 use crate::dlq::{pg_error, redis_error};
 use crate::error::{Error, ErrorKind};
+use crate::event::value_in;
 use crate::fault::{self, Point};
 use crate::redis::RedisConn;
 
@@ -106,10 +107,7 @@ pub fn archive(
                 continue;
             };
             let text = |name: &str| {
-                fields
-                    .iter()
-                    .find(|(k, _)| k.as_slice() == name.as_bytes())
-                    .map(|(_, v)| no_nul(&String::from_utf8_lossy(v)))
+                value_in(&fields, name.as_bytes()).map(|v| no_nul(&String::from_utf8_lossy(v)))
             };
             records.push(Record {
                 id: id.clone(),

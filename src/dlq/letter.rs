@@ -17,7 +17,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::event::{Fields, MOST_FIELDS, PREFIX};
+use crate::event::{value_in, Fields, MOST_FIELDS, PREFIX};
 
 /// One failed attempt, kept for the dead-letter history.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -346,11 +346,9 @@ impl DeadLetter {
     /// Reads a dead letter back from its stream entry.
     pub fn from_fields(id: Option<String>, raw: &Fields) -> Result<DeadLetter, String> {
         let text = |name: &str| -> Result<String, String> {
-            let v = raw
-                .iter()
-                .find(|(k, _)| k.as_slice() == name.as_bytes())
+            let v = value_in(raw, name.as_bytes())
                 .ok_or_else(|| format!("dead letter without {name}"))?;
-            String::from_utf8(v.1.clone()).map_err(|_| format!("{name} is not UTF-8"))
+            String::from_utf8(v.to_vec()).map_err(|_| format!("{name} is not UTF-8"))
         };
         let number = |name: &str| -> Result<u64, String> {
             text(name)?
@@ -371,8 +369,8 @@ impl DeadLetter {
             history: parse_history(&text("history")?)?,
             first_failed_at: number("first_failed_at")?,
             dead_at: number("dead_at")?,
-            fields: match raw.iter().find(|(k, _)| k.as_slice() == PACKED_FIELDS) {
-                Some((_, packed)) if !packed.is_empty() => unpack(packed)?,
+            fields: match value_in(raw, PACKED_FIELDS) {
+                Some(packed) if !packed.is_empty() => unpack(packed)?,
                 Some(_) => Vec::new(),
                 None => raw
                     .iter()
@@ -434,10 +432,7 @@ impl DeadLetter {
 
     /// An original field, raw.
     pub fn field(&self, name: &str) -> Option<&[u8]> {
-        self.fields
-            .iter()
-            .find(|(k, _)| k.as_slice() == name.as_bytes())
-            .map(|(_, v)| v.as_slice())
+        value_in(&self.fields, name.as_bytes())
     }
 }
 #[cfg(test)]

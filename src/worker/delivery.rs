@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::dlq::Attempt;
-use crate::event::{Event, Fields, Invalid, Limits, RawEntry};
+use crate::event::{value_in, Event, Fields, Invalid, Limits, RawEntry};
 use crate::redis::streams::{Holder, Seen};
 use crate::worker::flow::Ticket;
 use crate::worker::stats::Stats;
@@ -179,10 +179,9 @@ impl Delivery {
     pub fn event_id(&self) -> Option<&str> {
         match &self.body {
             Ok(event) => Some(event.event_id()),
-            Err((fields, _)) => fields
-                .iter()
-                .find(|(k, _)| k == b"event_id")
-                .and_then(|(_, v)| std::str::from_utf8(v).ok()),
+            Err((fields, _)) => {
+                value_in(fields, b"event_id").and_then(|v| std::str::from_utf8(v).ok())
+            }
         }
     }
 

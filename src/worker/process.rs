@@ -36,7 +36,7 @@ use crate::backoff::Backoff;
 use crate::config::Mode;
 use crate::dlq::Kind;
 use crate::error::{FailureClass, HandlerError};
-use crate::event::Event;
+use crate::event::{value_in, Event};
 use crate::fault::{self, Point};
 use crate::handler::Handler;
 use crate::handler::StatementCache;
@@ -314,10 +314,7 @@ impl Processor {
         for delivery in job {
             let field = |name: &str| match &delivery.body {
                 Ok(event) => event.field(name),
-                Err((fields, _)) => fields
-                    .iter()
-                    .find(|(k, _)| k == name.as_bytes())
-                    .map(|(_, v)| v.as_slice()),
+                Err((fields, _)) => value_in(fields, name.as_bytes()),
             };
             if let Some(other) = replayed_for(field, &stream, &self.stage.settings.group) {
                 match self.replayed_for_group(&stream, &delivery.entry_id, &other) {
