@@ -292,8 +292,32 @@ pub(crate) fn dead_letter_index_of_all_groups(stream: &str) -> String {
 /// group. (One whose letter is gone counts for no group: it may be any
 /// group's, and a group that never dead-lettered it would drop it unread.)
 /// 500 ids a call: Lua's `unpack` takes fewer than 8,000.
+///
+/// With `events` (the entries' event ids, or false for none, at the ids'
+/// places), a letter counts only if it names the same event id: an entry
+/// id is reused when a stream is deleted and written again with explicit
+/// ids, and the index, a key of its own, outlives the stream (a new event
+/// at the id of an old letter was acked as dead-lettered before, and
+/// lost). One that is gone from `dlq` (archived, trimmed) cannot tell, and
+/// counts. The index keeps its field: the letter of a new invalid entry
+/// there takes its place (the write script compares the two letters' event
+/// ids, made alike), and a read compares raw bytes, where a letter keeps no
+/// event id that is not UTF-8: such an entry, delivered again, is not taken
+/// for its letter by the read, and its letter, written again, is found the
+/// same by the write script, which acks it.
 pub(crate) const DEAD_IN: &str = r"
-local function dead_in(index, old, dlq, group, ids, first, last)
+local function letter_fields(dlq, letter_id)
+    local letter = redis.call('XRANGE', dlq, letter_id, letter_id)
+    if #letter == 1 and type(letter[1][2]) == 'table' then return letter[1][2] end
+    return nil
+end
+local function field_of(f, name)
+    for j = 1, #f - 1, 2 do
+        if f[j] == name then return f[j + 1] end
+    end
+    return false
+end
+local function dead_in(index, old, dlq, group, ids, first, last, events)
     local dead = {}
     -- Most deployments never had the old index: no second HMGET then.
     local has_old = redis.call('EXISTS', old) == 1
@@ -302,18 +326,16 @@ local function dead_in(index, old, dlq, group, ids, first, last)
         local own = redis.call('HMGET', index, unpack(ids, from, to))
         local before = has_old and redis.call('HMGET', old, unpack(ids, from, to)) or {}
         for i = 1, #own do
-            local letter_id = own[i]
-            if not letter_id and before[i] then
-                local letter = redis.call('XRANGE', dlq, before[i], before[i])
-                if #letter == 1 then
-                    local f = letter[1][2]
-                    for j = 1, #f - 1, 2 do
-                        if f[j] == 'group' then
-                            if f[j + 1] == group then letter_id = before[i] end
-                            break
-                        end
-                    end
-                end
+            local letter_id, f = own[i], nil
+            if letter_id then
+                if events then f = letter_fields(dlq, letter_id) end
+            elseif before[i] then
+                f = letter_fields(dlq, before[i])
+                if f and field_of(f, 'group') == group then letter_id = before[i] end
+            end
+            local k = from + i - 1
+            if letter_id and events and f and field_of(f, 'event_id') ~= events[k] then
+                letter_id = false
             end
             dead[#dead + 1] = letter_id
         end

@@ -46,8 +46,8 @@ pub(crate) struct Seen {
     pub dead: Vec<bool>,
 }
 
-/// Reads the markers `keys` (one per entry) and which of `entry_ids`
-/// `group` dead-lettered from `stream` (see `keys::DEAD_IN`), in one
+/// Reads the markers `keys` (one per entry) and which of `entries` (entry
+/// id, event id) `group` dead-lettered from `stream` (see `keys::DEAD_IN`), in one
 /// pipelined round trip. Fails, and marks
 /// `conn` stale, when a reply is out of place (see the module's
 /// documentation).
@@ -58,10 +58,10 @@ pub(crate) fn check(
     conn: &mut RedisConn,
     keys: &[String],
     (stream, group): (&str, &str),
-    entry_ids: &[&str],
+    entries: &[(&str, &str)],
     remember: (&str, &[(&str, &str)]),
 ) -> RedisResult<Seen> {
-    debug_assert_eq!(keys.len(), entry_ids.len());
+    debug_assert_eq!(keys.len(), entries.len());
     let mut pipe = conn.pipe();
     for key in keys {
         pipe.cmd("GET").arg(key);
@@ -73,13 +73,13 @@ pub(crate) fn check(
         .arg(keys::dead_letter_index_of_all_groups(stream))
         .arg(keys::dead_letter_stream(stream))
         .arg(group)
-        .arg(entry_ids);
+        .arg(entries);
     let (ids_key, pairs) = remember;
     if !pairs.is_empty() {
         pipe.cmd("HSET").arg(ids_key).arg(pairs).ignore();
     }
     let replies: Vec<Value> = pipe.query(conn)?;
-    read(keys, entry_ids.len(), replies).map_err(|why| {
+    read(keys, entries.len(), replies).map_err(|why| {
         log::warn!(
             "redis: marker check: a reply out of place ({why}); the connection is dropped and the check done again on another"
         );
@@ -94,15 +94,24 @@ pub(crate) fn check(
     })
 }
 
-/// Which of the entry ids ARGV[2..] group ARGV[1] dead-lettered: its
-/// index KEYS[1], the index of every group's letters KEYS[2], their letters
-/// KEYS[3] (see `keys::DEAD_IN`). Sent as EVAL in a pipeline (a few hundred
-/// bytes; Redis keeps it compiled): this path runs for what the read did
-/// not cover.
+/// Which of the entries ARGV[2..] (entry id, event id, ...) group ARGV[1]
+/// dead-lettered, as letters that name the same event: its index KEYS[1],
+/// the index of every group's letters KEYS[2], their letters KEYS[3] (see
+/// `keys::DEAD_IN`). Sent as EVAL in a pipeline (a few hundred bytes; Redis
+/// keeps it compiled): this path runs for what the read did not cover.
 static DEAD_OF_GROUP: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
-        "{}\nif #ARGV < 2 then return {{}} end\nreturn dead_in(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV, 2, #ARGV)",
-        keys::DEAD_IN
+        "{}{}",
+        keys::DEAD_IN,
+        r"
+local ids, events = {}, {}
+for i = 2, #ARGV - 1, 2 do
+    ids[#ids + 1] = ARGV[i]
+    events[#ids] = ARGV[i + 1]
+end
+if #ids == 0 then return {} end
+return dead_in(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ids, 1, #ids, events)
+"
     )
 });
 
@@ -299,7 +308,9 @@ mod tests {
     /// group, for more entries than Lua's `unpack` takes at once (a
     /// review: 8,100 failed with "too many results to unpack", and the
     /// entries stayed pending for ever); an old-index entry counts for the
-    /// group its letter names only.
+    /// group its letter names only; a letter counts for the event it names
+    /// only (an entry id reused by another event, its stream deleted and
+    /// written again, was acked as dead-lettered before: lost).
     #[test]
     fn the_dead_letter_lookup_takes_many_entries_and_old_letters_by_group() {
         let mut c = crate::redis::streams::tests::conn();
@@ -311,33 +322,37 @@ mod tests {
                 .query::<Value>(c)
                 .unwrap()
         };
-        let letter = |c: &mut RedisConn, group: &str| -> String {
+        let letter = |c: &mut RedisConn, group: &str, event: &str| -> String {
             redis::cmd("XADD")
                 .arg(&dlq)
                 .arg("*")
                 .arg("group")
                 .arg(group)
+                .arg("event_id")
+                .arg(event)
                 .query(c)
                 .unwrap()
         };
-        let (a_letter, b_letter) = (letter(&mut c, "a"), letter(&mut c, "b"));
+        let (a_letter, b_letter) = (letter(&mut c, "a", "e"), letter(&mut c, "b", "e"));
+        let other = letter(&mut c, "a", "another");
         let ids: Vec<String> = (0..9_000).map(|i| format!("{}-0", i + 1)).collect();
-        // Group a's own index: entry 1; the old index: entry 2 (a's letter),
-        // entry 3 (b's letter), entry 4 (a letter gone).
+        // Group a's own index: entry 1, entry 5 (the letter of another
+        // event); the old index: entry 2 (a's letter), entry 3 (b's
+        // letter), entry 4 (a letter gone).
         let own = keys::dead_letter_index(&stream, "a");
         let old = keys::dead_letter_index_of_all_groups(&stream);
-        cmd(&mut c, &["HSET", &own, "1-0", &a_letter]);
+        cmd(&mut c, &["HSET", &own, "1-0", &a_letter, "5-0", &other]);
         cmd(
             &mut c,
             &[
                 "HSET", &old, "2-0", &a_letter, "3-0", &b_letter, "4-0", "9-9",
             ],
         );
-        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        let refs: Vec<(&str, &str)> = ids.iter().map(|id| (id.as_str(), "e")).collect();
         let keys = vec![keys::marker("00ff", "s", "e"); refs.len()];
         let seen = check(&mut c, &keys, (&stream, "a"), &refs, ("unused", &[])).unwrap();
         let dead: Vec<usize> = (0..refs.len()).filter(|i| seen.dead[*i]).collect();
-        assert_eq!(dead, [0, 1], "entries 1 and 2 are a's");
+        assert_eq!(dead, [0, 1], "entries 1 and 2 are a's, not 5");
         let seen = check(
             &mut c,
             &keys[..4],

@@ -285,8 +285,10 @@ fn bounded_on(script: &str, keys: &[&str], max_entry_bytes: usize, keep: usize) 
 /// entry still this consumer's, else `0`.
 const READ_BOUNDED: &str = r"
 local prefix, longest = ARGV[9], tonumber(ARGV[8])
-local ids, read, events = {}, {}, {}
-local function note(id, event)
+local ids, read, events, named = {}, {}, {}, {}
+-- `named`: the event id each entry names, whatever its length (for
+-- `dead_in`, which compares it with its letter's).
+local function note(id, event, names)
     if event then
         ids[#ids + 1] = id
         ids[#ids + 1] = event
@@ -297,6 +299,7 @@ local function note(id, event)
     end
     read[#read + 1] = id
     events[#read] = event or false
+    named[#read] = names or event or false
 end
 local kept = {}
 for i = 10, #ARGV - 1, 2 do
@@ -318,23 +321,24 @@ if ARGV[6] ~= '0' then
     if r then entries = r[1][2] end
 end
 for _, e in ipairs(entries) do
-    local f, event = e[2], nil
+    local f, event, names = e[2], nil, nil
     if type(f) == 'table' then
         for i = 1, #f - 1, 2 do
             if f[i] == 'event_id' then
-                if #f[i + 1] <= longest then event = f[i + 1] end
+                names = f[i + 1]
+                if #names <= longest then event = names end
                 break
             end
         end
     end
-    note(e[1], event)
+    note(e[1], event, names)
 end
 if #ids > 0 then redis.call('HSET', KEYS[2], unpack(ids)) end
 local seen = {}
 if prefix ~= '' then
     for first = 1, #read, 500 do
         local last = math.min(first + 499, #read)
-        local dead = dead_in(KEYS[3], KEYS[4], KEYS[5], ARGV[4], read, first, last)
+        local dead = dead_in(KEYS[3], KEYS[4], KEYS[5], ARGV[4], read, first, last, named)
         local markers, at = {}, {}
         for i = first, last do
             if events[i] then

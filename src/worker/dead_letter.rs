@@ -65,7 +65,14 @@ pub(crate) struct Job {
 /// consumer, delivery count (empty: no ownership check), then the letter's
 /// fields. Follows [`DEAD_IN`].
 const WRITE_DEAD_LETTER: &str = r"
-if dead_in(KEYS[3], KEYS[5], KEYS[2], ARGV[1], ARGV, 2, 2)[1] then
+local names = {[2] = false}
+for j = 5, #ARGV - 1, 2 do
+    if ARGV[j] == 'event_id' then
+        names[2] = ARGV[j + 1]
+        break
+    end
+end
+if dead_in(KEYS[3], KEYS[5], KEYS[2], ARGV[1], ARGV, 2, 2, names)[1] then
     redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
     redis.call('HDEL', KEYS[4], ARGV[2])
     return 2

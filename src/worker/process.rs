@@ -661,14 +661,17 @@ impl Processor {
             .iter()
             .map(|&i| crate::redis::keys::marker(&ns, scope, event(&valid[i]).event_id()))
             .collect();
-        let entry_ids: Vec<&str> = ask.iter().map(|&i| valid[i].entry_id.as_str()).collect();
+        let entries: Vec<(&str, &str)> = ask
+            .iter()
+            .map(|&i| (valid[i].entry_id.as_str(), event(&valid[i]).event_id()))
+            .collect();
         // A hit counts only when its reply proves it answers its key.
         let seen = self.with_redis(|conn| {
             crate::redis::markers::check(
                 conn,
                 &keys,
                 (stream, &self.stage.settings.group),
-                &entry_ids,
+                &entries,
                 (&ids_key, &pairs),
             )
         })?;
