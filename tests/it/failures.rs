@@ -1004,6 +1004,194 @@ fn a_call_that_failed_before_writing_costs_no_check_of_its_transaction() {
     assert_eq!(checks, 0, "checks of an untouched transaction");
 }
 
+/// Batch mode, a stream whose reads alternate between the built-in
+/// statement's events (the fused statement, its own transaction, in a
+/// session that may write outside BEGIN) and the handler's (a transaction
+/// in the handler's session): the switch back to the fused statement's
+/// session rides on the round trip that ends the handler's transaction,
+/// its COMMIT or, when every event of it failed, its ROLLBACK. A SET of its
+/// own before each fused read cost a round trip per switch. Counted in the
+/// private server's statement log; every event applied once.
+#[test]
+fn the_switch_back_to_the_fused_statement_rides_on_the_handler_s_commit() {
+    struct Mixed {
+        sql: SqlHandler,
+        failed: Mutex<std::collections::HashSet<String>>,
+    }
+    impl Handler for Mixed {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            if self
+                .failed
+                .lock()
+                .unwrap()
+                .insert(event.event_id().to_owned())
+            {
+                return Err(HandlerError::retryable("refused before writing"));
+            }
+            insert(event, tx)
+        }
+        fn sql_effect(&self, event: &Event) -> Option<&SqlHandler> {
+            event.field("own").is_none().then_some(&self.sql)
+        }
+    }
+    let pg = PrivatePostgres::start_with(&["log_statement=all"], None);
+    let mut s = Scenario::on(&redis_url(), TestDb::on(&pg.url("postgres")), "s");
+    let running = Running::start(
+        s.builder()
+            .mode(Mode::Batch)
+            .workers(1)
+            .backoff_base(Duration::from_millis(10))
+            .backoff_cap(Duration::from_millis(10)),
+        Mixed {
+            sql: SqlHandler::default(),
+            failed: Mutex::default(),
+        },
+    );
+    let mut events = Vec::new();
+    let rounds: usize = 6;
+    for round in 0..rounds {
+        let plain = event_ids(&format!("plain-{round}"), 3);
+        events.extend(s.produce(&plain));
+        assert!(
+            wait_until(Duration::from_secs(20), || s.db.effects(&plain[2]) == 1),
+            "round {round}: the built-in statement's events"
+        );
+        // Two of the handler's in one read (MULTI: the worker cannot wake
+        // between them), then their retries together: batches of two.
+        let own = [format!("own-{round}-a"), format!("own-{round}-b")];
+        let mut multi = redis::pipe();
+        multi.atomic();
+        for id in &own {
+            multi
+                .cmd("XADD")
+                .arg(&s.stream)
+                .arg("*")
+                .arg("event_id")
+                .arg(id)
+                .arg("payload")
+                .arg("x")
+                .arg("own")
+                .arg("1")
+                .ignore();
+        }
+        let () = multi.query(&mut s.conn).unwrap();
+        events.extend(own.iter().cloned());
+        assert!(
+            wait_until(Duration::from_secs(20), || own
+                .iter()
+                .all(|id| s.db.effects(id) == 1)),
+            "round {round}: the handler's events"
+        );
+    }
+    let summary = running.stop();
+    assert_eq!(summary.retries, 2 * rounds as u64, "{summary:?}");
+    s.assert_applied_once(&events);
+    let log = std::fs::read_to_string(pg.socket_dir().join("log")).unwrap();
+    let statements = |what: &str| {
+        log.lines()
+            .filter(|l| l.contains("statement: ") && l.contains(what))
+            .count()
+    };
+    // The worker's first switch to each session is a round trip of its own.
+    assert!(
+        statements("statement: SET default_transaction_read_only = off") <= 1,
+        "switches back to the fused statement's session on their own:\n{log}"
+    );
+    // Each round's failed batch and its retries' batch switched to the
+    // handler's session and back, in the ROLLBACK's and the COMMIT's round
+    // trips.
+    assert!(statements("ROLLBACK; SET default_transaction_read_only = off") >= rounds);
+    assert!(
+        statements("SET default_transaction_read_only = off; SET statement_timeout") > 2 * rounds
+    );
+    assert!(statements("COMMIT; SET default_transaction_read_only = off") >= rounds);
+}
+
+/// A handler's transaction whose COMMIT fails (a deferred constraint,
+/// 40001, once per event) after the fused statement's reads: the set-up of
+/// the fused statement's session sent after that COMMIT did not run, the
+/// session is still the handler's, and the next fused read switches on its
+/// own. Believed switched, the fused statement ran in the handler's
+/// read-only session and was refused (25006, in the server's log: seen
+/// failing so), its read applied again another way.
+#[test]
+fn after_a_commit_that_failed_the_fused_statement_still_finds_its_session() {
+    struct Mixed(SqlHandler);
+    impl Handler for Mixed {
+        fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+            insert(event, tx)
+        }
+        fn sql_effect(&self, event: &Event) -> Option<&SqlHandler> {
+            event.field("own").is_none().then_some(&self.0)
+        }
+    }
+    let pg = PrivatePostgres::start_with(&["log_statement=all"], None);
+    let mut s = Scenario::on(&redis_url(), TestDb::on(&pg.url("postgres")), "s");
+    s.db.client()
+        .batch_execute(
+            "CREATE SEQUENCE commits_tried; \
+             CREATE FUNCTION fail_every_other_commit() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN \
+               IF NEW.payload = 'fails at commit' AND nextval('commits_tried') % 2 = 1 THEN \
+                 RAISE EXCEPTION 'deferred check failed' USING ERRCODE = '40001'; \
+               END IF; \
+               RETURN NULL; \
+             END $$; \
+             CREATE CONSTRAINT TRIGGER at_commit AFTER INSERT ON notifications \
+               DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION fail_every_other_commit();",
+        )
+        .unwrap();
+    let running = Running::start(
+        s.builder()
+            .mode(Mode::Batch)
+            .workers(1)
+            .backoff_base(Duration::from_millis(500))
+            .backoff_cap(Duration::from_millis(500)),
+        Mixed(SqlHandler::default()),
+    );
+    let mut events = Vec::new();
+    let tried = |s: &Scenario| {
+        s.db.count("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM commits_tried")
+    };
+    for round in 0..4 {
+        // The handler's event, whose COMMIT fails; then, while its retry
+        // waits, the built-in statement's events.
+        let own = format!("own-{round}");
+        xadd(
+            &mut s.conn,
+            &s.stream,
+            &[
+                ("event_id", own.as_str()),
+                ("payload", "fails at commit"),
+                ("own", "1"),
+            ],
+        );
+        events.push(own.clone());
+        assert!(
+            wait_until(Duration::from_secs(20), || tried(&s) == 2 * round + 1),
+            "round {round}: the handler's COMMIT was not tried"
+        );
+        let plain = event_ids(&format!("plain-{round}"), 3);
+        events.extend(s.produce(&plain));
+        assert!(
+            wait_until(Duration::from_secs(20), || s.db.effects(&plain[2]) == 1
+                && s.db.effects(&own) == 1),
+            "round {round}: not applied"
+        );
+    }
+    let summary = running.stop();
+    assert_eq!(summary.retries, 4, "{summary:?}");
+    assert_eq!(summary.dead_lettered, 0, "{summary:?}");
+    s.assert_applied_once(&events);
+    let log = std::fs::read_to_string(pg.socket_dir().join("log")).unwrap();
+    assert_eq!(
+        log.matches("ERROR:  deferred check failed").count(),
+        4,
+        "{log}"
+    );
+    assert!(!log.contains("read-only transaction"), "{log}");
+}
+
 // 9. ---------------------------------------------------------------------
 
 #[test]
