@@ -141,6 +141,9 @@ pub struct HandlerError {
     /// Whether the transaction it happened in must not go on (see
     /// [`HandlerError::ends_transaction`]), where no source says so.
     ends_transaction: bool,
+    /// The event's dedup row is held by another transaction (see
+    /// [`HandlerError::held_elsewhere`]).
+    held: bool,
     message: String,
     source: Option<Cause>,
 }
@@ -153,6 +156,7 @@ impl HandlerError {
             event_index: None,
             panicked: false,
             ends_transaction: false,
+            held: false,
             message,
             source,
         }
@@ -205,6 +209,27 @@ impl HandlerError {
         let mut e = HandlerError::new(FailureClass::Retryable, message, None);
         e.panicked = true;
         e
+    }
+
+    /// Marks the failure of an event's dedup insert that waited for the
+    /// event's `processed_events` key, taken by another transaction (most
+    /// likely the entry's owner before a claim, still to commit or roll
+    /// back). Not the event's failure: tried again without counting an
+    /// attempt (see `worker/fail.rs`), as a dead letter now could join the
+    /// holder's commit as a second outcome.
+    pub(crate) fn held_elsewhere(mut self) -> HandlerError {
+        self.message = format!(
+            "the event's processed_events row is held by another transaction (the entry's owner before a claim, still to commit or roll back?): {}",
+            self.message
+        );
+        self.held = true;
+        self
+    }
+
+    /// Whether the event's dedup row was held by another transaction (see
+    /// [`HandlerError::held_elsewhere`]).
+    pub(crate) fn is_held_elsewhere(&self) -> bool {
+        self.held
     }
 
     /// Whether it is PostgreSQL refusing a statement because the

@@ -3,7 +3,9 @@
 //! Set `TASKHUB_FAULT=<point>` (or `<point>@<event_id>` to stop only on one
 //! event). When the point is reached, the process prints
 //! `taskhub-fault: <point> <event_id>` to stderr and freezes the thread, so
-//! the test can SIGKILL it at exactly that moment.
+//! the test can SIGKILL it at exactly that moment; with
+//! `TASKHUB_FAULT_PAUSE_MS=<ms>` as well, the thread goes on after that
+//! pause.
 //!
 //! Only with the `fault-injection` feature, which the tests turn on; in any
 //! other build the checks are empty functions and the environment is never
@@ -78,6 +80,15 @@ pub(crate) fn hit(point: Point, event_id: &str) {
         point.name()
     );
     let _ = std::io::stderr().flush();
+    // `TASKHUB_FAULT_PAUSE_MS=<ms>`: a pause (a stopped VM, a swap storm),
+    // then the thread goes on.
+    if let Some(ms) = std::env::var("TASKHUB_FAULT_PAUSE_MS")
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+    {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+        return;
+    }
     loop {
         std::thread::park();
     }

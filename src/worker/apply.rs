@@ -195,8 +195,13 @@ impl Processor {
         let insert = prepare(&mut ***conn, cache, INSERT_PROCESSED)?;
         let mut tx = Tx::new(conn.build_transaction().read_only(false).start()?, cache);
         let event_id = event(delivery).event_id().to_owned();
-        let Some(row) = tx.query_opt(&insert, &[&scope, &event_id])? else {
-            return Ok(Applied::Duplicate); // dropping tx rolls back
+        let row = match tx.query_opt(&insert, &[&scope, &event_id]) {
+            Ok(Some(row)) => row,
+            Ok(None) => return Ok(Applied::Duplicate), // dropping tx rolls back
+            Err(e) => {
+                drop(tx); // rolls back
+                return Err(self.waited_for(e, scope, &event_id));
+            }
         };
         let xid: i64 = row.get(0);
         self.reached_database = true;
@@ -316,8 +321,13 @@ impl Processor {
         // The session worked when the event started: losing it from here
         // on may be the event's doing.
         self.reached_database = true;
-        let Some(row) = tx.query_opt(&fused, &[&scope, &event_id, &payload])? else {
-            return Ok(Applied::Duplicate); // dropping tx rolls back
+        let row = match tx.query_opt(&fused, &[&scope, &event_id, &payload]) {
+            Ok(Some(row)) => row,
+            Ok(None) => return Ok(Applied::Duplicate), // dropping tx rolls back
+            Err(e) => {
+                drop(tx); // rolls back
+                return Err(self.waited_for(e, scope, event_id));
+            }
         };
         observe_handler(&stage, started);
         finish(&stage, tx, row.get(0), delivery, None)
@@ -686,6 +696,53 @@ impl Processor {
         conn.batch_execute(&sql)?;
         self.session = Some(want);
         Ok(())
+    }
+
+    /// The error of an event's dedup insert (alone, or with the built-in
+    /// effect), after its transaction rolled back. One that gave up waiting
+    /// (a statement timeout, 57014, or a lock timeout, 55P03) may have
+    /// waited for the event's `processed_events` key, inserted by another
+    /// transaction not yet ended: the entry's owner before a claim, stopped
+    /// between its ownership check and its COMMIT, say. Counted as the
+    /// event's failed attempt, that wait made a dead letter beside the
+    /// holder's commit. A probe tells: the key inserted again with a lock
+    /// timeout of 100 ms and rolled back. Taken (the probe waits in vain,
+    /// or the key committed meanwhile), the error is
+    /// [`HandlerError::held_elsewhere`]: tried again, uncounted; free, the
+    /// wait was for something else (a slow trigger of the effect) and
+    /// counts as before.
+    fn waited_for(&mut self, e: postgres::Error, scope: &str, event_id: &str) -> HandlerError {
+        use postgres::error::SqlState;
+        let gave_up = matches!(
+            e.code(),
+            Some(&SqlState::QUERY_CANCELED | &SqlState::LOCK_NOT_AVAILABLE)
+        );
+        let error = HandlerError::from(e);
+        let Some(conn) = self.pg.as_mut().filter(|_| gave_up) else {
+            return error;
+        };
+        let probe = format!(
+            "START TRANSACTION READ WRITE; SET LOCAL lock_timeout = 100; \
+             INSERT INTO processed_events (scope, event_id) VALUES ({}, {}) \
+             ON CONFLICT DO NOTHING RETURNING 1; ROLLBACK",
+            literal(scope),
+            literal(event_id)
+        );
+        let taken = match conn.simple_query(&probe) {
+            // No row: the key committed since (a duplicate, next time).
+            Ok(messages) => !messages
+                .iter()
+                .any(|m| matches!(m, postgres::SimpleQueryMessage::Row(_))),
+            Err(probe) => {
+                let _ = conn.batch_execute("ROLLBACK");
+                probe.code() == Some(&SqlState::LOCK_NOT_AVAILABLE)
+            }
+        };
+        if taken {
+            error.held_elsewhere()
+        } else {
+            error
+        }
     }
 
     /// The set-up of the fused statement's session, to send in the round

@@ -150,6 +150,9 @@ impl Processor {
 
     /// A failed attempt: retry later or dead-letter.
     pub(crate) fn failed(&mut self, mut delivery: Delivery, error: HandlerError) {
+        if error.is_held_elsewhere() {
+            return self.held_elsewhere(delivery, &error);
+        }
         let attempt = delivery.attempts() + 1;
         delivery.failures.push(Attempt {
             attempt,
@@ -189,6 +192,34 @@ impl Processor {
         Stats::add(&self.stage.common.stats.of(&delivery.stream).retries, 1);
         // On failure (the retry thread is gone at shutdown) the retry is
         // dropped, which leaves the entry pending.
+        let now = Instant::now();
+        let _ = self
+            .retry
+            .send(Retry::of(delivery, now + delay, now + earliest));
+    }
+
+    /// An attempt that waited in vain for the event's dedup row, held by
+    /// another transaction (see [`HandlerError::held_elsewhere`]): tried
+    /// again after the backoff of its next attempt, counting none. It ends
+    /// when the holder does: committed, the event is a duplicate here;
+    /// rolled back, it is applied here. (A holder that never ends, its
+    /// process stopped for good with the transaction open, holds the event
+    /// until PostgreSQL ends that session: `idle_in_transaction_session_timeout`
+    /// on the role bounds it.)
+    fn held_elsewhere(&mut self, delivery: Delivery, error: &HandlerError) {
+        let backoff = &self.stage.settings.backoff;
+        let next = delivery.attempts() + 1;
+        let delay = backoff.delay(next, None);
+        let earliest = backoff.earliest(next, delay, None);
+        log::warn!(
+            "{}/{}: {error}; not counted as an attempt, trying again in {}",
+            delivery.stream,
+            delivery.entry_id,
+            humantime::format_duration(std::time::Duration::from_millis(
+                u64::try_from(delay.as_millis()).unwrap_or(u64::MAX)
+            ))
+        );
+        Stats::add(&self.stage.common.stats.of(&delivery.stream).retries, 1);
         let now = Instant::now();
         let _ = self
             .retry

@@ -6,7 +6,9 @@
 //!   database dropped and created again under the same name: a Redis marker
 //!   never skips an event that this database did not commit;
 //! - an entry held by a retrying owner and claimed by another instance: it
-//!   is applied or dead-lettered, never both;
+//!   is applied or dead-lettered, never both; nor when the owner stops
+//!   between its ownership check and its COMMIT (the claimer waits for the
+//!   owner's row instead of counting the wait as a failure);
 //! - graceful restarts during a PostgreSQL outage do not turn healthy
 //!   entries into `crash_loop` dead letters;
 //! - a read-only window (SQLSTATE 25006) is an outage, not failed attempts;
@@ -222,6 +224,91 @@ fn an_entry_claimed_from_a_retrying_owner_gets_one_outcome() {
         "effects {}, dead letters {:?}",
         db.effects(&event_id),
         dead_letters(&mut conn, &stream)
+    );
+}
+
+/// An owner that stops between its ownership check and its COMMIT (a
+/// stopped VM, a swap storm: here a pause at the fault point) for longer
+/// than `--reclaim-min-idle`: another consumer claims the entry, and its
+/// dedup insert waits on the owner's uncommitted `processed_events` row.
+/// That wait, cut by its statement timeout, counted as the event's failed
+/// attempt: the claimer dead-lettered the entry `exhausted` and acked it,
+/// then the owner went on and committed it: applied and dead-lettered
+/// (found by a hostile review, seen failing so). A wait on the event's own
+/// dedup row held by another transaction is not the event's failure: the
+/// claimer tries again, uncounted, until the holder commits (then the
+/// event is a duplicate) or rolls back.
+#[test]
+fn a_claimer_waiting_on_the_owner_s_uncommitted_row_does_not_dead_letter_it() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("paused"), unique("g"));
+    let event_id = unique("e");
+    let worker = |consumer: &str| {
+        let mut cmd = taskhub(&redis_url(), &db.url);
+        cmd.args(["run", "--stream", &stream, "--group", &group])
+            .args(["--consumer", consumer, "--workers", "1"])
+            .args(["--block-ms", "100", "--max-attempts", "2"])
+            .args(["--backoff-base", "50ms", "--backoff-cap", "200ms"])
+            .args(["--max-retry-after", "1s"]);
+        cmd
+    };
+    // The owner: a statement slow enough (1.5 s) for its entry to be
+    // checked before COMMIT; then it stops for 8 s at the COMMIT.
+    let mut a = worker("a");
+    a.args(["--mode", "per-event", "--reclaim-interval", "600s"])
+        .args(["--handler-timeout", "30s"])
+        .args([
+            "--sql",
+            "INSERT INTO notifications (event_id, payload) SELECT $1, $2 FROM pg_sleep(1.5)",
+        ])
+        .env("TASKHUB_FAULT", format!("before-commit@{event_id}"))
+        .env("TASKHUB_FAULT_PAUSE_MS", "8000");
+    let mut a = Proc::spawn(a);
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", &event_id), ("payload", "p")],
+    );
+    assert!(
+        a.wait_for("taskhub-fault: before-commit", Duration::from_secs(20)),
+        "{}",
+        a.stderr()
+    );
+    // The claimer: claims after 2 s idle; its statements wait 1 s at most.
+    let mut b = worker("b");
+    b.args(["--reclaim-min-idle", "2s", "--reclaim-interval", "200ms"])
+        .args(["--handler-timeout", "1s"]);
+    let mut b = Proc::spawn(b);
+    assert!(
+        wait_until(Duration::from_secs(40), || {
+            db.effects(&event_id) == 1 && pending(&mut conn, &stream, &group) == 0
+        }) || !dead_letters(&mut conn, &stream).is_empty(),
+        "a: {}\nb: {}",
+        a.stderr(),
+        b.stderr()
+    );
+    // Whatever either still runs, finished.
+    std::thread::sleep(Duration::from_secs(1));
+    for p in [&mut a, &mut b] {
+        p.signal("TERM");
+        p.wait(Duration::from_secs(30));
+    }
+    assert_eq!(
+        outcomes(&db, &mut conn, &stream, &event_id),
+        1,
+        "effects {}, dead letters {:?}\na: {}\nb: {}",
+        db.effects(&event_id),
+        dead_letters(&mut conn, &stream),
+        a.stderr(),
+        b.stderr()
+    );
+    let b_said = b.stderr();
+    assert!(
+        b_said.contains("reclaimed 1 entries")
+            && b_said.contains("held by another transaction")
+            && b_said.contains("not counted as an attempt"),
+        "{b_said}"
     );
 }
 
@@ -621,6 +708,60 @@ fn a_hung_statement_is_cancelled_by_the_handler_timeout() {
         "{}",
         letters[0].reason
     );
+}
+
+/// The other side of the claimer's wait (see
+/// `a_claimer_waiting_on_the_owner_s_uncommitted_row_does_not_dead_letter_it`):
+/// the built-in statement cut by its timeout while no other transaction
+/// holds the event's key (a slow trigger of `notifications`) is the
+/// event's failure, counted, and dead-lettered `exhausted`; taken for a
+/// held key, it would be tried for ever.
+#[test]
+fn a_built_in_statement_slow_on_its_own_counts_its_attempts() {
+    let db = TestDb::new();
+    db.client()
+        .batch_execute(
+            "CREATE FUNCTION slow_for_some() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN IF NEW.payload = 'slow' THEN PERFORM pg_sleep(3); END IF; RETURN NEW; END $$; \
+             CREATE TRIGGER slow BEFORE INSERT ON notifications \
+             FOR EACH ROW EXECUTE FUNCTION slow_for_some();",
+        )
+        .unwrap();
+    let mut conn = redis(&redis_url());
+    let stream = unique("slow");
+    let good = ids("good", 3);
+    add_events(&mut conn, &stream, &good, "ok");
+    let slow = unique("slow");
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", &slow), ("payload", "slow")],
+    );
+    let summary = run_idle(
+        &db.url,
+        &stream,
+        &[
+            "--handler-timeout",
+            "1s",
+            "--max-attempts",
+            "2",
+            "--backoff-base",
+            "10ms",
+            "--backoff-cap",
+            "100ms",
+        ],
+    );
+    assert_eq!(summary["applied"], 3, "{summary:?}");
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].kind, DeadLetterKind::Exhausted);
+    assert!(
+        letters[0].reason.contains("statement timeout")
+            && !letters[0].reason.contains("held by another"),
+        "{}",
+        letters[0].reason
+    );
+    assert_eq!(db.effects(&slow), 0);
 }
 
 #[test]

@@ -16,6 +16,7 @@ pub fn taskhub(redis_url: &str, database_url: &str) -> Command {
     cmd.env("REDIS_URL", redis_url)
         .env("DATABASE_URL", database_url)
         .env_remove("TASKHUB_FAULT")
+        .env_remove("TASKHUB_FAULT_PAUSE_MS")
         .env(
             "RUST_LOG",
             std::env::var("TASKHUB_TEST_LOG").unwrap_or_else(|_| "info".into()),
