@@ -35,6 +35,10 @@
 #      NET_FAULTS network faults between one worker process and one server
 #      (a delay, a drop with FIN, a reset, a half-open freeze long enough for
 #      read timeouts, or a refusal of new connections, for a few seconds),
+#      PAUSES pauses of a random worker (SIGSTOP, then SIGCONT 3–6 s later,
+#      past --reclaim-min-idle: a stopped VM or a swap storm; its entries are
+#      claimed by the others while it holds them, wherever it stopped,
+#      between an ownership check and its COMMIT included),
 #      READONLY_WINDOWS read-only windows of PostgreSQL (restarted as a hot
 #      standby for a few seconds, then promoted: every write fails with
 #      25006, as during a failover), PG_GRACEFUL graceful restarts (SIGTERM)
@@ -78,7 +82,7 @@
 #
 # Parameters (environment):
 #   EVENTS=20000 KILLS=12 REDIS_RESTARTS=1 PG_RESTARTS=1 PERMANENT_KILLS=1
-#   ABORTS=3 KILLERS=2 NET_FAULTS=12 READONLY_WINDOWS=1 PG_GRACEFUL=1
+#   ABORTS=3 KILLERS=2 NET_FAULTS=12 PAUSES=4 READONLY_WINDOWS=1 PG_GRACEFUL=1
 #   GROUP_DESTROYS=1 TRIMS=2 DEPLOYMENTS=2 RECLAIM_MIN_IDLE=2s
 #   PRODUCE_SECS=60 WORKERS=3 (processes) THREADS=4 (per process)
 #   MAX_ATTEMPTS=4 SEED=<random> SETTLE_TIMEOUT=300 TASKHUB_MODE=batch
@@ -99,6 +103,7 @@ PERMANENT_KILLS=${PERMANENT_KILLS:-1}
 ABORTS=${ABORTS:-3}
 KILLERS=${KILLERS:-2}
 NET_FAULTS=${NET_FAULTS:-12}
+PAUSES=${PAUSES:-4}
 READONLY_WINDOWS=${READONLY_WINDOWS:-1}
 PG_GRACEFUL=${PG_GRACEFUL:-1}
 GROUP_DESTROYS=${GROUP_DESTROYS:-1}
@@ -352,6 +357,8 @@ ORPHANED=0
 NET_DONE=0
 declare -A NET_KINDS=()
 READONLY_DONE=0
+PAUSES_DONE=0
+PAUSERS=()
 PG_GRACEFUL_DONE=0
 GRACEFUL_STOPS=0
 DESTROYS_DONE=0
@@ -390,6 +397,27 @@ kill_worker() {
     if kill -9 "$pid" 2>/dev/null; then
         KILLS_DONE=$((KILLS_DONE + 1))
         say "$(elapsed)s: SIGKILL c$i (pid $pid), kill $KILLS_DONE"
+    fi
+}
+# SIGSTOP of a random worker, SIGCONT 3–6 s later (in the background: the
+# other faults go on meanwhile).
+pause_worker() {
+    local picked i pid secs
+    picked=$(pick_worker)
+    [[ -n $picked ]] || {
+        say "no running worker to pause"
+        return
+    }
+    read -r i pid <<<"$picked"
+    secs=$(rand_secs 3 6)
+    if kill -STOP "$pid" 2>/dev/null; then
+        PAUSES_DONE=$((PAUSES_DONE + 1))
+        say "$(elapsed)s: SIGSTOP c$i (pid $pid) for ${secs}s, pause $PAUSES_DONE"
+        (
+            sleep "$secs"
+            kill -CONT "$pid" 2>/dev/null || true
+        ) &
+        PAUSERS+=($!)
     fi
 }
 # Pending entries of consumer c<i> (4 lines per entry in redis-cli's output).
@@ -548,6 +576,7 @@ trim_stream() {
 ACTIONS=()
 for ((i = 0; i < KILLS; i++)); do ACTIONS+=(kill); done
 for ((i = 0; i < NET_FAULTS; i++)); do ACTIONS+=(net); done
+for ((i = 0; i < PAUSES; i++)); do ACTIONS+=(pause); done
 for ((i = 0; i < READONLY_WINDOWS; i++)); do ACTIONS+=(readonly); done
 for ((i = 0; i < PG_GRACEFUL; i++)); do ACTIONS+=(pggraceful); done
 for ((i = 0; i < GROUP_DESTROYS; i++)); do ACTIONS+=(destroy); done
@@ -572,6 +601,7 @@ for action in "${ACTIONS[@]}"; do
     pg) restart_pg ;;
     retire) retire_worker ;;
     net) net_fault ;;
+    pause) pause_worker ;;
     readonly) readonly_window ;;
     pggraceful) graceful_during_pg_outage ;;
     destroy) destroy_group ;;
@@ -579,6 +609,7 @@ for action in "${ACTIONS[@]}"; do
     esac
 done
 
+for p in "${PAUSERS[@]}"; do wait "$p" || true; done
 wait "$PRODUCER_PID" || die "the producer failed: $(tail -n 5 "$DIR/produce.log")"
 PRODUCER_PID=""
 say "$(elapsed)s: all $EVENTS events produced; waiting for the group to drain"
@@ -631,6 +662,7 @@ RUST_LOG=warn "$CHAOS_BIN" check --stream "$STREAM" --group "$GROUP" --manifest 
     --orphaned "$ORPHANED" --reclaimed "$RECLAIMED" --elapsed "$ELAPSED" \
     --trims "$DIR/trims" --destroyed "$DIR/destroyed" \
     --figure "network faults (worker <-> server)=$NET_DONE${NET_TEXT:+ ($NET_TEXT)}" \
+    --figure "worker pauses (SIGSTOP 3-6 s, past --reclaim-min-idle)=$PAUSES_DONE" \
     --figure "PostgreSQL read-only windows (standby, promoted)=$READONLY_DONE" \
     --figure "graceful restarts while PostgreSQL is down=$PG_GRACEFUL_DONE ($GRACEFUL_STOPS SIGTERMs)" \
     --figure "XGROUP DESTROY=$DESTROYS_DONE" \

@@ -50,6 +50,7 @@ fn chaos(mode: &str, seed: &str) -> (HashMap<String, String>, HashMap<String, St
         .env("ABORTS", "1")
         .env("KILLERS", "1")
         .env("NET_FAULTS", "4")
+        .env("PAUSES", "2")
         .env("READONLY_WINDOWS", "1")
         .env("PG_GRACEFUL", "1")
         .env("GROUP_DESTROYS", "1")
