@@ -106,11 +106,21 @@ pub(crate) enum Ended {
     Handlers,
 }
 
-/// Whether `e` is PostgreSQL's cancel of a statement past its timeout.
-fn canceled(e: &HandlerError) -> bool {
+/// Whether `e` is PostgreSQL giving up on a statement that waited: past
+/// its statement timeout (57014), or past its lock timeout (55P03, where
+/// the role sets `lock_timeout`).
+fn gave_up_waiting(e: &HandlerError) -> bool {
     let source = std::error::Error::source(e);
-    source.and_then(|s| s.downcast_ref::<postgres::Error>()?.code())
-        == Some(&postgres::error::SqlState::QUERY_CANCELED)
+    gave_up(source.and_then(|s| s.downcast_ref::<postgres::Error>()))
+}
+
+/// [`gave_up_waiting`] for PostgreSQL's own error.
+fn gave_up(e: Option<&postgres::Error>) -> bool {
+    use postgres::error::SqlState;
+    matches!(
+        e.and_then(postgres::Error::code),
+        Some(&SqlState::QUERY_CANCELED | &SqlState::LOCK_NOT_AVAILABLE)
+    )
 }
 
 /// The built-in statement's failure for a batch: rejected (its halves are
@@ -119,9 +129,11 @@ fn rejected(e: postgres::Error) -> Result<Batch, HandlerError> {
     let e = HandlerError::from(e).for_no_event();
     match e.class() {
         FailureClass::Outage => Err(e),
-        // A statement past `--handler-timeout` (a lock wait) is not one
-        // event's: as before, one by one.
-        _ if canceled(&e) => Err(e),
+        // A statement past `--handler-timeout` or a lock timeout (a lock
+        // wait, on an event's key held by another transaction, say) is not
+        // one event's: one by one, where such a wait counts no attempt
+        // (see `Processor::waited_for`).
+        _ if gave_up_waiting(&e) => Err(e),
         _ => Ok(Batch::Rejected(e)),
     }
 }
@@ -307,8 +319,10 @@ impl Processor {
                     committed(&stage, event);
                     return Ok(Applied::New);
                 }
-                // Past the bound: rolled back; again, with the check.
-                Err(e) if e.code() == Some(&postgres::error::SqlState::QUERY_CANCELED) => {}
+                // Past the bound (or a lock timeout): rolled back; again,
+                // with the check, where a wait on a key held elsewhere
+                // counts no attempt.
+                Err(e) if gave_up(Some(&e)) => {}
                 Err(e) => return Err(e.into()),
             }
         }
@@ -388,8 +402,8 @@ impl Processor {
         let all = vec![true; ids.len()];
         let rows = match conn.query(&fused, &[&stage.settings.scope, &ids, &payloads, &all]) {
             Ok(rows) => rows,
-            Err(e) if e.code() == Some(&postgres::error::SqlState::QUERY_CANCELED) => {
-                return Ok(None); // past the bound: rolled back
+            Err(e) if gave_up(Some(&e)) => {
+                return Ok(None); // past the bound (or a lock timeout): rolled back
             }
             Err(e) => {
                 return match rejected(e)? {
@@ -464,8 +478,8 @@ impl Processor {
             .and_then(|each| conn.query(&each, &[scope, &ids, &payloads]))
         {
             Ok(rows) => rows,
-            Err(e) if e.code() == Some(&postgres::error::SqlState::QUERY_CANCELED) => {
-                return Ok(None); // past the bound: rolled back
+            Err(e) if gave_up(Some(&e)) => {
+                return Ok(None); // past the bound (or a lock timeout): rolled back
             }
             Err(e) if outage(&e) => return Err(HandlerError::from(e).for_no_event()),
             Err(e) => {
@@ -713,12 +727,9 @@ impl Processor {
     /// counts as before.
     fn waited_for(&mut self, e: postgres::Error, scope: &str, event_id: &str) -> HandlerError {
         use postgres::error::SqlState;
-        let gave_up = matches!(
-            e.code(),
-            Some(&SqlState::QUERY_CANCELED | &SqlState::LOCK_NOT_AVAILABLE)
-        );
+        let waited = gave_up(Some(&e));
         let error = HandlerError::from(e);
-        let Some(conn) = self.pg.as_mut().filter(|_| gave_up) else {
+        let Some(conn) = self.pg.as_mut().filter(|_| waited) else {
             return error;
         };
         let probe = format!(
@@ -960,7 +971,7 @@ impl Processor {
                     // The built-in statement's set-based form, run by the
                     // handler where it cannot be fused: rejected for an
                     // event it does not name.
-                    if named.is_none() && !outage && !canceled(&e) && built_in {
+                    if named.is_none() && !outage && !gave_up_waiting(&e) && built_in {
                         return Ok(Batch::Rejected(e.for_no_event()));
                     }
                     // Name the failing event by its place in `batch`.

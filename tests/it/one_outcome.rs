@@ -710,6 +710,84 @@ fn a_hung_statement_is_cancelled_by_the_handler_timeout() {
     );
 }
 
+/// The same wait between two streams that share a scope (`--scope`): a
+/// first delivery of the event on the second stream, in batch mode, meets
+/// the owner's uncommitted key in the fused batch statement, then in its
+/// transaction, then alone, and with a `lock_timeout` on the session
+/// (55P03) each was a rejection of the batch that, down to the event
+/// alone, counted an attempt: dead-lettered `exhausted` on the second
+/// stream beside the owner's commit on the first (seen failing so). A lock
+/// timeout is a wait as a statement timeout is: one by one, uncounted.
+#[test]
+fn a_stream_sharing_the_scope_waits_for_the_other_s_uncommitted_key() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (first, second) = (unique("first"), unique("second"));
+    let scope = unique("scope");
+    let event_id = unique("e");
+    let worker = |stream: &str, url: &str| {
+        let mut cmd = taskhub(&redis_url(), url);
+        cmd.args(["run", "--stream", stream, "--group", stream])
+            .args(["--scope", &scope, "--workers", "1", "--block-ms", "100"])
+            .args(["--max-attempts", "2", "--max-retry-after", "1s"])
+            .args(["--backoff-base", "50ms", "--backoff-cap", "200ms"]);
+        cmd
+    };
+    let mut a = worker(&first, &db.url);
+    a.args(["--mode", "per-event", "--handler-timeout", "30s"])
+        .args([
+            "--sql",
+            "INSERT INTO notifications (event_id, payload) SELECT $1, $2 FROM pg_sleep(1.5)",
+        ])
+        .env("TASKHUB_FAULT", format!("before-commit@{event_id}"))
+        .env("TASKHUB_FAULT_PAUSE_MS", "6000");
+    let mut a = Proc::spawn(a);
+    for stream in [&first, &second] {
+        xadd(
+            &mut conn,
+            stream,
+            &[("event_id", &event_id), ("payload", "p")],
+        );
+    }
+    assert!(
+        a.wait_for("taskhub-fault: before-commit", Duration::from_secs(20)),
+        "{}",
+        a.stderr()
+    );
+    let waits = format!("{}?options=-c%20lock_timeout%3D300", db.url);
+    let mut b = worker(&second, &waits);
+    b.args(["--mode", "batch", "--handler-timeout", "30s"]);
+    let mut b = Proc::spawn(b);
+    assert!(
+        wait_until(Duration::from_secs(40), || {
+            pending(&mut conn, &first, &first) == 0 && pending(&mut conn, &second, &second) == 0
+        }),
+        "a: {}\nb: {}",
+        a.stderr(),
+        b.stderr()
+    );
+    for p in [&mut a, &mut b] {
+        p.signal("TERM");
+        p.wait(Duration::from_secs(30));
+    }
+    let letters: Vec<_> = [&first, &second]
+        .into_iter()
+        .flat_map(|s| dead_letters(&mut conn, s))
+        .collect();
+    assert_eq!(
+        (db.effects(&event_id), letters.len()),
+        (1, 0),
+        "{letters:?}\na: {}\nb: {}",
+        a.stderr(),
+        b.stderr()
+    );
+    assert!(
+        b.stderr().contains("held by another transaction"),
+        "{}",
+        b.stderr()
+    );
+}
+
 /// The other side of the claimer's wait (see
 /// `a_claimer_waiting_on_the_owner_s_uncommitted_row_does_not_dead_letter_it`):
 /// the built-in statement cut by its timeout while no other transaction
