@@ -44,7 +44,7 @@ use crate::handler::{catch_panic, prepare_cached as prepare, sql, Handler, Tx};
 use crate::redis::streams::{self, Owned};
 use crate::worker::delivery::{Delivery, FRESH};
 use crate::worker::process::Stage;
-use crate::worker::process::{event, Processor, Settings};
+use crate::worker::process::{event, Processor};
 use crate::worker::stats::Stats;
 
 const INSERT_PROCESSED: &str = "INSERT INTO processed_events (scope, event_id) VALUES ($1, $2) \
@@ -199,7 +199,6 @@ impl Processor {
             }
         }
         self.connection()?;
-        let back = self.back_to_fused();
         self.session(Session::Handler)?;
         let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
             unreachable!("connection() sets it")
@@ -263,17 +262,9 @@ impl Processor {
                 // The run is over (an outage runs it again, the same start).
                 take_back_start(&stage, delivery);
             }
-            // The handler's error is the one to report, whatever became of
-            // the rollback.
-            let rolled_back = roll_back(tx, back.as_deref().unwrap_or_default());
-            let _ = self.switched_back(rolled_back.map_err(HandlerError::from), &back);
             return Err(e);
         }
-        let finished = finish(&stage, tx, xid, delivery, back.as_deref());
-        if matches!(finished, Ok(Applied::New)) && back.is_some() {
-            self.session = Some(Session::Fused);
-        }
-        finished
+        finish(&stage, tx, xid, delivery)
     }
 
     /// Step 3 when the event's effect is the default SQL statement: the
@@ -344,7 +335,7 @@ impl Processor {
             }
         };
         observe_handler(&stage, started);
-        finish(&stage, tx, row.get(0), delivery, None)
+        finish(&stage, tx, row.get(0), delivery)
     }
 
     /// [`Processor::apply_batch`] in one round trip, for a batch of
@@ -705,9 +696,16 @@ impl Processor {
         if self.session == Some(want) {
             return Ok(());
         }
-        let sql = want.setup(&self.stage.settings);
+        let settings = &self.stage.settings;
+        let (read_only, timeout) = match want {
+            Session::Handler => ("on", settings.handler_timeout),
+            Session::Fused => ("off", settings.fused_timeout),
+        };
         let conn = self.pg.as_mut().expect("connection() sets it");
-        conn.batch_execute(&sql)?;
+        conn.batch_execute(&format!(
+            "SET default_transaction_read_only = {read_only}; SET statement_timeout = {}",
+            timeout.as_millis()
+        ))?;
         self.session = Some(want);
         Ok(())
     }
@@ -756,46 +754,6 @@ impl Processor {
         }
     }
 
-    /// The set-up of the fused statement's session, to send in the round
-    /// trip that ends the handler's transaction about to start, when the
-    /// connection ran the fused statement last: it is likely to run it next
-    /// (the built-in statement's events of a stream that mixes both kinds,
-    /// the handler's gathered apart), and a switch of its own before it
-    /// cost a round trip. `None` otherwise (a handler's stream stays in
-    /// the handler's session).
-    ///
-    /// The statements go after the COMMIT (or ROLLBACK): if it fails, a
-    /// simple query runs nothing after the error, and the session is the
-    /// handler's still; before it, the fused statement's short timeout
-    /// would bound the COMMIT, and its deferred constraints with it.
-    fn back_to_fused(&self) -> Option<String> {
-        (self.session == Some(Session::Fused))
-            .then(|| format!("; {}", Session::Fused.setup(&self.stage.settings)))
-    }
-
-    /// After a ROLLBACK sent with `back` ([`roll_back`]): the session is
-    /// the fused statement's if it went through; after an error, where the
-    /// string stopped is not known, nor the session, which the next use
-    /// sets up again. (The connection stays: the failure path asks it which
-    /// server it was on, and a closed one is replaced at the next use.)
-    fn switched_back(
-        &mut self,
-        rolled_back: Result<(), HandlerError>,
-        back: &Option<String>,
-    ) -> Result<(), HandlerError> {
-        match rolled_back {
-            Ok(()) if back.is_some() => {
-                self.session = Some(Session::Fused);
-                Ok(())
-            }
-            Ok(()) => Ok(()),
-            Err(e) => {
-                self.session = None;
-                Err(e)
-            }
-        }
-    }
-
     /// Step 3 for a batch: one set-based insert into `processed_events`
     /// returns which event ids are new, the handler's batch form applies
     /// them, one COMMIT. Events whose whole effect is the built-in statement
@@ -839,7 +797,6 @@ impl Processor {
         }
         let folded = fold.contains(&true);
         self.connection()?;
-        let back = self.back_to_fused();
         self.session(Session::Handler)?;
         self.ready_each_statement(batch, &fold)?;
         let (Some(conn), cache) = (self.pg.as_mut(), &mut self.cache) else {
@@ -990,8 +947,7 @@ impl Processor {
             // Every new event failed: nothing to commit. A rollback writes
             // nothing to flush, where deleting their dedup rows and
             // committing cost a WAL flush.
-            let rolled_back = roll_back(tx, back.as_deref().unwrap_or_default());
-            self.switched_back(rolled_back.map_err(HandlerError::from), &back)?;
+            tx.tx.rollback()?;
             return Ok(Batch::Applied(new, left_out));
         }
         // The dedup rows of the events left out are taken back with the
@@ -1025,11 +981,8 @@ impl Processor {
         for i in &applied {
             fault::hit(Point::BeforeCommit, event(&batch[*i]).event_id());
         }
-        if let Err(e) = commit(tx, xid, &take_back, back.as_deref().unwrap_or_default()) {
+        if let Err(e) = commit(tx, xid, &take_back) {
             return batch_failed(&stage, batch, (&new, &fold), e);
-        }
-        if back.is_some() {
-            self.session = Some(Session::Fused);
         }
         Stats::add(&stage.common.stats.commits, 1);
         for i in &applied {
@@ -1095,44 +1048,13 @@ pub(crate) enum Session {
     Fused,
 }
 
-impl Session {
-    /// The statements that set a session up for `self` (with `settings`'
-    /// timeouts).
-    fn setup(self, settings: &Settings) -> String {
-        let (read_only, timeout) = match self {
-            Session::Handler => ("on", settings.handler_timeout),
-            Session::Fused => ("off", settings.fused_timeout),
-        };
-        format!(
-            "SET default_transaction_read_only = {read_only}; SET statement_timeout = {}",
-            timeout.as_millis()
-        )
-    }
-}
-
-/// Rolls `tx` back and runs `after` (statements each after `; `, or
-/// nothing) in the same round trip.
-fn roll_back(tx: Tx<'_>, after: &str) -> Result<(), postgres::Error> {
-    let Tx { mut tx, .. } = tx;
-    let done = tx.batch_execute(&format!("ROLLBACK{after}"));
-    // Ended by our own ROLLBACK (or broken): dropping it would send another
-    // and wait for it (see [`commit`]).
-    std::mem::forget(tx);
-    done
-}
-
 /// The end of [`Processor::apply`], after the effect: the ownership
 /// check of a long-held entry, then COMMIT.
-///
-/// `back`, when given, sets the session up for the fused statement in the
-/// COMMIT's round trip (see [`Processor::back_to_fused`]): done when this
-/// returns [`Applied::New`].
 fn finish(
     stage: &Stage,
     tx: Tx<'_>,
     xid: i64,
     delivery: &Delivery,
-    back: Option<&str>,
 ) -> Result<Applied, HandlerError> {
     let event = event(delivery);
     if delivery.held_long() {
@@ -1147,7 +1069,7 @@ fn finish(
         }
     }
     fault::hit(Point::BeforeCommit, event.event_id());
-    commit(tx, xid, "", back.unwrap_or_default())?;
+    commit(tx, xid, "")?;
     Stats::add(&stage.common.stats.commits, 1);
     fault::hit(Point::AfterCommit, event.event_id());
     committed(stage, event);
@@ -1405,11 +1327,9 @@ fn ended_error() -> HandlerError {
 /// COMMIT runs only if the check passed. The check fails in an aborted
 /// transaction (25P02), and raises an error of its own when the transaction
 /// id is not the one of the dedup insert (another transaction, or none).
-/// `before` and `after` are statements to send with it (`after` each
-/// after `; `): what runs after the COMMIT runs only if it succeeded.
-fn commit(tx: Tx<'_>, xid: i64, before: &str, after: &str) -> Result<(), HandlerError> {
+fn commit(tx: Tx<'_>, xid: i64, before: &str) -> Result<(), HandlerError> {
     let Tx { mut tx, failed, .. } = tx;
-    match tx.batch_execute(&commit_if_ours(xid, before, after)) {
+    match tx.batch_execute(&commit_if_ours(xid, before)) {
         Ok(()) => {
             // Committed by our own COMMIT: dropping the `Transaction` would
             // send a ROLLBACK and wait for it (a round trip per event and a
@@ -1444,11 +1364,11 @@ fn commit(tx: Tx<'_>, xid: i64, before: &str, after: &str) -> Result<(), Handler
 /// way to raise an error from plain SQL without a function of our own; its
 /// text is built from a volatile call, so the planner cannot fold (and
 /// raise) it ahead of the CASE.
-fn commit_if_ours(xid: i64, before: &str, after: &str) -> String {
+fn commit_if_ours(xid: i64, before: &str) -> String {
     format!(
         "SELECT CASE WHEN txid_current_if_assigned() IS DISTINCT FROM {xid} \
          THEN ('{NOT_OURS} ' || coalesce(txid_current_if_assigned()::text, 'none'))::int END; \
-         {before}COMMIT{after}"
+         {before}COMMIT"
     )
 }
 
