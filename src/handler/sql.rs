@@ -86,7 +86,10 @@ pub(crate) const DEDUP_BATCH_AND_DEFAULT: &str = "WITH e AS (\
 /// SQLSTATE, message) and take nothing with them, the others are applied,
 /// all in one statement. A function of the session (`pg_temp`), created
 /// once per connection: no migration, nothing left behind. A read-only
-/// transaction fails the whole call, as it fails every event.
+/// transaction fails the whole call, as it fails every event; so does a
+/// lock timeout (55P03), a wait that is no event's failure (on a key held
+/// by another transaction, say: see `Processor::waited_for`), as a
+/// statement timeout does, which PL/pgSQL never catches.
 pub(crate) const APPLY_EACH_FUNCTION: &str = "CREATE OR REPLACE FUNCTION \
      pg_temp.taskhub_apply_each(p_scope text, p_ids text[], p_payloads text[]) \
      RETURNS TABLE (n int, code text, message text) LANGUAGE plpgsql AS $f$ \
@@ -100,7 +103,7 @@ pub(crate) const APPLY_EACH_FUNCTION: &str = "CREATE OR REPLACE FUNCTION \
              n := i; code := NULL; message := NULL; RETURN NEXT; \
            END IF; \
          EXCEPTION \
-           WHEN read_only_sql_transaction THEN RAISE; \
+           WHEN read_only_sql_transaction OR lock_not_available THEN RAISE; \
            WHEN OTHERS THEN n := i; code := SQLSTATE; message := SQLERRM; RETURN NEXT; \
          END; \
        END LOOP; \

@@ -732,6 +732,7 @@ impl Processor {
         };
         let probe = format!(
             "START TRANSACTION READ WRITE; SET LOCAL lock_timeout = 100; \
+             SET LOCAL statement_timeout = 5000; \
              INSERT INTO processed_events (scope, event_id) VALUES ({}, {}) \
              ON CONFLICT DO NOTHING RETURNING 1; ROLLBACK",
             literal(scope),
