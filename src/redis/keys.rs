@@ -293,18 +293,18 @@ pub(crate) fn dead_letter_index_of_all_groups(stream: &str) -> String {
 /// group's, and a group that never dead-lettered it would drop it unread.)
 /// 500 ids a call: Lua's `unpack` takes fewer than 8,000.
 ///
-/// With `events` (the entries' event ids, or false for none, at the ids'
-/// places), a letter counts only if it names the same event id: an entry
-/// id is reused when a stream is deleted and written again with explicit
-/// ids, and the index, a key of its own, outlives the stream (a new event
-/// at the id of an old letter was acked as dead-lettered before, and
-/// lost). One that is gone from `dlq` (archived, trimmed) cannot tell, and
-/// counts. The index keeps its field: the letter of a new invalid entry
-/// there takes its place (the write script compares the two letters' event
-/// ids, made alike), and a read compares raw bytes, where a letter keeps no
-/// event id that is not UTF-8: such an entry, delivered again, is not taken
-/// for its letter by the read, and its letter, written again, is found the
-/// same by the write script, which acks it.
+/// With `same` (a function of an id's place `k` and a letter's fields), a
+/// letter counts only if `same` says it is that entry's: an entry id is
+/// reused when a stream is deleted and written again with explicit ids,
+/// and the index, a key of its own, outlives the stream (a new event at
+/// the id of an old letter was acked as dead-lettered before, and lost).
+/// A letter gone from `dlq` (archived, trimmed) cannot tell, and counts.
+/// The read and the fast path compare event ids (`same_event`), and take
+/// an entry without a readable one for no letter's: it goes on to its own
+/// letter, whose write compares the two letters' event ids and original
+/// fields, made alike (`same_original`): the same entry again is acked
+/// there, another gets its letter, which takes the old one's place in the
+/// index.
 pub(crate) const DEAD_IN: &str = r"
 local function letter_fields(dlq, letter_id)
     local letter = redis.call('XRANGE', dlq, letter_id, letter_id)
@@ -317,7 +317,32 @@ local function field_of(f, name)
     end
     return false
 end
-local function dead_in(index, old, dlq, group, ids, first, last, events)
+-- The event id and original fields of a letter's fields `f` from `from`.
+local function original(f, from)
+    local o = {}
+    for j = from, #f - 1, 2 do
+        local name = f[j]
+        if name == 'event_id' or name == 'packed_fields' or string.sub(name, 1, 2) == 'f:' then
+            o[#o + 1] = name
+            o[#o + 1] = f[j + 1]
+        end
+    end
+    return o
+end
+local function same_original(a, b)
+    if #a ~= #b then return false end
+    for i = 1, #a do
+        if a[i] ~= b[i] then return false end
+    end
+    return true
+end
+-- `same` for entries whose event ids `events` (false: none) are known.
+local function same_event(events)
+    return function(k, f)
+        return events[k] ~= false and field_of(f, 'event_id') == events[k]
+    end
+end
+local function dead_in(index, old, dlq, group, ids, first, last, same)
     local dead = {}
     -- Most deployments never had the old index: no second HMGET then.
     local has_old = redis.call('EXISTS', old) == 1
@@ -328,13 +353,13 @@ local function dead_in(index, old, dlq, group, ids, first, last, events)
         for i = 1, #own do
             local letter_id, f = own[i], nil
             if letter_id then
-                if events then f = letter_fields(dlq, letter_id) end
+                if same then f = letter_fields(dlq, letter_id) end
             elseif before[i] then
                 f = letter_fields(dlq, before[i])
                 if f and field_of(f, 'group') == group then letter_id = before[i] end
             end
             local k = from + i - 1
-            if letter_id and events and f and field_of(f, 'event_id') ~= events[k] then
+            if letter_id and same and f and not same(k, f) then
                 letter_id = false
             end
             dead[#dead + 1] = letter_id

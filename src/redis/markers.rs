@@ -110,7 +110,7 @@ for i = 2, #ARGV - 1, 2 do
     events[#ids] = ARGV[i + 1]
 end
 if #ids == 0 then return {} end
-return dead_in(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ids, 1, #ids, events)
+return dead_in(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ids, 1, #ids, same_event(events))
 "
     )
 });

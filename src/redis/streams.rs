@@ -338,7 +338,7 @@ local seen = {}
 if prefix ~= '' then
     for first = 1, #read, 500 do
         local last = math.min(first + 499, #read)
-        local dead = dead_in(KEYS[3], KEYS[4], KEYS[5], ARGV[4], read, first, last, named)
+        local dead = dead_in(KEYS[3], KEYS[4], KEYS[5], ARGV[4], read, first, last, same_event(named))
         local markers, at = {}, {}
         for i = first, last do
             if events[i] then

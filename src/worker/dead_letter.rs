@@ -55,7 +55,9 @@ pub(crate) struct Job {
 /// - Once: the group's index (`keys::dead_letter_index`) records every
 ///   entry written, so an entry delivered again (its group destroyed and
 ///   created again) is not dead-lettered twice; another group's letter of
-///   the same entry is that group's (see `keys::DEAD_IN`).
+///   the same entry is that group's, and a letter of the entry id whose
+///   event id or original fields differ is another entry's (the id reused
+///   by a stream written again: see `keys::DEAD_IN`).
 /// - The XADD comes before the XACK: a script is not rolled back, so if the
 ///   XADD fails the entry is still pending (and is retried), never acked
 ///   and missing.
@@ -65,14 +67,9 @@ pub(crate) struct Job {
 /// consumer, delivery count (empty: no ownership check), then the letter's
 /// fields. Follows [`DEAD_IN`].
 const WRITE_DEAD_LETTER: &str = r"
-local names = {[2] = false}
-for j = 5, #ARGV - 1, 2 do
-    if ARGV[j] == 'event_id' then
-        names[2] = ARGV[j + 1]
-        break
-    end
-end
-if dead_in(KEYS[3], KEYS[5], KEYS[2], ARGV[1], ARGV, 2, 2, names)[1] then
+local mine = original(ARGV, 5)
+local function same(_, f) return same_original(original(f, 1), mine) end
+if dead_in(KEYS[3], KEYS[5], KEYS[2], ARGV[1], ARGV, 2, 2, same)[1] then
     redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
     redis.call('HDEL', KEYS[4], ARGV[2])
     return 2

@@ -540,31 +540,37 @@ fn an_entry_id_used_again_by_another_event_is_not_taken_for_its_dead_letter() {
         assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
         parse_summary(&out.stdout)
     };
+    let add_with =
+        |conn: &mut redis::Connection, id: &str, event_id: Option<&[u8]>, payload: &str| {
+            let mut cmd = redis::cmd("XADD");
+            cmd.arg(&stream).arg(id);
+            if let Some(event_id) = event_id {
+                cmd.arg("event_id").arg(event_id);
+            }
+            let _: String = cmd.arg("payload").arg(payload).query(conn).unwrap();
+        };
     let add = |conn: &mut redis::Connection, id: &str, event_id: &[u8]| {
-        let _: String = redis::cmd("XADD")
-            .arg(&stream)
-            .arg(id)
-            .arg("event_id")
-            .arg(event_id)
-            .arg("payload")
-            .arg("p")
-            .query(conn)
-            .unwrap();
+        add_with(conn, id, Some(event_id), "p")
     };
-    // Two invalid entries (a control character in the event id).
+    // Invalid entries: a control character in the event id; no event id;
+    // an event id that is not UTF-8 (a letter keeps none of the last two).
     add(&mut conn, "5-1", b"bad\x01");
     add(&mut conn, "5-2", b"bad\x02");
+    add_with(&mut conn, "5-3", None, "one");
+    add_with(&mut conn, "5-4", Some(b"\xff"), "one");
     let first = run();
-    assert_eq!(first["dead_lettered"], 2, "{first:?}");
+    assert_eq!(first["dead_lettered"], 4, "{first:?}");
     // The stream deleted and written again at the same ids: a valid event,
     // and another invalid one.
     let _: () = redis::cmd("DEL").arg(&stream).query(&mut conn).unwrap();
     add(&mut conn, "5-1", b"good-1");
     add(&mut conn, "5-2", b"bad\x03");
+    add_with(&mut conn, "5-3", None, "two");
+    add_with(&mut conn, "5-4", Some(b"\xff"), "two");
     let second = run();
     assert_eq!(
         (second["applied"], second["dead_lettered"]),
-        (1, 1),
+        (1, 3),
         "{second:?}"
     );
     assert_eq!(db.effects("good-1"), 1);
@@ -572,9 +578,20 @@ fn an_entry_id_used_again_by_another_event_is_not_taken_for_its_dead_letter() {
     let named: Vec<Option<&str>> = letters.iter().map(|l| l.event_id.as_deref()).collect();
     assert_eq!(
         named,
-        [Some("bad\u{1}"), Some("bad\u{2}"), Some("bad\u{3}")],
+        [
+            Some("bad\u{1}"),
+            Some("bad\u{2}"),
+            None,
+            None,
+            Some("bad\u{3}"),
+            None,
+            None
+        ],
         "one letter per invalid entry"
     );
+    let payloads: Vec<Option<&[u8]>> = letters.iter().map(|l| l.field("payload")).collect();
+    assert_eq!(payloads[2..4], [Some(&b"one"[..]); 2]);
+    assert_eq!(payloads[5..7], [Some(&b"two"[..]); 2]);
     assert_eq!(pending(&mut conn, &stream, &group), 0);
     // The group created again at 0: the same entries again, each settled
     // as before (the event a duplicate, the invalid one by its letter,
@@ -593,10 +610,10 @@ fn an_entry_id_used_again_by_another_event_is_not_taken_for_its_dead_letter() {
             third["dead_lettered"],
             third["duplicates"]
         ),
-        (2, 0, 0, 1),
+        (4, 0, 0, 1),
         "{third:?}"
     );
-    assert_eq!(dead_letters(&mut conn, &stream).len(), 3);
+    assert_eq!(dead_letters(&mut conn, &stream).len(), 7);
     assert_eq!(db.effects("good-1"), 1);
     let dlq = taskhub::dlq::dead_letter_stream(&stream);
     let _: () = redis::cmd("DEL")
