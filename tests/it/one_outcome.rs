@@ -227,6 +227,51 @@ fn an_entry_claimed_from_a_retrying_owner_gets_one_outcome() {
     );
 }
 
+/// `taskhub run` on `stream` (group `group`, one worker, quick retries)
+/// with `extra` flags: the worker of the paused-owner tests.
+fn one_worker(db_url: &str, stream: &str, group: &str, extra: &[&str]) -> std::process::Command {
+    let mut cmd = taskhub(&redis_url(), db_url);
+    cmd.args(["run", "--stream", stream, "--group", group])
+        .args(["--workers", "1", "--block-ms", "100", "--max-attempts", "2"])
+        .args(["--backoff-base", "50ms", "--backoff-cap", "200ms"])
+        .args(["--max-retry-after", "1s"])
+        .args(extra);
+    cmd
+}
+
+/// The owner of the paused-owner tests, running `one_worker` with `extra`:
+/// a statement slow enough (1.5 s) for its entry to be checked before
+/// COMMIT, then a stop of `pause_ms` at the COMMIT of `event_id`, which
+/// is written to `stream`; returns once it stopped there.
+fn paused_owner(
+    db_url: &str,
+    (stream, group): (&str, &str),
+    event_id: &str,
+    pause_ms: u64,
+    extra: &[&str],
+) -> Proc {
+    let mut a = one_worker(db_url, stream, group, extra);
+    a.args(["--mode", "per-event", "--handler-timeout", "30s"])
+        .args([
+            "--sql",
+            "INSERT INTO notifications (event_id, payload) SELECT $1, $2 FROM pg_sleep(1.5)",
+        ])
+        .env("TASKHUB_FAULT", format!("before-commit@{event_id}"))
+        .env("TASKHUB_FAULT_PAUSE_MS", pause_ms.to_string());
+    let a = Proc::spawn(a);
+    xadd(
+        &mut redis(&redis_url()),
+        stream,
+        &[("event_id", event_id), ("payload", "p")],
+    );
+    assert!(
+        a.wait_for("taskhub-fault: before-commit", Duration::from_secs(20)),
+        "{}",
+        a.stderr()
+    );
+    a
+}
+
 /// An owner that stops between its ownership check and its COMMIT (a
 /// stopped VM, a swap storm: here a pause at the fault point) for longer
 /// than `--reclaim-min-idle`: another consumer claims the entry, and its
@@ -244,42 +289,30 @@ fn a_claimer_waiting_on_the_owner_s_uncommitted_row_does_not_dead_letter_it() {
     let mut conn = redis(&redis_url());
     let (stream, group) = (unique("paused"), unique("g"));
     let event_id = unique("e");
-    let worker = |consumer: &str| {
-        let mut cmd = taskhub(&redis_url(), &db.url);
-        cmd.args(["run", "--stream", &stream, "--group", &group])
-            .args(["--consumer", consumer, "--workers", "1"])
-            .args(["--block-ms", "100", "--max-attempts", "2"])
-            .args(["--backoff-base", "50ms", "--backoff-cap", "200ms"])
-            .args(["--max-retry-after", "1s"]);
-        cmd
-    };
-    // The owner: a statement slow enough (1.5 s) for its entry to be
-    // checked before COMMIT; then it stops for 8 s at the COMMIT.
-    let mut a = worker("a");
-    a.args(["--mode", "per-event", "--reclaim-interval", "600s"])
-        .args(["--handler-timeout", "30s"])
-        .args([
-            "--sql",
-            "INSERT INTO notifications (event_id, payload) SELECT $1, $2 FROM pg_sleep(1.5)",
-        ])
-        .env("TASKHUB_FAULT", format!("before-commit@{event_id}"))
-        .env("TASKHUB_FAULT_PAUSE_MS", "8000");
-    let mut a = Proc::spawn(a);
-    xadd(
-        &mut conn,
-        &stream,
-        &[("event_id", &event_id), ("payload", "p")],
-    );
-    assert!(
-        a.wait_for("taskhub-fault: before-commit", Duration::from_secs(20)),
-        "{}",
-        a.stderr()
+    // The owner stops for 8 s at the COMMIT.
+    let mut a = paused_owner(
+        &db.url,
+        (&stream, &group),
+        &event_id,
+        8000,
+        &["--consumer", "a", "--reclaim-interval", "600s"],
     );
     // The claimer: claims after 2 s idle; its statements wait 1 s at most.
-    let mut b = worker("b");
-    b.args(["--reclaim-min-idle", "2s", "--reclaim-interval", "200ms"])
-        .args(["--handler-timeout", "1s"]);
-    let mut b = Proc::spawn(b);
+    let mut b = Proc::spawn(one_worker(
+        &db.url,
+        &stream,
+        &group,
+        &[
+            "--consumer",
+            "b",
+            "--reclaim-min-idle",
+            "2s",
+            "--reclaim-interval",
+            "200ms",
+            "--handler-timeout",
+            "1s",
+        ],
+    ));
     assert!(
         wait_until(Duration::from_secs(40), || {
             db.effects(&event_id) == 1 && pending(&mut conn, &stream, &group) == 0
@@ -734,37 +767,27 @@ fn a_stream_sharing_the_scope_waits_for_the_other_s_uncommitted_key() {
     let (first, second) = (unique("first"), unique("second"));
     let scope = unique("scope");
     let event_id = unique("e");
-    let worker = |stream: &str, url: &str| {
-        let mut cmd = taskhub(&redis_url(), url);
-        cmd.args(["run", "--stream", stream, "--group", stream])
-            .args(["--scope", &scope, "--workers", "1", "--block-ms", "100"])
-            .args(["--max-attempts", "2", "--max-retry-after", "1s"])
-            .args(["--backoff-base", "50ms", "--backoff-cap", "200ms"]);
-        cmd
-    };
-    let mut a = worker(&first, &db.url);
-    a.args(["--mode", "per-event", "--handler-timeout", "30s"])
-        .args([
-            "--sql",
-            "INSERT INTO notifications (event_id, payload) SELECT $1, $2 FROM pg_sleep(1.5)",
-        ])
-        .env("TASKHUB_FAULT", format!("before-commit@{event_id}"))
-        .env("TASKHUB_FAULT_PAUSE_MS", "6000");
-    let mut a = Proc::spawn(a);
-    xadd(
-        &mut conn,
-        &first,
-        &[("event_id", &event_id), ("payload", "p")],
-    );
-    assert!(
-        a.wait_for("taskhub-fault: before-commit", Duration::from_secs(20)),
-        "{}",
-        a.stderr()
+    let mut a = paused_owner(
+        &db.url,
+        (&first, &first),
+        &event_id,
+        6000,
+        &["--scope", &scope],
     );
     let waits = format!("{}?options=-c%20lock_timeout%3D300", db.url);
-    let mut b = worker(&second, &waits);
-    b.args(["--mode", "batch", "--handler-timeout", "30s"]);
-    let mut b = Proc::spawn(b);
+    let mut b = Proc::spawn(one_worker(
+        &waits,
+        &second,
+        &second,
+        &[
+            "--scope",
+            &scope,
+            "--mode",
+            "batch",
+            "--handler-timeout",
+            "30s",
+        ],
+    ));
     // First an event `notifications` rejects, then the owner's.
     let poison = unique("poison");
     xadd(
