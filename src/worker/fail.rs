@@ -169,14 +169,9 @@ impl Processor {
         if let Some(kind) = kind {
             return self.dead_letter(delivery, kind, error.to_string());
         }
-        let backoff = &self.stage.settings.backoff;
-        let delay = backoff.delay(attempt, error.retry_after());
-        let earliest = backoff.earliest(attempt, delay, error.retry_after());
-        let (stream, entry) = (&delivery.stream, &delivery.entry_id);
         let max = config.max_attempts;
-        // To the millisecond: "retrying in 1s 250ms".
-        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
-        let after = humantime::format_duration(std::time::Duration::from_millis(ms));
+        let (stream, entry) = (delivery.stream.clone(), delivery.entry_id.clone());
+        let after = self.retry_later(delivery, attempt, error.retry_after());
         let shown = self.stage.common.stats.failures_shown.take(Instant::now());
         let level = shown.map_or(log::Level::Debug, |_| log::Level::Warn);
         let more = match shown {
@@ -189,6 +184,20 @@ impl Processor {
             level,
             "{stream}/{entry}: attempt {attempt} of {max} failed ({error}); retrying in {after}{more}"
         );
+    }
+
+    /// Hands `delivery` to the retry thread, due after the backoff of
+    /// `attempt` (or a downstream's `retry_after`); returns that backoff, to
+    /// the millisecond, for the log ("1s 250ms").
+    fn retry_later(
+        &mut self,
+        delivery: Delivery,
+        attempt: u32,
+        retry_after: Option<std::time::Duration>,
+    ) -> String {
+        let backoff = &self.stage.settings.backoff;
+        let delay = backoff.delay(attempt, retry_after);
+        let earliest = backoff.earliest(attempt, delay, retry_after);
         Stats::add(&self.stage.common.stats.of(&delivery.stream).retries, 1);
         // On failure (the retry thread is gone at shutdown) the retry is
         // dropped, which leaves the entry pending.
@@ -196,6 +205,8 @@ impl Processor {
         let _ = self
             .retry
             .send(Retry::of(delivery, now + delay, now + earliest));
+        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        humantime::format_duration(std::time::Duration::from_millis(ms)).to_string()
     }
 
     /// An attempt that waited in vain for the event's dedup row, held by
@@ -207,23 +218,10 @@ impl Processor {
     /// until PostgreSQL ends that session: `idle_in_transaction_session_timeout`
     /// on the role bounds it.)
     fn held_elsewhere(&mut self, delivery: Delivery, error: &HandlerError) {
-        let backoff = &self.stage.settings.backoff;
+        let (stream, entry) = (delivery.stream.clone(), delivery.entry_id.clone());
         let next = delivery.attempts() + 1;
-        let delay = backoff.delay(next, None);
-        let earliest = backoff.earliest(next, delay, None);
-        log::warn!(
-            "{}/{}: {error}; not counted as an attempt, trying again in {}",
-            delivery.stream,
-            delivery.entry_id,
-            humantime::format_duration(std::time::Duration::from_millis(
-                u64::try_from(delay.as_millis()).unwrap_or(u64::MAX)
-            ))
-        );
-        Stats::add(&self.stage.common.stats.of(&delivery.stream).retries, 1);
-        let now = Instant::now();
-        let _ = self
-            .retry
-            .send(Retry::of(delivery, now + delay, now + earliest));
+        let after = self.retry_later(delivery, next, None);
+        log::warn!("{stream}/{entry}: {error}; not counted as an attempt, trying again in {after}");
     }
 
     pub(crate) fn dead_letter(&mut self, mut delivery: Delivery, kind: Kind, reason: String) {

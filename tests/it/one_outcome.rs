@@ -285,6 +285,31 @@ fn paused_owner(
 /// event is a duplicate) or rolls back.
 #[test]
 fn a_claimer_waiting_on_the_owner_s_uncommitted_row_does_not_dead_letter_it() {
+    claimer_of_a_paused_owner("1s", false);
+}
+
+/// The other end of the wait: the paused owner killed (SIGKILL) while the
+/// claimer waits for its key; PostgreSQL rolls the owner's transaction
+/// back, and the claimer applies the event, once.
+#[test]
+fn a_claimer_applies_the_event_of_an_owner_killed_while_it_waited() {
+    claimer_of_a_paused_owner("1s", true);
+}
+
+/// The same with the claimer's statements bounded below the probe's lock
+/// wait (100 ms): the probe, under the session's statement timeout, was
+/// cut by it first (57014, "not held") and the wait counted (seen failing
+/// so). The probe bounds its own statement.
+#[test]
+fn a_claimer_with_a_handler_timeout_below_the_probe_s_lock_wait_still_waits() {
+    claimer_of_a_paused_owner("50ms", false);
+}
+
+/// A paused owner's entry claimed by a consumer whose statements wait
+/// `handler_timeout` at most: one outcome, and the claimer says it waited
+/// for the owner's key without counting attempts. With `kill_owner`, the
+/// owner is killed once the claimer waits: the claimer applies the event.
+fn claimer_of_a_paused_owner(handler_timeout: &str, kill_owner: bool) {
     let db = TestDb::new();
     let mut conn = redis(&redis_url());
     let (stream, group) = (unique("paused"), unique("g"));
@@ -297,7 +322,7 @@ fn a_claimer_waiting_on_the_owner_s_uncommitted_row_does_not_dead_letter_it() {
         8000,
         &["--consumer", "a", "--reclaim-interval", "600s"],
     );
-    // The claimer: claims after 2 s idle; its statements wait 1 s at most.
+    // The claimer: claims after 2 s idle.
     let mut b = Proc::spawn(one_worker(
         &db.url,
         &stream,
@@ -310,9 +335,17 @@ fn a_claimer_waiting_on_the_owner_s_uncommitted_row_does_not_dead_letter_it() {
             "--reclaim-interval",
             "200ms",
             "--handler-timeout",
-            "1s",
+            handler_timeout,
         ],
     ));
+    if kill_owner {
+        assert!(
+            b.wait_for("held by another transaction", Duration::from_secs(20)),
+            "{}",
+            b.stderr()
+        );
+        a.kill();
+    }
     assert!(
         wait_until(Duration::from_secs(40), || {
             db.effects(&event_id) == 1 && pending(&mut conn, &stream, &group) == 0
@@ -323,10 +356,13 @@ fn a_claimer_waiting_on_the_owner_s_uncommitted_row_does_not_dead_letter_it() {
     );
     // Whatever either still runs, finished.
     std::thread::sleep(Duration::from_secs(1));
-    for p in [&mut a, &mut b] {
-        p.signal("TERM");
-        p.wait(Duration::from_secs(30));
+    if !kill_owner {
+        a.signal("TERM");
+        a.wait(Duration::from_secs(30));
     }
+    b.signal("TERM");
+    let b_summary = b.wait(Duration::from_secs(30));
+    assert!(b_summary.success(), "{}", b.stderr());
     assert_eq!(
         outcomes(&db, &mut conn, &stream, &event_id),
         1,
@@ -342,6 +378,13 @@ fn a_claimer_waiting_on_the_owner_s_uncommitted_row_does_not_dead_letter_it() {
             && b_said.contains("held by another transaction")
             && b_said.contains("not counted as an attempt"),
         "{b_said}"
+    );
+    // Applied by the claimer when the owner's transaction was rolled back.
+    assert_eq!(
+        b.stdout().contains("applied=1"),
+        kill_owner,
+        "{}",
+        b.stdout()
     );
 }
 
