@@ -261,7 +261,7 @@ pub fn run(servers: &Servers, mut args: RunArgs) -> Result<(), String> {
     let summary = match result {
         // A signal during the start interrupts its connects (EINTR): a stop
         // asked for, not a failure of the start.
-        Err(e) if signalled.load(Ordering::SeqCst) && e.kind() != ErrorKind::ShutdownTimeout => {
+        Err(e) if e.kind() != ErrorKind::ShutdownTimeout && stopped_by_signal(&signalled, &e) => {
             log::info!(
                 "taskhub: stopped by the signal during start-up ({})",
                 report(&e)
@@ -272,6 +272,27 @@ pub fn run(servers: &Servers, mut args: RunArgs) -> Result<(), String> {
     };
     println!("{summary}");
     Ok(())
+}
+
+/// Whether the start's failure `e` is the signal's doing. ctrlc runs the
+/// handler on a thread of its own, which may not have run yet when a read
+/// that the signal interrupted (EINTR) has already failed the start: exit 1,
+/// the stop taken for an error (seen in CI). An interrupted call waits up to
+/// a second for that thread; a stop and continue (SIGSTOP, SIGCONT) also
+/// interrupts such reads, and without a signal of ours the error stands.
+fn stopped_by_signal(signalled: &AtomicBool, e: &taskhub::Error) -> bool {
+    let eintr = std::io::Error::from_raw_os_error(libc::EINTR).to_string();
+    if signalled.load(Ordering::SeqCst) || !e.chain().contains(&eintr) {
+        return signalled.load(Ordering::SeqCst);
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(1);
+    while std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+        if signalled.load(Ordering::SeqCst) {
+            return true;
+        }
+    }
+    false
 }
 
 /// The worker `run`'s flags describe: the `--http-url` handler (with its
