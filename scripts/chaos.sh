@@ -215,14 +215,16 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 # A port nothing listens on, outside the ephemeral range (a client socket
-# bound to it would make the server's bind fail, at a restart too).
+# bound to it would make the server's bind fail, at a restart too), and
+# below 20000, where the test suite's private servers take theirs (one of
+# them could take this port while a restart has it free).
 read -r EPHEMERAL_LO EPHEMERAL_HI </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null ||
     EPHEMERAL_LO=32768 EPHEMERAL_HI=60999
 free_port() {
-    local p
+    local p top=$((EPHEMERAL_LO < 20000 ? EPHEMERAL_LO : 20000))
     while :; do
-        if ((EPHEMERAL_LO > 12000)); then
-            p=$((10000 + RANDOM % (EPHEMERAL_LO - 10000)))
+        if ((top > 12000)); then
+            p=$((10000 + RANDOM % (top - 10000)))
         else
             p=$((EPHEMERAL_HI + 1 + RANDOM % (65535 - EPHEMERAL_HI)))
         fi

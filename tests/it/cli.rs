@@ -1408,6 +1408,21 @@ fn a_database_port_that_never_answers_is_a_start_up_error() {
     }
 }
 
+/// The TCP connections established to `port` on 127.0.0.1, of any process
+/// (the client's side of each, from `/proc/net/tcp`).
+fn connections_to(port: u16) -> usize {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    let remote = format!("0100007F:{port:04X}");
+    table
+        .lines()
+        .skip(1)
+        .filter(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            fields.get(2) == Some(&remote.as_str()) && fields.get(3) == Some(&"01")
+        })
+        .count()
+}
+
 /// SIGTERM while the start waits for a Redis that does not answer stops
 /// it: exit 0, said as such. It was an error (the signal interrupted the
 /// connect: "Interrupted system call"), or, the worker having shut itself
@@ -1426,6 +1441,13 @@ fn a_signal_during_start_up_is_a_stop() {
         let mut cmd = taskhub(&server.url(), &db.url);
         cmd.args(["run", "--stream", &unique("paused"), "--group", "g"]);
         let mut p = Proc::spawn(cmd);
+        // Its handler is installed before it connects: a signal before
+        // that would end it (a loaded machine can take that long).
+        assert!(
+            wait_until(Duration::from_secs(20), || connections_to(server.port) >= 2),
+            "taskhub never connected: {}",
+            p.stderr()
+        );
         std::thread::sleep(wait);
         p.signal("TERM");
         let status = p.wait(Duration::from_secs(20));

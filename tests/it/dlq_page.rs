@@ -712,6 +712,9 @@ fn bulk_relative_since_is_fixed_when_the_confirmation_is_shown() {
     let db = TestDb::new();
     let stream = unique("page-since");
     let mut r = redis(&redis_url());
+    let (mut p, base) = page_worker(&db, &stream);
+    // Written once the page is up, so that it is inside the window however
+    // long the start took.
     letter(
         &mut r,
         &stream,
@@ -721,7 +724,6 @@ fn bulk_relative_since_is_fixed_when_the_confirmation_is_shown() {
         Duration::from_secs(1),
         "acme",
     );
-    let (mut p, base) = page_worker(&db, &stream);
     let (status, page) = post(
         &format!("{base}/dlq/bulk"),
         &format!(

@@ -846,7 +846,7 @@ fn two_worker_processes_share_a_stream_exactly_once() {
 #[test]
 fn shutdown_deadline_second_signal_and_sigint() {
     const SLEEPY_SQL: &str =
-        "INSERT INTO notifications (event_id, payload) SELECT $1, $2 FROM pg_sleep(4)";
+        "INSERT INTO notifications (event_id, payload) SELECT $1, $2 FROM pg_sleep(10)";
     let db = TestDb::new();
     let (stream, group) = (unique("s"), unique("g"));
     let mut conn = redis(&redis_url());
@@ -875,7 +875,7 @@ fn shutdown_deadline_second_signal_and_sigint() {
         db.count(&format!(
             "SELECT count(*) FROM pg_stat_activity \
              WHERE datname = current_database() AND pid <> pg_backend_pid() \
-             AND query LIKE '%pg_sleep(4)' AND state LIKE '{state}' \
+             AND query LIKE '%pg_sleep(10)' AND state LIKE '{state}' \
              AND query_start <= now() - interval '{since}'"
         ))
     };
@@ -889,7 +889,7 @@ fn shutdown_deadline_second_signal_and_sigint() {
     // Until the interrupted transaction has ended: it can commit no more.
     let wait_ended = || {
         assert!(
-            wait_until(Duration::from_secs(20), || sleepers("%", "0 s") == 0),
+            wait_until(Duration::from_secs(30), || sleepers("%", "0 s") == 0),
             "the interrupted transaction is still open"
         );
     };

@@ -30,7 +30,7 @@ fn downstream(script: fn(&str, usize) -> (u16, Option<&'static str>)) -> (String
             // "Hang": answer only after the client's timeout (on this
             // request's own thread, so the next requests are not held up).
             return Answer {
-                delay: Duration::from_millis(1500),
+                delay: Duration::from_millis(4000),
                 ..Answer::status(200)
             };
         }
@@ -132,7 +132,7 @@ fn a_downstream_timeout_is_retried() {
     let stream = unique("http-slow");
     let mut r = redis(&redis_url());
     xadd(&mut r, &stream, &[("event_id", "t1"), ("payload", "p")]);
-    let mut p = run_http(&url, &stream, &db, &["--http-timeout", "300ms"]);
+    let mut p = run_http(&url, &stream, &db, &["--http-timeout", "1s"]);
     assert!(p.wait(Duration::from_secs(30)).success(), "{}", p.stderr());
     assert_eq!(seen.lock().unwrap().len(), 2, "timed out, then tried again");
     assert!(dead_letters(&mut r, &stream).is_empty());

@@ -857,7 +857,7 @@ fn a_groups_alert_count_ignores_other_groups_letters() {
 #[test]
 fn metrics_of_groups_sharing_a_stream_carry_their_group() {
     const SLOW_SQL: &str =
-        "INSERT INTO notifications (event_id, payload) SELECT $1, $2 FROM pg_sleep(0.4)";
+        "INSERT INTO notifications (event_id, payload) SELECT $1, $2 FROM pg_sleep(1)";
     let (db_a, db_b) = (TestDb::new(), TestDb::new());
     let stream = unique("ops-groups");
     let (group_a, group_b) = (format!("{stream}-a"), format!("{stream}-b"));

@@ -7,7 +7,7 @@
 //! entry is not paid for with a round trip per step.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::support::*;
 
@@ -90,6 +90,7 @@ fn a_trickle_shares_its_reads_and_acks() {
     let (stream, group) = (unique("trickle"), unique("g"));
     let (mut conn, running) = warm_worker(&r, &db, (&stream, &group), Duration::ZERO);
     let n = 60;
+    let started = Instant::now();
     for i in 0..n {
         xadd(
             &mut conn,
@@ -98,6 +99,10 @@ fn a_trickle_shares_its_reads_and_acks() {
         );
         std::thread::sleep(Duration::from_millis(2));
     }
+    // Each of the 4 workers acks at most once per 50 ms hold: a trickle
+    // slowed down by a loaded machine allows more acks than half.
+    let holds = (started.elapsed().as_millis() / 50 + 2) as u64;
+    let most_acks = (n as u64 / 2).max(4 * holds);
     applied_and_acked(&mut conn, &db, (&stream, &group), 1 + n, "the trickle");
     let calls = calls(&mut conn);
     let summary = running.stop();
@@ -109,8 +114,8 @@ fn a_trickle_shares_its_reads_and_acks() {
         "no marker looked up by the reads: {calls:?}"
     );
     assert!(
-        get("xack") * 2 <= n as u64,
-        "{} ack round trips for {n} entries: {calls:?}",
+        get("xack") <= most_acks && get("xack") < n as u64,
+        "{} ack round trips for {n} entries (at most {most_acks} for this trickle's pace): {calls:?}",
         get("xack")
     );
     assert!(
@@ -346,14 +351,17 @@ fn an_idle_stream_costs_one_blocking_read_per_block() {
     let (stream, group) = (unique("idle"), unique("g"));
     let settle = Duration::from_millis(300);
     let (mut conn, running) = warm_worker(&r, &db, (&stream, &group), settle);
+    let counted = Instant::now(); // the counts were reset just before
     std::thread::sleep(Duration::from_secs(2));
     let calls = calls(&mut conn);
+    // A loaded machine stretches the window the counts cover.
+    let blocks = (counted.elapsed().as_millis() / 200) as u64;
     running.stop();
     let get = |name: &str| calls.get(name).copied().unwrap_or(0);
     let reads = get("xreadgroup");
     assert!(
-        (5..=12).contains(&reads),
-        "{reads} reads in 2 s of an idle stream with a 200 ms BLOCK: {calls:?}"
+        (5..=blocks + 2).contains(&reads),
+        "{reads} reads in {blocks} BLOCKs of 200 ms of an idle stream: {calls:?}"
     );
     assert_eq!(get("evalsha"), 0, "a read script while idle: {calls:?}");
 }

@@ -30,9 +30,14 @@ pub struct Proc {
     pub child: Child,
     stderr: Arc<Mutex<String>>,
     stdout: Arc<Mutex<String>>,
+    /// The threads collecting them, joined once the child has exited.
+    collectors: Vec<std::thread::JoinHandle<()>>,
 }
 
-fn collect(stream: impl Read + Send + 'static, into: Arc<Mutex<String>>) {
+fn collect(
+    stream: impl Read + Send + 'static,
+    into: Arc<Mutex<String>>,
+) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let reader = BufReader::new(stream);
         for line in reader.split(b'\n') {
@@ -41,7 +46,7 @@ fn collect(stream: impl Read + Send + 'static, into: Arc<Mutex<String>>) {
             s.push_str(&String::from_utf8_lossy(&line));
             s.push('\n');
         }
-    });
+    })
 }
 
 impl Proc {
@@ -50,12 +55,15 @@ impl Proc {
         let mut child = cmd.spawn().expect("taskhub starts");
         let stderr = Arc::new(Mutex::new(String::new()));
         let stdout = Arc::new(Mutex::new(String::new()));
-        collect(child.stderr.take().unwrap(), stderr.clone());
-        collect(child.stdout.take().unwrap(), stdout.clone());
+        let collectors = vec![
+            collect(child.stderr.take().unwrap(), stderr.clone()),
+            collect(child.stdout.take().unwrap(), stdout.clone()),
+        ];
         Proc {
             child,
             stderr,
             stdout,
+            collectors,
         }
     }
 
@@ -97,8 +105,13 @@ impl Proc {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
-                // Let the collector threads catch up with the last lines.
-                std::thread::sleep(Duration::from_millis(50));
+                // Its pipes are closed: the collectors end with its last
+                // lines (a fixed pause let a starved one miss them). Bounded,
+                // in case a process it started keeps a pipe open.
+                let until = Instant::now() + Duration::from_secs(10);
+                while self.collectors.iter().any(|c| !c.is_finished()) && Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
                 return status;
             }
             if Instant::now() >= deadline {
