@@ -388,6 +388,76 @@ fn claimer_of_a_paused_owner(handler_timeout: &str, kill_owner: bool) {
     );
 }
 
+/// An owner held up after it found its entry fresh, before it sent the one
+/// statement that applies the event unchecked (a new connection, a lock on
+/// the statement's tables, a stop: here a pause at the fault point), for
+/// longer than `--reclaim-min-idle`. Another consumer claimed the entry
+/// and dead-lettered it (here a crash loop: `--max-attempts 1`, delivered
+/// twice), then the owner's statement committed it: applied and
+/// dead-lettered (found by a hostile review, seen failing so in both
+/// modes). Now the owner asks again just before it sends, and an entry
+/// held that long takes the path that checks its ownership before COMMIT.
+#[test]
+fn an_owner_held_up_before_its_one_statement_checks_its_entry_first() {
+    for mode in ["batch", "per-event"] {
+        let db = TestDb::new();
+        let mut conn = redis(&redis_url());
+        let (stream, group) = (unique("held-up"), unique("g"));
+        let event_id = unique("e");
+        let mut a = taskhub(&redis_url(), &db.url);
+        a.args(["run", "--stream", &stream, "--group", &group])
+            .args(["--consumer", "a", "--workers", "1", "--block-ms", "100"])
+            .args(["--mode", mode, "--reclaim-interval", "600s"])
+            .env("TASKHUB_FAULT", format!("before-commit@{event_id}"))
+            .env("TASKHUB_FAULT_PAUSE_MS", "6000");
+        let mut a = Proc::spawn(a);
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &event_id), ("payload", "p")],
+        );
+        assert!(
+            a.wait_for("taskhub-fault: before-commit", Duration::from_secs(20)),
+            "{}",
+            a.stderr()
+        );
+        let paused = std::time::Instant::now();
+        let mut b = taskhub(&redis_url(), &db.url);
+        b.args(["run", "--stream", &stream, "--group", &group])
+            .args(["--consumer", "b", "--workers", "1", "--block-ms", "100"])
+            .args(["--reclaim-min-idle", "2s", "--reclaim-interval", "200ms"])
+            .args(["--max-attempts", "1", "--backoff-cap", "1s"])
+            .args(["--max-retry-after", "1s"]);
+        let mut b = Proc::spawn(b);
+        assert!(
+            wait_until(Duration::from_secs(20), || !dead_letters(
+                &mut conn, &stream
+            )
+            .is_empty()),
+            "{mode}: not claimed and dead-lettered\na: {}\nb: {}",
+            a.stderr(),
+            b.stderr()
+        );
+        // The owner goes on after its pause, and is done a moment later.
+        std::thread::sleep(Duration::from_secs(6).saturating_sub(paused.elapsed()));
+        std::thread::sleep(Duration::from_secs(2));
+        for p in [&mut a, &mut b] {
+            p.signal("TERM");
+            assert!(p.wait(Duration::from_secs(30)).success(), "{}", p.stderr());
+        }
+        assert_eq!(
+            outcomes(&db, &mut conn, &stream, &event_id),
+            1,
+            "{mode}: effects {}, dead letters {:?}\na: {}\nb: {}",
+            db.effects(&event_id),
+            dead_letters(&mut conn, &stream),
+            a.stderr(),
+            b.stderr()
+        );
+        assert_eq!(pending(&mut conn, &stream, &group), 0, "{mode}");
+    }
+}
+
 /// Makes the dedup insert fail with SQLSTATE `code` while `fault_switch.on`
 /// is true (it starts on): PostgreSQL answers as a server that lost the
 /// connection (08006) or is read-only (25006) would, while the worker can
