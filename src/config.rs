@@ -323,6 +323,16 @@ impl Builder {
 
     /// Checks the configuration without building a worker.
     pub fn validate(self) -> Result<Config, Error> {
+        self.validate_for(None)
+    }
+
+    /// [`validate`](Builder::validate) for a handler whose own retry
+    /// `budget`, if any, replaces the worker's backoff: its cap, not the
+    /// worker's (unused, perhaps its default), is the longest backoff wait.
+    /// (Checked against the worker's, a `--http-url` run with
+    /// `--backoff-cap 1s` was refused any min-idle up to the 30 s it never
+    /// set; found by a hostile test.)
+    pub(crate) fn validate_for(self, budget: Option<Duration>) -> Result<Config, Error> {
         let c = self.config;
         let err = |m: String| Err(Error::config(m));
         if c.streams.is_empty() {
@@ -426,15 +436,19 @@ impl Builder {
                 c.reclaim_min_idle
             ));
         }
-        let longest_wait = c.backoff_cap.max(c.max_retry_after);
+        let (cap, whose) = match budget {
+            Some(cap) => (cap, "the handler's backoff cap"),
+            None => (c.backoff_cap, "the backoff cap"),
+        };
+        let longest_wait = cap.max(c.max_retry_after);
         if c.reclaim_min_idle <= longest_wait {
             // Say which settings make up the figure, so the user knows what
             // to change (`taskhub run`: --backoff-cap, --max-retry-after).
             return err(format!(
                 "reclaim min-idle ({:?}) must exceed the longest retry wait ({:?}: the larger of \
-                 the backoff cap, {:?}, and the max retry-after, {:?}), or entries waiting for a \
+                 {whose}, {:?}, and the max retry-after, {:?}), or entries waiting for a \
                  retry would be taken over by other consumers; raise the min-idle or lower those",
-                c.reclaim_min_idle, longest_wait, c.backoff_cap, c.max_retry_after
+                c.reclaim_min_idle, longest_wait, cap, c.max_retry_after
             ));
         }
         if c.max_event_id_bytes == 0 || c.max_event_id_bytes > 2048 {

@@ -79,16 +79,18 @@ impl Builder {
     /// Validates the configuration and returns a worker that runs `handler`.
     /// Nothing is connected yet; [`Worker::run`] does that.
     pub fn build(self, handler: impl Handler) -> Result<Worker, Error> {
-        let config = self.validate()?;
-        if let Some(budget) = handler.retry_budget() {
-            check_budget(&config, &budget)?;
+        let budget = handler.retry_budget();
+        let config = self.validate_for(budget.as_ref().map(|b| b.cap))?;
+        if let Some(budget) = budget {
+            check_budget(&budget)?;
         }
         Ok(Worker::new(config, Arc::new(handler)))
     }
 }
 
-/// A handler's retry budget obeys the worker's rules.
-fn check_budget(config: &Config, budget: &crate::handler::RetryBudget) -> Result<(), Error> {
+/// A handler's retry budget obeys the worker's rules (its cap against
+/// the min-idle: `Builder::validate_for`).
+fn check_budget(budget: &crate::handler::RetryBudget) -> Result<(), Error> {
     if budget.max_attempts == 0 {
         return Err(Error::config(
             "the handler's max attempts must be at least 1",
@@ -98,13 +100,6 @@ fn check_budget(config: &Config, budget: &crate::handler::RetryBudget) -> Result
         return Err(Error::config(format!(
             "the handler's backoff base must be positive and not above its cap ({:?} > {:?})",
             budget.base, budget.cap
-        )));
-    }
-    let longest = budget.cap.max(config.max_retry_after);
-    if config.reclaim_min_idle <= longest {
-        return Err(Error::config(format!(
-            "reclaim min-idle ({:?}) must exceed the handler's longest retry wait ({longest:?}), or entries waiting for a retry would be taken over by other consumers",
-            config.reclaim_min_idle
         )));
     }
     Ok(())

@@ -1167,6 +1167,22 @@ fn a_short_reclaim_min_idle_names_the_flags_behind_the_longest_wait() {
     let line = one_error_line(&out);
     assert!(line.contains("from --backoff-cap"), "{line}");
     assert!(line.contains("--max-retry-after"), "{line}");
+    // Its own cap lowered, a min-idle above it is taken: the run goes on
+    // to connect (to no server here). The library checked the SQL
+    // handler's default cap (30s), unused, and refused it.
+    let out = run_with(&[
+        "--http-url",
+        "http://127.0.0.1:1/hook",
+        "--backoff-cap",
+        "1s",
+        "--max-retry-after",
+        "1s",
+        "--reclaim-min-idle",
+        "10s",
+    ]);
+    let line = one_error_line(&out);
+    assert!(!line.contains("min-idle"), "{line}");
+    assert!(line.contains("cannot connect"), "{line}");
 }
 
 /// A dead letter of `stream` (group `g`) for `event_id`, as the worker
