@@ -29,6 +29,12 @@ pub(crate) fn pool_builder<M: r2d2::ManageConnection>(
         ))
 }
 
+/// Whether an error's text says a signal interrupted its call (EINTR).
+/// From the text: redis-rs keeps its I/O errors to itself.
+pub(crate) fn interrupted(text: &str) -> bool {
+    text.contains(&std::io::Error::from_raw_os_error(libc::EINTR).to_string())
+}
+
 /// `%XX` escapes decoded (for a path in a URL query).
 pub(crate) fn percent_decode(s: &str) -> String {
     let bytes = s.as_bytes();

@@ -174,7 +174,32 @@ impl Worker {
     }
 
     fn run_here(self) -> Result<Summary, Error> {
-        let result = self.connect_and_run();
+        let mut result = self.connect_and_run();
+        // A start a stop and continue interrupted (SIGSTOP then SIGCONT
+        // interrupt a read with a timeout: EINTR) is made again, twice at
+        // most; not after a signal that asked for a shutdown, which has a
+        // moment to say so (its handler may run on a thread of its own).
+        let mut starts = 1;
+        while let Err(e) = &result {
+            let start_up = matches!(e.kind(), ErrorKind::Redis | ErrorKind::Postgres);
+            if starts == 3
+                || !start_up
+                || !crate::net::interrupted(&e.chain())
+                || self
+                    .monitor
+                    .inner
+                    .shutdown
+                    .sleep(Duration::from_millis(200))
+            {
+                break;
+            }
+            log::warn!(
+                "taskhub: the start was interrupted ({}); starting again",
+                e.chain()
+            );
+            starts += 1;
+            result = self.connect_and_run();
+        }
         if result.is_err() {
             // Whatever failed, nothing must keep running in an embedding
             // program after run() returned (threads that did start stop;

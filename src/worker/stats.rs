@@ -243,10 +243,20 @@ impl Health {
         }
     }
 
-    /// Records that `server` failed; logs only the first failure of an outage.
     /// Records that `server` failed; logs the start of an outage once, however
     /// many threads notice it. Returns whether this call logged it.
+    ///
+    /// A call a signal interrupted (EINTR: the process was stopped and
+    /// continued, SIGSTOP then SIGCONT, which interrupts reads with a
+    /// timeout) is no outage: its connection is made again all the same, and
+    /// the server stays up (each stop logged an ERROR saying Redis was
+    /// unavailable; found by a hostile test).
     pub fn down(&self, server: Server, why: &dyn std::fmt::Display) -> bool {
+        let why = why.to_string();
+        if crate::net::interrupted(&why) {
+            log::warn!("{server:?}: a call was interrupted ({why}), by a stop and continue of this process or a signal; connecting again");
+            return false;
+        }
         let first = !self.flag(server).swap(true, Ordering::SeqCst);
         if first {
             log::error!(
@@ -385,5 +395,14 @@ mod tests {
         assert!(health.down(Server::Postgres, &"refused"));
         health.up(Server::Redis);
         assert!(health.down(Server::Redis, &"refused again"));
+    }
+
+    #[test]
+    fn an_interrupted_call_is_no_outage() {
+        let health = Health::default();
+        let eintr = std::io::Error::from_raw_os_error(libc::EINTR);
+        assert!(!health.down(Server::Redis, &eintr));
+        assert!(!health.redis_down.load(std::sync::atomic::Ordering::SeqCst));
+        assert!(health.down(Server::Redis, &"refused"));
     }
 }

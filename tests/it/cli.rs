@@ -1439,6 +1439,45 @@ fn connections_to(port: u16) -> usize {
         .count()
 }
 
+/// A stop and continue (SIGSTOP, SIGCONT: Ctrl-Z then `fg`, a paused
+/// container) while the start waits for a busy Redis interrupts its read
+/// (EINTR) without any signal of ours: the start is made again. It failed
+/// with "cannot connect to Redis ...: Interrupted system call", Redis
+/// being there all along (found by a hostile test, seen failing so).
+#[test]
+fn a_stop_and_continue_during_start_up_starts_again() {
+    let db = TestDb::new();
+    let server = PrivateRedis::start();
+    let mut conn = redis(&server.url());
+    let _: () = redis::cmd("CLIENT")
+        .arg(&["PAUSE", "3000", "ALL"])
+        .query(&mut conn)
+        .unwrap();
+    let mut cmd = taskhub(&server.url(), &db.url);
+    cmd.args([
+        "run",
+        "--stream",
+        &unique("stopped"),
+        "--group",
+        "g",
+        "--until-idle",
+    ]);
+    let mut p = Proc::spawn(cmd);
+    assert!(
+        wait_until(Duration::from_secs(20), || connections_to(server.port) >= 2),
+        "taskhub never connected: {}",
+        p.stderr()
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    p.signal("STOP");
+    std::thread::sleep(Duration::from_millis(300));
+    p.signal("CONT");
+    let status = p.wait(Duration::from_secs(40));
+    let stderr = p.stderr();
+    assert_eq!(status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("starting again"), "{stderr}");
+}
+
 /// SIGTERM while the start waits for a Redis that does not answer stops
 /// it: exit 0, said as such. It was an error (the signal interrupted the
 /// connect: "Interrupted system call"), or, the worker having shut itself
