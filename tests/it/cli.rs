@@ -1439,6 +1439,28 @@ fn connections_to(port: u16) -> usize {
         .count()
 }
 
+/// A private Redis that answers no client for `ms` (`CLIENT PAUSE ... ALL`).
+fn paused_redis(ms: u64) -> PrivateRedis {
+    let server = PrivateRedis::start();
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(ms)
+        .arg("ALL")
+        .query(&mut redis(&server.url()))
+        .unwrap();
+    server
+}
+
+/// Waits until `p` has connected to `server` (beside the connection that
+/// paused it, gone by then, or the test's own).
+fn connected(server: &PrivateRedis, p: &Proc) {
+    assert!(
+        wait_until(Duration::from_secs(20), || connections_to(server.port) >= 1),
+        "taskhub never connected: {}",
+        p.stderr()
+    );
+}
+
 /// A stop and continue (SIGSTOP, SIGCONT: Ctrl-Z then `fg`, a paused
 /// container) while the start waits for a busy Redis interrupts its read
 /// (EINTR) without any signal of ours: the start is made again. It failed
@@ -1447,12 +1469,7 @@ fn connections_to(port: u16) -> usize {
 #[test]
 fn a_stop_and_continue_during_start_up_starts_again() {
     let db = TestDb::new();
-    let server = PrivateRedis::start();
-    let mut conn = redis(&server.url());
-    let _: () = redis::cmd("CLIENT")
-        .arg(&["PAUSE", "3000", "ALL"])
-        .query(&mut conn)
-        .unwrap();
+    let server = paused_redis(3000);
     let mut cmd = taskhub(&server.url(), &db.url);
     cmd.args([
         "run",
@@ -1463,11 +1480,7 @@ fn a_stop_and_continue_during_start_up_starts_again() {
         "--until-idle",
     ]);
     let mut p = Proc::spawn(cmd);
-    assert!(
-        wait_until(Duration::from_secs(20), || connections_to(server.port) >= 2),
-        "taskhub never connected: {}",
-        p.stderr()
-    );
+    connected(&server, &p);
     std::thread::sleep(Duration::from_millis(300));
     p.signal("STOP");
     std::thread::sleep(Duration::from_millis(300));
@@ -1486,23 +1499,14 @@ fn a_stop_and_continue_during_start_up_starts_again() {
 #[test]
 fn a_signal_during_start_up_is_a_stop() {
     let db = TestDb::new();
-    let server = PrivateRedis::start();
-    let mut conn = redis(&server.url());
-    let _: () = redis::cmd("CLIENT")
-        .arg(&["PAUSE", "20000", "ALL"])
-        .query(&mut conn)
-        .unwrap();
+    let server = paused_redis(20000);
     for wait in [Duration::from_millis(500), Duration::from_secs(6)] {
         let mut cmd = taskhub(&server.url(), &db.url);
         cmd.args(["run", "--stream", &unique("paused"), "--group", "g"]);
         let mut p = Proc::spawn(cmd);
         // Its handler is installed before it connects: a signal before
         // that would end it (a loaded machine can take that long).
-        assert!(
-            wait_until(Duration::from_secs(20), || connections_to(server.port) >= 2),
-            "taskhub never connected: {}",
-            p.stderr()
-        );
+        connected(&server, &p);
         std::thread::sleep(wait);
         p.signal("TERM");
         let status = p.wait(Duration::from_secs(20));
