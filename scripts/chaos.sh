@@ -216,8 +216,8 @@ trap 'exit 130' INT TERM
 
 # A port nothing listens on, outside the ephemeral range (a client socket
 # bound to it would make the server's bind fail, at a restart too), and
-# below 20000, where the test suite's private servers take theirs (one of
-# them could take this port while a restart has it free).
+# below 20000: the test suite's private servers take theirs from 20000 to
+# 31999, and one of them could take this port while a restart has it free.
 read -r EPHEMERAL_LO EPHEMERAL_HI </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null ||
     EPHEMERAL_LO=32768 EPHEMERAL_HI=60999
 free_port() {

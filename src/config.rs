@@ -321,7 +321,10 @@ impl Builder {
         self
     }
 
-    /// Checks the configuration without building a worker.
+    /// Checks the configuration without building a worker, for a handler
+    /// that backs off as the worker does: one with a retry budget of its own
+    /// (`HttpHandler`) has its cap checked against the min-idle instead of
+    /// the worker's, which [`build`](Builder::build) does.
     pub fn validate(self) -> Result<Config, Error> {
         self.validate_for(None)
     }

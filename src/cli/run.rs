@@ -282,17 +282,21 @@ pub fn run(servers: &Servers, mut args: RunArgs) -> Result<(), String> {
 /// interrupts such reads, and without a signal of ours the error stands.
 fn stopped_by_signal(signalled: &AtomicBool, e: &taskhub::Error) -> bool {
     let eintr = std::io::Error::from_raw_os_error(libc::EINTR).to_string();
-    if signalled.load(Ordering::SeqCst) || !e.chain().contains(&eintr) {
-        return signalled.load(Ordering::SeqCst);
-    }
-    let deadline = std::time::Instant::now() + Duration::from_secs(1);
-    while std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
+    let wait = if e.chain().contains(&eintr) {
+        Duration::from_secs(1)
+    } else {
+        Duration::ZERO
+    };
+    let deadline = std::time::Instant::now() + wait;
+    loop {
         if signalled.load(Ordering::SeqCst) {
             return true;
         }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
-    false
 }
 
 /// The worker `run`'s flags describe: the `--http-url` handler (with its

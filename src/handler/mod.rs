@@ -69,8 +69,10 @@ pub trait Handler: Send + Sync + 'static {
 
     /// Called once when the worker starts, with a database connection, to
     /// check the handler's configuration (for example, that its SQL
-    /// prepares). An error stops the start-up: a statement that cannot work
-    /// must not dead-letter every event. Does nothing by default.
+    /// prepares); again if the start is made again (after a stop and
+    /// continue of the process interrupted it). An error stops the start-up:
+    /// a statement that cannot work must not dead-letter every event. Does
+    /// nothing by default.
     fn on_start(
         &self,
         _client: &mut postgres::Client,

@@ -102,7 +102,9 @@ impl std::fmt::Debug for RedisConn {
 impl ConnectionLike for RedisConn {
     fn req_packed_command(&mut self, cmd: &[u8]) -> RedisResult<Value> {
         match self {
-            RedisConn::Single { conn: c, .. } => c.req_packed_command(cmd),
+            RedisConn::Single { conn: c, stale } => {
+                lost_if_interrupted(c.req_packed_command(cmd), stale)
+            }
             RedisConn::Cluster { conn, stale } => lost_if_cut(conn.req_packed_command(cmd), stale),
         }
     }
@@ -114,7 +116,9 @@ impl ConnectionLike for RedisConn {
         count: usize,
     ) -> RedisResult<Vec<Value>> {
         match self {
-            RedisConn::Single { conn: c, .. } => c.req_packed_commands(cmd, offset, count),
+            RedisConn::Single { conn: c, stale } => {
+                lost_if_interrupted(c.req_packed_commands(cmd, offset, count), stale)
+            }
             // A MULTI/EXEC block goes to the node of its first key.
             RedisConn::Cluster { conn, stale } => {
                 lost_if_cut(conn.req_packed_commands(cmd, offset, count), stale)
@@ -257,6 +261,18 @@ impl Pipe {
     }
 }
 
+/// Marks a connection to one server `stale` when a signal interrupted its
+/// exchange (EINTR: a stop and continue of the process): its reply may be
+/// left unread, and redis-rs keeps the connection open after it.
+fn lost_if_interrupted<T>(result: RedisResult<T>, stale: &mut bool) -> RedisResult<T> {
+    if let Err(e) = &result {
+        if crate::net::interrupted(&e.to_string()) {
+            *stale = true;
+        }
+    }
+    result
+}
+
 /// Marks a cluster connection `stale` when `result` is a broken exchange
 /// (I/O error, timeout) rather than an error reply: replies may be left
 /// unread on one of its node connections.
@@ -322,6 +338,22 @@ fn is_only_redirections(e: &redis::RedisError) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_interrupted_exchange_leaves_its_connection_stale() {
+        let io = |code| {
+            Err::<(), _>(redis::RedisError::from(std::io::Error::from_raw_os_error(
+                code,
+            )))
+        };
+        let mut stale = false;
+        let _ = lost_if_interrupted(io(libc::EINTR), &mut stale);
+        assert!(stale);
+        let mut stale = false;
+        let _ = lost_if_interrupted(io(libc::ECONNREFUSED), &mut stale);
+        let _ = lost_if_interrupted(Ok(()), &mut stale);
+        assert!(!stale);
+    }
 
     /// A connection that answers every pipeline with `replies`.
     struct Canned(Vec<Value>);

@@ -471,9 +471,12 @@ impl Processor {
         }
         let started = Instant::now();
         let scope = &stage.settings.scope;
-        let rows = match prepare(&mut ***conn, cache, sql::APPLY_EACH)
-            .and_then(|each| conn.query(&each, &[scope, &ids, &payloads]))
-        {
+        let each = prepare(&mut ***conn, cache, sql::APPLY_EACH);
+        // Unchecked too: asked again after the function and its preparation.
+        if each.is_ok() && !still_fresh(batch) {
+            return Ok(rejected.map(Batch::Rejected)); // the halves, or the general path
+        }
+        let rows = match each.and_then(|each| conn.query(&each, &[scope, &ids, &payloads])) {
             Ok(rows) => rows,
             Err(e) if gave_up(Some(&e)) => {
                 return Ok(None); // past the bound (or a lock timeout): rolled back

@@ -175,29 +175,25 @@ impl Worker {
 
     fn run_here(self) -> Result<Summary, Error> {
         let mut result = self.connect_and_run();
-        // A start a stop and continue interrupted (SIGSTOP then SIGCONT
-        // interrupt a read with a timeout: EINTR) is made again, twice at
-        // most; not after a signal that asked for a shutdown, which has a
-        // moment to say so (its handler may run on a thread of its own).
-        let mut starts = 1;
-        while let Err(e) = &result {
+        // A start that a stop and continue interrupted (SIGSTOP then
+        // SIGCONT interrupt reads with a timeout: EINTR) is made again,
+        // twice at most. Not after a signal that asks for a shutdown, which
+        // interrupts them too: it has a second to say so (its handler may
+        // run on a thread of its own, as ctrlc's does).
+        for _ in 0..2 {
+            let Err(e) = &result else { break };
             let start_up = matches!(e.kind(), ErrorKind::Redis | ErrorKind::Postgres);
-            if starts == 3
-                || !start_up
-                || !crate::net::interrupted(&e.chain())
-                || self
-                    .monitor
-                    .inner
-                    .shutdown
-                    .sleep(Duration::from_millis(200))
-            {
+            if !start_up || !crate::net::interrupted(&e.chain()) {
+                break;
+            }
+            let shutdown = &self.monitor.inner.shutdown;
+            if shutdown.sleep(Duration::from_secs(1)) {
                 break;
             }
             log::warn!(
                 "taskhub: the start was interrupted ({}); starting again",
                 e.chain()
             );
-            starts += 1;
             result = self.connect_and_run();
         }
         if result.is_err() {

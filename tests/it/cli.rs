@@ -1469,7 +1469,9 @@ fn connected(server: &PrivateRedis, p: &Proc) {
 #[test]
 fn a_stop_and_continue_during_start_up_starts_again() {
     let db = TestDb::new();
-    let server = paused_redis(3000);
+    // Long enough for a loaded machine to start it and stop it inside
+    // (`CLIENT UNPAUSE` would wait for the end of the pause too).
+    let server = paused_redis(10_000);
     let mut cmd = taskhub(&server.url(), &db.url);
     cmd.args([
         "run",
@@ -1485,6 +1487,7 @@ fn a_stop_and_continue_during_start_up_starts_again() {
     p.signal("STOP");
     std::thread::sleep(Duration::from_millis(300));
     p.signal("CONT");
+    // Started again a second later, it waits out the pause and drains.
     let status = p.wait(Duration::from_secs(40));
     let stderr = p.stderr();
     assert_eq!(status.code(), Some(0), "{stderr}");

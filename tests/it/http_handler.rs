@@ -13,7 +13,7 @@ type Seen = Arc<Mutex<Vec<(Instant, String, Vec<u8>, String)>>>;
 
 /// A downstream that answers each request with the next status from
 /// `script(event_id, n)` (n = how many requests that event_id has made);
-/// status 0 answers 200 after 1.5 s.
+/// status 0 answers 200 after 4 s.
 fn downstream(script: fn(&str, usize) -> (u16, Option<&'static str>)) -> (String, Seen) {
     let seen: Seen = Arc::default();
     let log = seen.clone();

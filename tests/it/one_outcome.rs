@@ -409,7 +409,7 @@ fn an_owner_held_up_before_its_one_statement_checks_its_entry_first() {
             .args(["--consumer", "a", "--workers", "1", "--block-ms", "100"])
             .args(["--mode", mode, "--reclaim-interval", "600s"])
             .env("TASKHUB_FAULT", format!("before-commit@{event_id}"))
-            .env("TASKHUB_FAULT_PAUSE_MS", "6000");
+            .env("TASKHUB_FAULT_PAUSE_MS", "15000");
         let mut a = Proc::spawn(a);
         xadd(
             &mut conn,
@@ -439,7 +439,7 @@ fn an_owner_held_up_before_its_one_statement_checks_its_entry_first() {
             b.stderr()
         );
         // The owner goes on after its pause, and is done a moment later.
-        std::thread::sleep(Duration::from_secs(6).saturating_sub(paused.elapsed()));
+        std::thread::sleep(Duration::from_secs(15).saturating_sub(paused.elapsed()));
         std::thread::sleep(Duration::from_secs(2));
         for p in [&mut a, &mut b] {
             p.signal("TERM");

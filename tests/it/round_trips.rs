@@ -99,11 +99,11 @@ fn a_trickle_shares_its_reads_and_acks() {
         );
         std::thread::sleep(Duration::from_millis(2));
     }
+    applied_and_acked(&mut conn, &db, (&stream, &group), 1 + n, "the trickle");
     // Each of the 4 workers acks at most once per 50 ms hold: a trickle
     // slowed down by a loaded machine allows more acks than half.
     let holds = (started.elapsed().as_millis() / 50 + 2) as u64;
     let most_acks = (n as u64 / 2).max(4 * holds);
-    applied_and_acked(&mut conn, &db, (&stream, &group), 1 + n, "the trickle");
     let calls = calls(&mut conn);
     let summary = running.stop();
     assert_eq!(summary.applied, 1 + n as u64, "{summary}");
