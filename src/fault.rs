@@ -25,6 +25,10 @@ pub(crate) enum Point {
     BeforeCommit,
     /// After COMMIT, before the Redis marker.
     AfterCommit,
+    /// A rejected batch's events about to be applied apart, one
+    /// subtransaction each (`taskhub_apply_each`), before the last
+    /// question whether they are still fresh.
+    BeforeEach,
     /// After the Redis marker, before XACK.
     AfterMarker,
     /// A handler's event of a backlog's mixed read was put to wait for
@@ -42,6 +46,7 @@ impl Point {
             Point::InHandler => "in-handler",
             Point::BeforeCommit => "before-commit",
             Point::AfterCommit => "after-commit",
+            Point::BeforeEach => "before-each",
             Point::AfterMarker => "after-marker",
             Point::Gathered => "gathered",
             Point::ArchiveAfterCopy => "archive-after-copy",

@@ -472,6 +472,9 @@ impl Processor {
         let started = Instant::now();
         let scope = &stage.settings.scope;
         let each = prepare(&mut ***conn, cache, sql::APPLY_EACH);
+        for id in ids {
+            fault::hit(Point::BeforeEach, id);
+        }
         // Unchecked too: asked again after the function and its preparation.
         if each.is_ok() && !still_fresh(batch) {
             return Ok(rejected.map(Batch::Rejected)); // the halves, or the general path

@@ -401,61 +401,95 @@ fn claimer_of_a_paused_owner(handler_timeout: &str, kill_owner: bool) {
 fn an_owner_held_up_before_its_one_statement_checks_its_entry_first() {
     for mode in ["batch", "per-event"] {
         let db = TestDb::new();
-        let mut conn = redis(&redis_url());
-        let (stream, group) = (unique("held-up"), unique("g"));
-        let event_id = unique("e");
-        let mut a = taskhub(&redis_url(), &db.url);
-        a.args(["run", "--stream", &stream, "--group", &group])
-            .args(["--consumer", "a", "--workers", "1", "--block-ms", "100"])
-            .args(["--mode", mode, "--reclaim-interval", "600s"])
-            .env("TASKHUB_FAULT", format!("before-commit@{event_id}"))
-            .env("TASKHUB_FAULT_PAUSE_MS", "15000");
-        let mut a = Proc::spawn(a);
+        owner_held_up(&db, mode, "before-commit", &["p"]);
+    }
+}
+
+/// The same, held up where a batch the one statement rejected (for the
+/// second event, which a trigger refuses) has its events applied apart, one
+/// subtransaction each, in another unchecked statement (seen failing: the
+/// first event applied and dead-lettered).
+#[test]
+fn an_owner_held_up_before_a_rejected_batch_s_events_apart_checks_them_first() {
+    let db = TestDb::new();
+    db.client()
+        .batch_execute(
+            "CREATE FUNCTION refuse_bad() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NEW.payload = 'bad' THEN
+                     RAISE EXCEPTION 'bad payload' USING ERRCODE = '23514';
+                 END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER refuse_bad BEFORE INSERT ON notifications
+                 FOR EACH ROW EXECUTE FUNCTION refuse_bad();",
+        )
+        .unwrap();
+    owner_held_up(&db, "batch", "before-each", &["p", "bad"]);
+}
+
+/// Owner `a` reads `payloads` (one event each, the first one held) and
+/// stops for 15 s at `point` for the first; `b` claims them after 2 s and
+/// dead-letters them (`--max-attempts 1`: delivered twice, a crash loop).
+/// Then each event has one outcome and nothing is pending.
+fn owner_held_up(db: &TestDb, mode: &str, point: &str, payloads: &[&str]) {
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("held-up"), unique("g"));
+    let ids: Vec<String> = payloads.iter().map(|_| unique("e")).collect();
+    for (id, payload) in ids.iter().zip(payloads) {
         xadd(
             &mut conn,
             &stream,
-            &[("event_id", &event_id), ("payload", "p")],
+            &[("event_id", id), ("payload", payload)],
         );
-        assert!(
-            a.wait_for("taskhub-fault: before-commit", Duration::from_secs(20)),
-            "{}",
-            a.stderr()
-        );
-        let paused = std::time::Instant::now();
-        let mut b = taskhub(&redis_url(), &db.url);
-        b.args(["run", "--stream", &stream, "--group", &group])
-            .args(["--consumer", "b", "--workers", "1", "--block-ms", "100"])
-            .args(["--reclaim-min-idle", "2s", "--reclaim-interval", "200ms"])
-            .args(["--max-attempts", "1", "--backoff-cap", "1s"])
-            .args(["--max-retry-after", "1s"]);
-        let mut b = Proc::spawn(b);
-        assert!(
-            wait_until(Duration::from_secs(20), || !dead_letters(
-                &mut conn, &stream
-            )
-            .is_empty()),
-            "{mode}: not claimed and dead-lettered\na: {}\nb: {}",
-            a.stderr(),
-            b.stderr()
-        );
-        // The owner goes on after its pause, and is done a moment later.
-        std::thread::sleep(Duration::from_secs(15).saturating_sub(paused.elapsed()));
-        std::thread::sleep(Duration::from_secs(2));
-        for p in [&mut a, &mut b] {
-            p.signal("TERM");
-            assert!(p.wait(Duration::from_secs(30)).success(), "{}", p.stderr());
-        }
+    }
+    let mut a = taskhub(&redis_url(), &db.url);
+    a.args(["run", "--stream", &stream, "--group", &group])
+        .args(["--consumer", "a", "--workers", "1", "--block-ms", "100"])
+        .args(["--mode", mode, "--reclaim-interval", "600s"])
+        .env("TASKHUB_FAULT", format!("{point}@{}", ids[0]))
+        .env("TASKHUB_FAULT_PAUSE_MS", "15000");
+    let mut a = Proc::spawn(a);
+    assert!(
+        a.wait_for(&format!("taskhub-fault: {point}"), Duration::from_secs(20)),
+        "{}",
+        a.stderr()
+    );
+    let paused = std::time::Instant::now();
+    let mut b = taskhub(&redis_url(), &db.url);
+    b.args(["run", "--stream", &stream, "--group", &group])
+        .args(["--consumer", "b", "--workers", "1", "--block-ms", "100"])
+        .args(["--reclaim-min-idle", "2s", "--reclaim-interval", "200ms"])
+        .args(["--max-attempts", "1", "--backoff-cap", "1s"])
+        .args(["--max-retry-after", "1s"]);
+    let mut b = Proc::spawn(b);
+    assert!(
+        wait_until(Duration::from_secs(20), || dead_letters(&mut conn, &stream)
+            .len()
+            == ids.len()),
+        "{mode}: not claimed and dead-lettered\na: {}\nb: {}",
+        a.stderr(),
+        b.stderr()
+    );
+    // The owner goes on after its pause, and is done a moment later.
+    std::thread::sleep(Duration::from_secs(15).saturating_sub(paused.elapsed()));
+    std::thread::sleep(Duration::from_secs(2));
+    for p in [&mut a, &mut b] {
+        p.signal("TERM");
+        assert!(p.wait(Duration::from_secs(30)).success(), "{}", p.stderr());
+    }
+    for id in &ids {
         assert_eq!(
-            outcomes(&db, &mut conn, &stream, &event_id),
+            outcomes(db, &mut conn, &stream, id),
             1,
-            "{mode}: effects {}, dead letters {:?}\na: {}\nb: {}",
-            db.effects(&event_id),
+            "{mode} {id}: effects {}, dead letters {:?}\na: {}\nb: {}",
+            db.effects(id),
             dead_letters(&mut conn, &stream),
             a.stderr(),
             b.stderr()
         );
-        assert_eq!(pending(&mut conn, &stream, &group), 0, "{mode}");
     }
+    assert_eq!(pending(&mut conn, &stream, &group), 0, "{mode}");
 }
 
 /// Makes the dedup insert fail with SQLSTATE `code` while `fault_switch.on`
