@@ -312,6 +312,7 @@ impl Bulk {
             Action::Replay => {
                 let options = ReplayOptions {
                     rate: Some(rate),
+                    max_entry_bytes: Some(monitor.max_entry_bytes()),
                     ..ReplayOptions::default()
                 };
                 let mut progress = progress;

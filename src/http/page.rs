@@ -160,7 +160,10 @@ impl Page {
                 pg.as_deref_mut().map(|c| &mut **c),
                 &stream,
                 &selection,
-                &ReplayOptions::default(),
+                &ReplayOptions {
+                    max_entry_bytes: Some(monitor.max_entry_bytes()),
+                    ..ReplayOptions::default()
+                },
                 &mut |_, _| {},
             );
             match report {

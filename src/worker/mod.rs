@@ -121,6 +121,7 @@ impl Worker {
                 streams: config.streams.clone(),
                 group: config.group.clone(),
                 consumer: config.consumer.clone(),
+                max_entry_bytes: config.max_entry_bytes,
                 started: SystemTime::now(),
                 thread_died: Mutex::new(None),
                 retrying: Arc::default(),

@@ -131,6 +131,8 @@ pub(crate) struct Inner {
     pub streams: Vec<String>,
     pub group: String,
     pub consumer: String,
+    /// `--max-entry-bytes`: what a replay from the page may put back.
+    pub max_entry_bytes: usize,
     pub started: SystemTime,
     /// The name of a thread that stopped unexpectedly, if any.
     pub thread_died: Mutex<Option<String>>,
@@ -195,6 +197,11 @@ impl Monitor {
     /// This instance's consumer name.
     pub fn consumer(&self) -> &str {
         &self.inner.consumer
+    }
+
+    /// The worker's `--max-entry-bytes`.
+    pub(crate) fn max_entry_bytes(&self) -> usize {
+        self.inner.max_entry_bytes
     }
 
     /// When the worker was made.

@@ -1039,6 +1039,72 @@ fn replay_refuses_an_oversize_letter_cut_down_to_256_bytes_a_field() {
     cleanup(&mut conn, &stream);
 }
 
+/// Regression (hostile tester): a replay adds its audit fields (about 200
+/// bytes with the names of the group and the stream) to the entry it puts
+/// back, and an event that was within that of `--max-entry-bytes` came
+/// back over it: the worker cut it down to an `invalid` letter that cannot
+/// be replayed, the whole event left only in the stream. Now replay keeps
+/// such a letter, says why and exits 1; with `--max-entry-bytes` raised (of
+/// the replay and the workers) it goes back and is applied whole.
+#[test]
+fn replay_keeps_a_letter_the_audit_fields_would_push_over_the_limit() {
+    let db = TestDb::new();
+    let stream = unique("atk_near");
+    let mut conn = redis(&redis_url());
+    let (near, far) = (unique("near"), unique("far"));
+    // 50 bytes under the limit of 3000, counted as the worker counts.
+    let payload = "7".repeat(3000 - 50 - 2 * 16 - "event_id".len() - near.len() - "payload".len());
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", &near), ("payload", &format!("x{payload}"))],
+    );
+    xadd(&mut conn, &stream, &[("event_id", &far), ("payload", "x")]);
+    let limit = ["--max-entry-bytes", "3000"];
+    let summary = run_worker_with(&db.url, &stream, Some(INT_SQL), &limit);
+    assert_eq!(summary["permanent"], 2, "{summary:?}");
+    let stream_len = xlen(&mut conn, &stream);
+
+    let out = dlq(
+        &db.url,
+        &stream,
+        &["replay", "--all", "--max-entry-bytes", "3000"],
+    );
+    assert_eq!(out.code(), Some(1), "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout
+            .contains("over the workers' --max-entry-bytes of 3000"),
+        "{}",
+        out.stdout
+    );
+    let left: Vec<String> = dead_letters(&mut conn, &stream)
+        .into_iter()
+        .filter_map(|l| l.event_id)
+        .collect();
+    assert_eq!(left, [near.clone()], "the letter near the limit stays");
+    assert_eq!(xlen(&mut conn, &stream), stream_len + 1, "one entry added");
+
+    // Raised for both, it goes back and is applied whole (the statement
+    // fixed: the payload without its leading letter is an integer).
+    let out = dlq(
+        &db.url,
+        &stream,
+        &["replay", "--all", "--max-entry-bytes", "4000"],
+    );
+    assert_eq!(out.code(), Some(0), "{}", out.stdout);
+    let fixed = "INSERT INTO notifications (event_id, payload) VALUES ($1, substr($2, 2))";
+    let summary = run_worker_with(
+        &db.url,
+        &stream,
+        Some(fixed),
+        &["--max-entry-bytes", "4000"],
+    );
+    assert_eq!(summary["applied"], 2, "{summary:?}");
+    assert_eq!(stored_payloads(&db, &near), [Some(payload)]);
+    assert!(dead_letters(&mut conn, &stream).is_empty());
+    cleanup(&mut conn, &stream);
+}
+
 /// Regression (hostile tester): an entry deleted from the stream (XTRIM
 /// MAXLEN 0) while it waited for a retry became a `trimmed` letter holding
 /// only its event_id, and replay put that back: the worker stored the event

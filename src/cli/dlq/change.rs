@@ -84,6 +84,7 @@ impl Ctx {
             dry_run: a.dry_run,
             rate: a.rate,
             scope: a.scope,
+            max_entry_bytes: Some(a.max_entry_bytes),
         };
         let mut progress = Progress::new("replay");
         let report = dead

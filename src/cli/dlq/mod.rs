@@ -208,6 +208,10 @@ struct ReplayArgs {
     /// Idempotency scope to check for "already processed" [default: each dead letter's group].
     #[arg(long)]
     scope: Option<String>,
+    /// The workers' --max-entry-bytes: a letter whose entry, put back with the replay's audit
+    /// fields, would be larger is not replayed (the workers would cut it down).
+    #[arg(long, value_name = "BYTES", default_value_t = 1024 * 1024, env = "TASKHUB_MAX_ENTRY_BYTES")]
+    max_entry_bytes: usize,
 }
 
 #[derive(Args, Debug)]
