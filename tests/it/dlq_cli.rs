@@ -1081,7 +1081,11 @@ fn replay_keeps_a_letter_the_audit_fields_would_push_over_the_limit() {
         .into_iter()
         .filter_map(|l| l.event_id)
         .collect();
-    assert_eq!(left, [near.clone()], "the letter near the limit stays");
+    assert_eq!(
+        left,
+        std::slice::from_ref(&near),
+        "the letter near the limit stays"
+    );
     assert_eq!(xlen(&mut conn, &stream), stream_len + 1, "one entry added");
 
     // Raised for both, it goes back and is applied whole (the statement
