@@ -41,8 +41,9 @@ pub struct ReplayOptions {
     /// which is the worker's default scope).
     pub scope: Option<String>,
     /// The workers' `--max-entry-bytes`: a letter whose entry, put back
-    /// with the replay's audit fields, would be larger is not replayed (see
-    /// [`over_limit`]). `None`: not checked.
+    /// with the replay's audit fields, would be larger is not replayed (the
+    /// worker would cut it down to a letter that cannot be replayed): it
+    /// stays, with the reason as its `error`. `None`: not checked.
     pub max_entry_bytes: Option<usize>,
 }
 
@@ -223,9 +224,9 @@ pub(crate) fn over_limit(letter: &DeadLetter, max_entry_bytes: usize) -> Option<
     let size = crate::event::size_of(bytes, fields.len() + group_fields.len());
     (size > max_entry_bytes).then(|| {
         format!(
-            "put back with the replay's fields it would take {size} bytes, over the workers' \
-             --max-entry-bytes of {max_entry_bytes}, and be cut down; raise --max-entry-bytes \
-             (of the workers, and of this replay), then replay it"
+            "{size} bytes with the replay's fields > --max-entry-bytes {max_entry_bytes}: the \
+             workers would cut it down; raise --max-entry-bytes (of the workers, and of this \
+             replay), then replay it"
         )
     })
 }

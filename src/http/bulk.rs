@@ -318,6 +318,11 @@ impl Bulk {
                 let mut progress = progress;
                 match dlq::replay(&mut conn, None, stream, &selection, &options, &mut progress) {
                     Ok(r) => {
+                        for item in &r.items {
+                            if let Some(e) = &item.error {
+                                log::warn!("http: bulk replay of {stream}/{}: {e}", item.id);
+                            }
+                        }
                         let out = format!(
                             "replayed {} (failed {}; not whole, kept: {}; not found {}) at {}",
                             r.replayed(),

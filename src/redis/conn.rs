@@ -128,7 +128,7 @@ impl ConnectionLike for RedisConn {
 
     fn req_command(&mut self, cmd: &Cmd) -> RedisResult<Value> {
         match self {
-            RedisConn::Single { conn: c, .. } => c.req_command(cmd),
+            RedisConn::Single { conn: c, stale } => lost_if_interrupted(c.req_command(cmd), stale),
             RedisConn::Cluster { conn, stale } => lost_if_cut(conn.req_command(cmd), stale),
         }
     }

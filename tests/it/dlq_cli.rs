@@ -1073,7 +1073,7 @@ fn replay_keeps_a_letter_the_audit_fields_would_push_over_the_limit() {
     assert_eq!(out.code(), Some(1), "{}\n{}", out.stdout, out.stderr);
     assert!(
         out.stdout
-            .contains("over the workers' --max-entry-bytes of 3000"),
+            .contains("bytes with the replay's fields > --max-entry-bytes 3000"),
         "{}",
         out.stdout
     );
