@@ -1087,13 +1087,32 @@ fn replay_keeps_a_letter_the_audit_fields_would_push_over_the_limit() {
         "the letter near the limit stays"
     );
     assert_eq!(xlen(&mut conn, &stream), stream_len + 1, "one entry added");
-
-    // Raised for both, it goes back and is applied whole (the statement
-    // fixed: the payload without its leading letter is an integer).
+    // The size it says, to the byte: a byte less still keeps it, and the
+    // workers take it whole at exactly that limit (a replay that counted
+    // less than the worker would let through an entry the worker cuts).
+    let size: usize = out
+        .stdout
+        .split(" bytes with the replay's fields")
+        .next()
+        .and_then(|before| before.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no size in: {}", out.stdout));
+    assert!(size > 3000 && size < 3300, "{size}");
+    let below = (size - 1).to_string();
     let out = dlq(
         &db.url,
         &stream,
-        &["replay", "--all", "--max-entry-bytes", "4000"],
+        &["replay", "--all", "--dry-run", "--max-entry-bytes", &below],
+    );
+    assert_eq!(out.code(), Some(1), "{}", out.stdout);
+
+    // Raised for both, it goes back and is applied whole (the statement
+    // fixed: the payload without its leading letter is an integer).
+    let limit = size.to_string();
+    let out = dlq(
+        &db.url,
+        &stream,
+        &["replay", "--all", "--max-entry-bytes", &limit],
     );
     assert_eq!(out.code(), Some(0), "{}", out.stdout);
     let fixed = "INSERT INTO notifications (event_id, payload) VALUES ($1, substr($2, 2))";
@@ -1101,7 +1120,7 @@ fn replay_keeps_a_letter_the_audit_fields_would_push_over_the_limit() {
         &db.url,
         &stream,
         Some(fixed),
-        &["--max-entry-bytes", "4000"],
+        &["--max-entry-bytes", &limit],
     );
     assert_eq!(summary["applied"], 2, "{summary:?}");
     assert_eq!(stored_payloads(&db, &near), [Some(payload)]);
