@@ -260,8 +260,11 @@ pub fn run(servers: &Servers, mut args: RunArgs) -> Result<(), String> {
     stop_and_join(&monitor, alerts, http);
     let summary = match result {
         // A signal during the start interrupts its connects (EINTR): a stop
-        // asked for, not a failure of the start.
-        Err(e) if e.kind() != ErrorKind::ShutdownTimeout && stopped_by_signal(&signalled, &e) => {
+        // asked for, not a failure of the start. (ctrlc runs the handler on
+        // a thread of its own, which may come late; the worker waits up to a
+        // second for its shutdown before it starts again after an
+        // interrupted start, and the handler sets `signalled` first.)
+        Err(e) if signalled.load(Ordering::SeqCst) && e.kind() != ErrorKind::ShutdownTimeout => {
             log::info!(
                 "taskhub: stopped by the signal during start-up ({})",
                 report(&e)
@@ -272,31 +275,6 @@ pub fn run(servers: &Servers, mut args: RunArgs) -> Result<(), String> {
     };
     println!("{summary}");
     Ok(())
-}
-
-/// Whether the start's failure `e` is the signal's doing. ctrlc runs the
-/// handler on a thread of its own, which may not have run yet when a read
-/// that the signal interrupted (EINTR) has already failed the start: exit 1,
-/// the stop taken for an error (seen in CI). An interrupted call waits up to
-/// a second for that thread; a stop and continue (SIGSTOP, SIGCONT) also
-/// interrupts such reads, and without a signal of ours the error stands.
-fn stopped_by_signal(signalled: &AtomicBool, e: &taskhub::Error) -> bool {
-    let eintr = std::io::Error::from_raw_os_error(libc::EINTR).to_string();
-    let wait = if e.chain().contains(&eintr) {
-        Duration::from_secs(1)
-    } else {
-        Duration::ZERO
-    };
-    let deadline = std::time::Instant::now() + wait;
-    loop {
-        if signalled.load(Ordering::SeqCst) {
-            return true;
-        }
-        if std::time::Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 /// The worker `run`'s flags describe: the `--http-url` handler (with its
