@@ -1494,6 +1494,44 @@ fn a_stop_and_continue_during_start_up_starts_again() {
     assert!(stderr.contains("starting again"), "{stderr}");
 }
 
+/// A stop and continue during a run interrupts the reader's blocking read
+/// (EINTR): a warning and a new connection, not an outage of Redis. Each
+/// stop logged an ERROR "Redis: unavailable" (found by a hostile test); the
+/// events still flow after it.
+#[test]
+fn a_stop_and_continue_during_a_run_is_no_outage() {
+    let db = TestDb::new();
+    let stream = unique("stopped-run");
+    let mut p = Proc::spawn(run_on(&db.url, &stream));
+    assert!(
+        p.wait_for("reading", Duration::from_secs(20)),
+        "{}",
+        p.stderr()
+    );
+    std::thread::sleep(Duration::from_millis(500)); // its reader blocks in XREADGROUP
+    p.signal("STOP");
+    std::thread::sleep(Duration::from_millis(300));
+    p.signal("CONT");
+    assert!(
+        p.wait_for("a call was interrupted", Duration::from_secs(20)),
+        "{}",
+        p.stderr()
+    );
+    xadd(
+        &mut redis(&redis_url()),
+        &stream,
+        &[("event_id", "after"), ("payload", "p")],
+    );
+    assert!(
+        wait_until(Duration::from_secs(20), || db.effects("after") == 1),
+        "{}",
+        p.stderr()
+    );
+    p.signal("TERM");
+    assert!(p.wait(Duration::from_secs(20)).success(), "{}", p.stderr());
+    assert!(!p.stderr().contains("unavailable"), "{}", p.stderr());
+}
+
 /// SIGTERM while the start waits for a Redis that does not answer stops
 /// it: exit 0, said as such. It was an error (the signal interrupted the
 /// connect: "Interrupted system call"), or, the worker having shut itself
