@@ -57,7 +57,11 @@ pub(crate) struct Job {
 ///   created again) is not dead-lettered twice; another group's letter of
 ///   the same entry is that group's, and a letter of the entry id whose
 ///   event id or original fields differ is another entry's (the id reused
-///   by a stream written again: see `keys::DEAD_IN`).
+///   by a stream written again: see `keys::DEAD_IN`). A `trimmed` letter
+///   of an entry deleted before it was read knows no fields: its event id
+///   alone decides, and without one it is the same entry's (a second
+///   letter of that entry was written after its group was created again,
+///   found by the chaos run in CI).
 /// - The XADD comes before the XACK: a script is not rolled back, so if the
 ///   XADD fails the entry is still pending (and is retried), never acked
 ///   and missing.
@@ -68,7 +72,22 @@ pub(crate) struct Job {
 /// fields. Follows [`DEAD_IN`].
 const WRITE_DEAD_LETTER: &str = r"
 local mine = original(ARGV, 5)
-local function same(_, f) return same_original(original(f, 1), mine) end
+-- A `trimmed` letter of an entry deleted before it was read holds no field
+-- but its event id: only that tells (none known, nothing does).
+local kind, event, unread = nil, false, true
+for j = 5, #ARGV - 1, 2 do
+    if ARGV[j] == 'kind' then kind = ARGV[j + 1] end
+end
+for j = 1, #mine - 1, 2 do
+    if mine[j] == 'event_id' then event = mine[j + 1]
+    elseif mine[j] ~= 'f:event_id' then unread = false end
+end
+local function same(_, f)
+    if kind == 'trimmed' and unread then
+        return event == false or field_of(f, 'event_id') == event
+    end
+    return same_original(original(f, 1), mine)
+end
 if dead_in(KEYS[3], KEYS[5], KEYS[2], ARGV[1], ARGV, 2, 2, same)[1] then
     redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
     redis.call('HDEL', KEYS[4], ARGV[2])
@@ -421,6 +440,68 @@ mod tests {
             dead_at: 0,
             fields: Vec::new(),
         }
+    }
+
+    /// Regression (found by the chaos run in CI): an entry dead-lettered
+    /// whole, delivered again (its group created again at `0`) and deleted
+    /// from the stream while pending got a second, `trimmed` letter: the
+    /// write compared the two letters' original fields, and a letter of an
+    /// entry deleted before it was read holds none but its event id. Such a
+    /// letter is the same entry's when its event id is (or when it knows
+    /// none), another's when its event id differs.
+    #[test]
+    fn a_trimmed_letter_of_an_entry_dead_lettered_whole_is_not_written_again() {
+        let mut c = conn();
+        let stream = format!("dl-again-{}", uuid::Uuid::new_v4());
+        let job = |letter: DeadLetter| Job {
+            letter,
+            token: None,
+            holder: None,
+            ticket: None,
+        };
+        let with = |kind: Kind, event_id: Option<&str>, fields: &[(&str, &str)]| {
+            let mut l = letter(&stream, "7-0", "c");
+            l.kind = kind;
+            l.event_id = event_id.map(str::to_owned);
+            l.fields = fields
+                .iter()
+                .map(|(k, v)| (k.as_bytes().to_vec(), v.as_bytes().to_vec()))
+                .collect();
+            l
+        };
+        let write = |c: &mut crate::redis::RedisConn, l: DeadLetter| -> i64 {
+            write_command(&job(l)).query(c).unwrap()
+        };
+        let whole = with(
+            Kind::Permanent,
+            Some("a"),
+            &[("event_id", "a"), ("payload", "p")],
+        );
+        assert_eq!(write(&mut c, whole), 1);
+        let trimmed = with(Kind::Trimmed, Some("a"), &[("event_id", "a")]);
+        assert_eq!(
+            write(&mut c, trimmed),
+            2,
+            "the same entry: no second letter"
+        );
+        let unknown = with(Kind::Trimmed, None, &[]);
+        assert_eq!(write(&mut c, unknown), 2, "nothing to tell it apart by");
+        let other = with(Kind::Trimmed, Some("b"), &[("event_id", "b")]);
+        assert_eq!(
+            write(&mut c, other),
+            1,
+            "another event at the id: its own letter"
+        );
+        let letters: usize = redis::cmd("XLEN")
+            .arg(dead_letter_stream(&stream))
+            .query(&mut c)
+            .unwrap();
+        assert_eq!(letters, 2);
+        let keys = [
+            dead_letter_stream(&stream),
+            crate::redis::keys::dead_letter_index(&stream, "g"),
+        ];
+        redis::cmd("DEL").arg(&keys).query::<()>(&mut c).unwrap();
     }
 
     /// Regression (found by the chaos run): a consumer that finds another
