@@ -43,7 +43,9 @@ pub struct ReplayOptions {
     /// The workers' `--max-entry-bytes`: a letter whose entry, put back
     /// with the replay's audit fields, would be larger is not replayed (the
     /// worker would cut it down to a letter that cannot be replayed): it
-    /// stays, with the reason as its `error`. `None`: not checked.
+    /// stays, with the reason as its `error`. The workers that run publish
+    /// their own limit in their consumer records, and the smallest of
+    /// those and this one is kept to. `None`: only theirs.
     pub max_entry_bytes: Option<usize>,
 }
 
@@ -209,7 +211,8 @@ pub fn replay_fields(letter: &DeadLetter, now: SystemTime) -> Fields {
 /// whole, replayable letter traded for one that cannot be replayed, the
 /// event whole only in the stream until it is trimmed (found by a hostile
 /// test: 4 of 7 events within 183 bytes of the limit).
-pub(crate) fn over_limit(letter: &DeadLetter, max_entry_bytes: usize) -> Option<String> {
+pub(crate) fn over_limit(letter: &DeadLetter, limit: Limit) -> Option<String> {
+    let max_entry_bytes = limit.bytes;
     let fields = replay_fields(letter, SystemTime::now());
     let stream = letter.stream.as_str();
     let group_fields = [
@@ -223,12 +226,66 @@ pub(crate) fn over_limit(letter: &DeadLetter, max_entry_bytes: usize) -> Option<
             .sum::<usize>();
     let size = crate::event::size_of(bytes, fields.len() + group_fields.len());
     (size > max_entry_bytes).then(|| {
+        let whose = if limit.published {
+            " (of a worker reading the stream)"
+        } else {
+            ""
+        };
         format!(
-            "{size} bytes with the replay's fields > --max-entry-bytes {max_entry_bytes}: the \
-             workers would cut it down; raise --max-entry-bytes (of the workers, and of this \
+            "{size} bytes with the replay's fields > --max-entry-bytes {max_entry_bytes}{whose}: \
+             the workers would cut it down; raise --max-entry-bytes (of the workers, and of this \
              replay), then replay it"
         )
     })
+}
+
+/// The size limit a replay keeps to for one stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Limit {
+    pub bytes: usize,
+    /// It is the `--max-entry-bytes` a running worker published, lower
+    /// than the replay's own (or the replay has none).
+    pub published: bool,
+}
+
+/// The limit for letters going back to `stream`: the smallest of `own`
+/// and what the workers reading it publish (see
+/// `name_check::smallest_published_limit`), looked up once per stream
+/// (`known`). A failed look-up (a Redis user that may not run `XINFO` or
+/// read `th:*`) leaves `own`, said once at info level.
+fn limit_for(
+    conn: &mut RedisConn,
+    stream: &str,
+    own: Option<usize>,
+    known: &mut HashMap<String, Option<Limit>>,
+) -> Option<Limit> {
+    if let Some(limit) = known.get(stream) {
+        return *limit;
+    }
+    let published = crate::worker::name_check::smallest_published_limit(conn, stream)
+        .unwrap_or_else(|e| {
+            log::info!(
+                "{stream}: the workers' --max-entry-bytes could not be read from their records \
+                 ({e}); keeping to this replay's own"
+            );
+            None
+        });
+    let limit = match (own, published) {
+        (Some(own), Some(theirs)) if theirs < own => Some(Limit {
+            bytes: theirs,
+            published: true,
+        }),
+        (Some(own), _) => Some(Limit {
+            bytes: own,
+            published: false,
+        }),
+        (None, theirs) => theirs.map(|bytes| Limit {
+            bytes,
+            published: true,
+        }),
+    };
+    known.insert(stream.to_owned(), limit);
+    limit
 }
 
 /// Which of `letters` are already processed, in their scopes.
@@ -302,6 +359,7 @@ pub fn replay(
     let started = Instant::now();
     let mut sent = 0usize;
     let mut done = 0usize;
+    let mut limits = HashMap::new();
     for chunk in ids.chunks(CHUNK) {
         let done_sent = sent;
         let letters = read_chunk(conn, stream, chunk, &mut report)
@@ -315,13 +373,14 @@ pub fn replay(
         let mut items = Vec::with_capacity(letters.len());
         let mut whole = Vec::with_capacity(letters.len());
         for (l, p) in letters.into_iter().zip(processed) {
+            let limit = limit_for(conn, &l.stream, options.max_entry_bytes, &mut limits);
             let item = ReplayItem {
                 id: l.id.clone().unwrap_or_default(),
                 event_id: l.event_id.clone(),
                 stream: l.stream.clone(),
                 already_processed: p,
                 replayed_as: None,
-                error: options.max_entry_bytes.and_then(|max| over_limit(&l, max)),
+                error: limit.and_then(|limit| over_limit(&l, limit)),
                 incomplete: l.incomplete(),
             };
             if item.incomplete.is_some() || item.error.is_some() {

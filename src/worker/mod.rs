@@ -534,7 +534,12 @@ impl Worker {
                 idle,
                 namespace: namespace.clone(),
                 scope: config.scope().to_owned(),
-                name: NameCheck::new(&token, &claim.group, stream, &claim.consumer, config.block),
+                name: NameCheck::new(
+                    &token,
+                    (&claim.group, stream, &claim.consumer),
+                    config.block,
+                    claim.limits.max_entry_bytes,
+                ),
             };
             let tx = jobs_tx.clone();
             readers.push(spawn(format!("taskhub-reader-{i}"), move || {

@@ -13,8 +13,17 @@
 //! means another instance wrote it since: a warning (once a minute) and a
 //! counter. On the first write, another token is not a sign: it may be the
 //! record of a process this one replaces (killed, or stopped less than the
-//! TTL ago), which never writes again. One round trip per stream every few
-//! seconds, none on the path of an event.
+//! TTL ago), which never writes again. Two round trips per stream every few
+//! seconds (the record, and `XGROUP CREATECONSUMER` so that the consumer
+//! is in its group before its first read returns anything), none on the
+//! path of an event.
+//!
+//! The record also publishes the instance's `--max-entry-bytes`: `dlq
+//! replay` keeps to the smallest that the instances reading a stream
+//! publish ([`smallest_published_limit`]), since an entry put back larger
+//! would be cut down into a letter that cannot be replayed. A reader that
+//! stops deletes its record ([`NameCheck::forget`]), so that a stopped
+//! instance's limit does not hold a replay back.
 
 use std::cell::Cell;
 use std::time::{Duration, Instant};
@@ -31,7 +40,10 @@ const WARN_EVERY: Duration = Duration::from_secs(60);
 /// A reader's record of its instance.
 pub(crate) struct NameCheck {
     key: String,
-    /// `<token> pid <pid> on <host>`.
+    /// (stream, group, consumer).
+    member: (String, String, String),
+    /// `<token> max-entry-bytes <n> pid <pid> on <host>` (see
+    /// [`published_limit`]).
     value: String,
     token: String,
     /// How long the record outlives its last write.
@@ -55,12 +67,23 @@ pub(crate) struct NameCheck {
 impl NameCheck {
     /// The check of `consumer` in `group` on `stream`, for an instance
     /// known by `token`; `block`: how long the reader's read may block
-    /// (the record must outlive a refresh that waits for one).
-    pub fn new(token: &str, group: &str, stream: &str, consumer: &str, block: Duration) -> Self {
+    /// (the record must outlive a refresh that waits for one);
+    /// `max_entry_bytes`: its `--max-entry-bytes`, which the record
+    /// publishes for `dlq replay`.
+    pub fn new(
+        token: &str,
+        (group, stream, consumer): (&str, &str, &str),
+        block: Duration,
+        max_entry_bytes: usize,
+    ) -> Self {
         let host = gethostname::gethostname().to_string_lossy().into_owned();
         NameCheck {
             key: crate::redis::keys::consumer_record(group, stream, consumer),
-            value: format!("{token} pid {} on {host}", std::process::id()),
+            member: (stream.to_owned(), group.to_owned(), consumer.to_owned()),
+            value: format!(
+                "{token} max-entry-bytes {max_entry_bytes} pid {} on {host}",
+                std::process::id()
+            ),
             token: token.to_owned(),
             ttl: 3 * (EVERY + block),
             written: Cell::new(false),
@@ -88,6 +111,24 @@ impl NameCheck {
             return Ok(());
         }
         self.due.set(Some(now + EVERY));
+        // The consumer is in its group from the start, not only once a read
+        // returned entries (Redis 7.0 creates it then), so that an idle
+        // instance is seen where its record is looked up (`dlq replay`) and
+        // in `taskhub consumers`. A lost connection is returned; a refusal
+        // (a group deleted meanwhile: the read creates it again) is not
+        // this check's to report.
+        let (stream, group, consumer) = &self.member;
+        let created = redis::cmd("XGROUP")
+            .arg("CREATECONSUMER")
+            .arg(stream)
+            .arg(group)
+            .arg(consumer)
+            .query::<i64>(c);
+        if let Err(e) = created {
+            if crate::redis::is_outage(&e) {
+                return Err(e);
+            }
+        }
         let ttl = u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX);
         let before: Option<String> = match redis::cmd("SET")
             .arg(&self.key)
@@ -145,7 +186,8 @@ impl NameCheck {
             .is_none_or(|at| at.elapsed() >= WARN_EVERY)
         {
             self.warned.set(Some(Instant::now()));
-            let other = other.split_once(' ').map_or("", |(_, rest)| rest);
+            // `pid <pid> on <host>`, as it is written after the limit.
+            let other = other.find("pid ").map_or("", |at| &other[at..]);
             log::warn!(
                 "another instance runs as {} ({other:?}; this one is pid {}): two instances under one consumer name share one pending list, so each re-reads the other's unfinished entries when it starts and `taskhub consumers` shows one consumer where two run (outcomes stay exactly once); give each instance a consumer name of its own (--consumer or TASKHUB_CONSUMER) that it keeps across restarts",
                 self.who,
@@ -155,9 +197,88 @@ impl NameCheck {
         Ok(())
     }
 
+    /// Deletes the record if it is still this instance's, when its reader
+    /// stops: a stopped instance publishes no limit (see
+    /// [`smallest_published_limit`]). Waits at most a second for Redis: a
+    /// record left behind expires with its TTL.
+    pub fn forget(&self, c: &mut RedisConn) {
+        if self.off.get() || !self.written.get() {
+            return;
+        }
+        let _ = c.set_read_timeout(Duration::from_secs(1));
+        let mut forget = redis::cmd("EVAL");
+        forget.arg(FORGET).arg(1).arg(&self.key).arg(&self.value);
+        if let Err(e) = forget.query::<i64>(c) {
+            log::debug!("{}: its record is left to expire ({e})", self.who);
+        }
+    }
+
     fn is_ours(&self, value: &str) -> bool {
         value.split(' ').next() == Some(self.token.as_str())
     }
+}
+
+/// Deletes the record KEYS[1] if it holds ARGV[1] (this instance's).
+const FORGET: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+";
+
+/// The `--max-entry-bytes` a consumer record says its instance reads with
+/// (`None` for a record of a version that did not say).
+fn published_limit(record: &str) -> Option<usize> {
+    let head = record.split(" on ").next()?;
+    let mut words = head.split(' ');
+    words.find(|w| *w == "max-entry-bytes")?;
+    words.next()?.parse().ok()
+}
+
+/// The smallest `--max-entry-bytes` that the instances reading `stream`
+/// now publish in their records (in any group), or `None` when none does
+/// (none runs, the check is off, or they are of a version before it): an
+/// entry larger than that is cut down by such a worker and dead-lettered
+/// as `invalid`, which cannot be replayed, so `dlq replay` keeps to it. A
+/// record outlives its instance by at most its TTL (about 30 s), and
+/// speaks only for the lower limit meanwhile. One `XINFO` per group, then
+/// the records in one pipeline.
+pub(crate) fn smallest_published_limit(
+    conn: &mut RedisConn,
+    stream: &str,
+) -> redis::RedisResult<Option<usize>> {
+    let mut keys = Vec::new();
+    for group in crate::redis::streams::group_names(conn, stream)? {
+        let Ok(group) = String::from_utf8(group) else {
+            continue; // no worker runs under a name that is not UTF-8
+        };
+        let rows: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
+            .arg("CONSUMERS")
+            .arg(stream)
+            .arg(&group)
+            .query(conn)?;
+        for row in rows {
+            let name = match row.get("name") {
+                Some(redis::Value::BulkString(b)) => std::str::from_utf8(b).ok().map(str::to_owned),
+                Some(redis::Value::SimpleString(s)) => Some(s.clone()),
+                _ => None,
+            };
+            if let Some(name) = name {
+                keys.push(crate::redis::keys::consumer_record(&group, stream, &name));
+            }
+        }
+    }
+    if keys.is_empty() {
+        return Ok(None);
+    }
+    let mut pipe = conn.pipe();
+    for key in &keys {
+        pipe.cmd("GET").arg(key);
+    }
+    let records: Vec<Option<String>> = pipe.query(conn)?;
+    Ok(records
+        .iter()
+        .flatten()
+        .filter_map(|r| published_limit(r))
+        .min())
 }
 
 /// Whether Redis will refuse the record's `SET ... GET` every time: the
@@ -176,7 +297,26 @@ fn refused_for_good(e: &redis::RedisError) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::refused_for_good;
+    use super::{published_limit, refused_for_good};
+
+    #[test]
+    fn a_record_says_its_limit_and_an_older_one_none() {
+        let token = "0f0e0d0c-aaaa-bbbb-cccc-000000000000";
+        assert_eq!(
+            published_limit(&format!("{token} max-entry-bytes 3000 pid 42 on host-1")),
+            Some(3000)
+        );
+        // A host name that reads like the field does not count.
+        assert_eq!(
+            published_limit(&format!("{token} pid 42 on max-entry-bytes 7")),
+            None
+        );
+        assert_eq!(published_limit(&format!("{token} pid 42 on host-1")), None);
+        assert_eq!(
+            published_limit(&format!("{token} max-entry-bytes x pid 42 on h")),
+            None
+        );
+    }
     use crate::redis::streams::tests::conn;
 
     #[test]

@@ -199,6 +199,9 @@ impl Reader {
                 }
             }
         }
+        if let Some(c) = conn.as_mut() {
+            self.name.forget(c);
+        }
         log::debug!("{stream}: reader stopped");
     }
 

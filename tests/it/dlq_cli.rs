@@ -1128,6 +1128,93 @@ fn replay_keeps_a_letter_the_audit_fields_would_push_over_the_limit() {
     cleanup(&mut conn, &stream);
 }
 
+/// The record a worker keeps as consumer `consumer` of group `g` on
+/// `stream` (`keys::consumer_record`).
+fn consumer_record(stream: &str, consumer: &str) -> String {
+    format!("th:c:1:g:{}:{stream}:{consumer}", stream.len())
+}
+
+/// Regression (left open by the last session's note): `dlq replay` without
+/// the workers' limit used its own default of 1 MiB, and put back a letter
+/// whose entry, with the replay's audit fields, the running workers (at
+/// 3000 bytes) cut down into an `invalid` letter that cannot be replayed.
+/// The workers now publish their limit in their consumer records, the
+/// replay keeps to the smallest, and a worker that stops takes its record
+/// away (so a stopped worker's limit no longer holds a replay back).
+#[test]
+fn replay_keeps_to_the_limit_its_stream_s_running_workers_publish() {
+    let db = TestDb::new();
+    let stream = unique("atk_pub");
+    let mut conn = redis(&redis_url());
+    let near = unique("near");
+    // 50 bytes under the limit of 3000, counted as the worker counts.
+    let payload = "7".repeat(3000 - 50 - 2 * 16 - "event_id".len() - near.len() - "payload".len());
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", &near), ("payload", &format!("x{payload}"))],
+    );
+    let limit = ["--max-entry-bytes", "3000"];
+    let summary = run_worker_with(&db.url, &stream, Some(INT_SQL), &limit);
+    assert_eq!(summary["permanent"], 1, "{summary:?}");
+    let exists = |conn: &mut redis::Connection, key: &str| -> bool {
+        redis::cmd("EXISTS").arg(key).query(conn).unwrap()
+    };
+    assert!(
+        !exists(&mut conn, &consumer_record(&stream, "c")),
+        "a worker that stopped leaves no record"
+    );
+    let letter_id = dead_letters(&mut conn, &stream)[0].id.clone().unwrap();
+    let stream_len = xlen(&mut conn, &stream);
+
+    let mut cmd = taskhub(&redis_url(), &db.url);
+    cmd.args(["run", "--stream", &stream, "--group", "g"])
+        .args([
+            "--consumer",
+            "running",
+            "--workers",
+            "1",
+            "--block-ms",
+            "100",
+        ])
+        .args(["--sql", INT_SQL])
+        .args(limit);
+    let mut p = Proc::spawn(cmd);
+    let record = consumer_record(&stream, "running");
+    let published = wait_until(Duration::from_secs(20), || exists(&mut conn, &record));
+    assert!(published, "no record\n{}", p.stderr());
+    // No --max-entry-bytes: its own default (1 MiB) would let it through.
+    let out = dlq(&db.url, &stream, &["replay", "--all"]);
+    let kept = dead_letters(&mut conn, &stream);
+    let replayed_len = xlen(&mut conn, &stream);
+    p.signal("TERM");
+    p.wait(T);
+    assert_eq!(out.code(), Some(1), "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout
+            .contains("> --max-entry-bytes 3000 (of a worker reading the stream)"),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert_eq!(
+        kept[0].id.as_deref(),
+        Some(letter_id.as_str()),
+        "the letter stays"
+    );
+    assert_eq!(kept[0].kind, DeadLetterKind::Permanent);
+    assert_eq!(replayed_len, stream_len, "nothing put back");
+    assert!(
+        !exists(&mut conn, &record),
+        "the stopped worker took its record away\n{}",
+        p.stderr()
+    );
+    // With no worker running, the replay's own limit decides again.
+    let out = dlq(&db.url, &stream, &["replay", "--all", "--dry-run"]);
+    assert_eq!(out.code(), Some(0), "{}\n{}", out.stdout, out.stderr);
+    cleanup(&mut conn, &stream);
+}
+
 /// Regression (hostile tester): an entry deleted from the stream (XTRIM
 /// MAXLEN 0) while it waited for a retry became a `trimmed` letter holding
 /// only its event_id, and replay put that back: the worker stored the event

@@ -209,7 +209,8 @@ struct ReplayArgs {
     #[arg(long)]
     scope: Option<String>,
     /// The workers' --max-entry-bytes: a letter whose entry, put back with the replay's audit
-    /// fields, would be larger is not replayed (the workers would cut it down).
+    /// fields, would be larger is not replayed (the workers would cut it down). The workers
+    /// running on the stream publish theirs, and the smallest of those and this is kept to.
     #[arg(long, value_name = "BYTES", default_value_t = 1024 * 1024, env = "TASKHUB_MAX_ENTRY_BYTES")]
     max_entry_bytes: usize,
 }
