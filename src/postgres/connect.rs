@@ -2,8 +2,11 @@
 //! connection for commands and migrations, and the errors that name the
 //! server without its password.
 //!
-//! Every connection has a timeout, so a server that stops answering turns into
-//! an error instead of a thread that hangs forever. Pools do not test a
+//! Every connect has a timeout, so a server that stops answering it turns
+//! into an error instead of a thread that hangs forever (see
+//! `bounded_connect`; a session that stops answering later, behind a proxy
+//! that keeps the connection open, is not bounded: see the README,
+//! "Failure model"). Pools do not test a
 //! connection on check-out (that would cost a round trip per batch); a broken
 //! connection is noticed by its next command and dropped by the pool.
 
@@ -76,21 +79,62 @@ pub(crate) fn connect_pg(
     config: &postgres::Config,
     tls: Option<MakeRustlsConnect>,
 ) -> Result<postgres::Client, Box<dyn std::error::Error + Send + Sync>> {
-    let wait = config
+    let config = config.clone();
+    bounded_connect(answer_wait(&config), move || match tls {
+        Some(tls) => config.connect(tls),
+        None => config.connect(postgres::NoTls),
+    })
+}
+
+/// How long a connect with `config` may take in all: its connect timeout
+/// and [`ANSWER_TIMEOUT`].
+pub(crate) fn answer_wait(config: &postgres::Config) -> Duration {
+    config
         .get_connect_timeout()
         .copied()
         .unwrap_or(CONNECT_TIMEOUT)
-        + ANSWER_TIMEOUT;
+        + ANSWER_TIMEOUT
+}
+
+/// Connects left waiting for a server that never answered; at most
+/// [`MOST_LEFT_WAITING`] at a time.
+static LEFT_WAITING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// A pool that keeps trying through a long black hole leaves a thread per
+/// try: past this many, a connect fails at once until one of them ends.
+const MOST_LEFT_WAITING: usize = 4;
+
+/// Runs `connect` (a connect, and what the new session needs before use)
+/// on a thread of its own and waits for it at most `wait`; the thread is
+/// left behind when the server never answers. The worker pool's
+/// connections are made this way too: r2d2 makes them on one thread of its
+/// own, and a connect that never returned there left the pool without
+/// PostgreSQL for good, the server long back (found by a hostile test:
+/// every connection reset, those of the next 8 s taken by a proxy that
+/// never answered).
+pub(crate) fn bounded_connect<T: Send + 'static>(
+    wait: Duration,
+    connect: impl FnOnce() -> Result<T, postgres::Error> + Send + 'static,
+) -> Result<T, Box<dyn std::error::Error + Send + Sync>> {
+    use std::sync::atomic::Ordering::SeqCst;
+    if LEFT_WAITING.load(SeqCst) >= MOST_LEFT_WAITING {
+        return Err(format!(
+            "{MOST_LEFT_WAITING} connections still wait for the server's answer; not trying another yet"
+        )
+        .into());
+    }
     let (sent, answer) = crossbeam_channel::bounded(1);
-    let config = config.clone();
-    std::thread::Builder::new()
+    LEFT_WAITING.fetch_add(1, SeqCst);
+    let spawned = std::thread::Builder::new()
         .name("taskhub-pg-connect".into())
         .spawn(move || {
-            let _ = sent.send(match tls {
-                Some(tls) => config.connect(tls),
-                None => config.connect(postgres::NoTls),
-            });
-        })?;
+            let connected = connect();
+            LEFT_WAITING.fetch_sub(1, SeqCst);
+            let _ = sent.send(connected);
+        });
+    if let Err(e) = spawned {
+        LEFT_WAITING.fetch_sub(1, SeqCst);
+        return Err(e.into());
+    }
     match answer.recv_timeout(wait) {
         Ok(connected) => Ok(connected?),
         Err(_) => Err(format!(

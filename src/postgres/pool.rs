@@ -2,23 +2,28 @@
 //! plus what every new session is set up with and a way to drop one whose
 //! session is unusable although it is not closed.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use crate::error::Error;
 use crate::net::pool_builder;
-use crate::postgres::connect::{connect_pg, pg_config, pg_unreachable};
+use crate::postgres::connect::{
+    answer_wait, bounded_connect, connect_pg, pg_config, pg_unreachable,
+};
 use crate::redis::keys::{Identity, Namespace};
 
 type PlainManager = r2d2_postgres::PostgresConnectionManager<postgres::NoTls>;
 type TlsManager = r2d2_postgres::PostgresConnectionManager<MakeRustlsConnect>;
 
 /// How the worker pool's connections are made: without TLS when the URL
-/// says `sslmode=disable` (no TLS context at all), with it otherwise.
+/// says `sslmode=disable` (no TLS context at all), with it otherwise. Shared
+/// with the thread each connect runs on (see `bounded_connect`).
+#[derive(Clone)]
 enum Connector {
-    Plain(PlainManager),
-    Tls(TlsManager),
+    Plain(Arc<PlainManager>),
+    Tls(Arc<TlsManager>),
 }
 
 /// What every new connection of the worker pool is set up with: the
@@ -27,6 +32,7 @@ enum Connector {
 /// transaction itself with COMMIT or ROLLBACK cannot go on writing outside
 /// it: see `apply.rs`); and a look at which database history it reached, so
 /// the duplicate markers follow it (see `keys.rs`).
+#[derive(Clone)]
 pub(crate) struct Setup {
     pub namespace: Namespace,
     pub statement_timeout: Duration,
@@ -66,6 +72,8 @@ impl Setup {
 pub(crate) struct PgManager {
     connector: Connector,
     setup: Setup,
+    /// How long one connect, its set-up included, may take.
+    wait: Duration,
 }
 
 /// A pooled PostgreSQL client; [`discard`](PgClient::discard) makes the
@@ -105,16 +113,39 @@ impl std::ops::DerefMut for PgClient {
     }
 }
 
+/// Why the pool could not make a connection.
+#[derive(Debug)]
+pub(crate) struct ConnectError(Box<dyn std::error::Error + Send + Sync>);
+
+impl std::fmt::Display for ConnectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for ConnectError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
 impl r2d2::ManageConnection for PgManager {
     type Connection = PgClient;
-    type Error = postgres::Error;
+    type Error = ConnectError;
 
-    fn connect(&self) -> Result<PgClient, postgres::Error> {
-        let mut client = match &self.connector {
-            Connector::Plain(m) => m.connect()?,
-            Connector::Tls(m) => m.connect()?,
-        };
-        let server_started = self.setup.apply(&mut client)?;
+    /// Connects and sets the session up within a bound (see
+    /// `connect_pg_then`).
+    fn connect(&self) -> Result<PgClient, ConnectError> {
+        let (connector, setup) = (self.connector.clone(), self.setup.clone());
+        let (client, server_started) = bounded_connect(self.wait, move || {
+            let mut client = match &connector {
+                Connector::Plain(m) => m.connect()?,
+                Connector::Tls(m) => m.connect()?,
+            };
+            let started = setup.apply(&mut client)?;
+            Ok((client, started))
+        })
+        .map_err(ConnectError)?;
         Ok(PgClient {
             client,
             discard: false,
@@ -122,8 +153,11 @@ impl r2d2::ManageConnection for PgManager {
         })
     }
 
-    fn is_valid(&self, conn: &mut PgClient) -> Result<(), postgres::Error> {
-        conn.client.simple_query("").map(|_| ())
+    fn is_valid(&self, conn: &mut PgClient) -> Result<(), ConnectError> {
+        conn.client
+            .simple_query("")
+            .map(|_| ())
+            .map_err(|e| ConnectError(Box::new(e)))
     }
 
     fn has_broken(&self, conn: &mut PgClient) -> bool {
@@ -147,12 +181,17 @@ pub(crate) fn postgres_pool(url: &str, size: u32, setup: Setup) -> Result<PgPool
         .apply(&mut probe)
         .map_err(|e| pg_unreachable(url, e))?;
     drop(probe);
+    let wait = answer_wait(&config);
     let connector = match tls {
-        Some(tls) => Connector::Tls(TlsManager::new(config, tls)),
-        None => Connector::Plain(PlainManager::new(config, postgres::NoTls)),
+        Some(tls) => Connector::Tls(Arc::new(TlsManager::new(config, tls))),
+        None => Connector::Plain(Arc::new(PlainManager::new(config, postgres::NoTls))),
     };
     pool_builder(size, "taskhub-pg-pool-{}")
-        .build(PgManager { connector, setup })
+        .build(PgManager {
+            connector,
+            setup,
+            wait,
+        })
         .map_err(|e| pg_unreachable(url, e))
 }
 

@@ -20,6 +20,7 @@ mod chaos;
 mod crash;
 mod exactly_once;
 mod failures;
+mod network;
 mod one_outcome;
 mod properties;
 

@@ -55,6 +55,9 @@ struct Shared {
     target: SocketAddr,
     mode: Mutex<Mode>,
     refuse: AtomicBool,
+    swallow: AtomicBool,
+    /// Connections taken by `swallow`, held open until the proxy goes.
+    swallowed: Mutex<Vec<TcpStream>>,
     stop: AtomicBool,
     accepted: AtomicU64,
     next_id: AtomicU64,
@@ -101,6 +104,8 @@ impl Proxy {
             target,
             mode: Mutex::new(Mode::Pass),
             refuse: AtomicBool::new(false),
+            swallow: AtomicBool::new(false),
+            swallowed: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
             accepted: AtomicU64::new(0),
             next_id: AtomicU64::new(0),
@@ -180,6 +185,20 @@ impl Proxy {
     /// target never hears of it. Existing connections are untouched.
     pub fn refuse(&self, on: bool) {
         self.control.shared.refuse.store(on, SeqCst);
+    }
+
+    /// While on, every new connection is accepted and then held open with
+    /// nothing forwarded, for as long as the proxy lives, whatever it is
+    /// told later (a proxy whose backend hung): the client's connect
+    /// succeeds, the kernel takes its bytes, and no answer ever comes. The
+    /// target never hears of it. Existing connections are untouched.
+    pub fn swallow(&self, on: bool) {
+        self.control.shared.swallow.store(on, SeqCst);
+    }
+
+    /// How many connections `swallow` has taken.
+    pub fn swallowed(&self) -> usize {
+        lock(&self.control.shared.swallowed).len()
     }
 
     /// How many proxied connections are open now. A connection counts once it
@@ -284,6 +303,10 @@ fn accept_loop(shared: &Arc<Shared>, listener: TcpListener) {
                 // Accepted sockets inherit O_NONBLOCK on some systems (BSD, macOS).
                 if shared.refuse.load(SeqCst) || client.set_nonblocking(false).is_err() {
                     reset(client);
+                    continue;
+                }
+                if shared.swallow.load(SeqCst) {
+                    lock(&shared.swallowed).push(client);
                     continue;
                 }
                 let spawned = thread::Builder::new().name("proxy-pump".into()).spawn({
