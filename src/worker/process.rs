@@ -581,9 +581,11 @@ impl Processor {
             return;
         }
         let known: Vec<&str> = event_ids.iter().flatten().map(String::as_str).collect();
+        // Its owner's transaction may not have ended yet (a COMMIT held up
+        // on the network): waited for, not missed.
         let applied = match self.connection().and_then(|()| {
             let conn = self.pg.as_mut().expect("connection() sets it");
-            Ok(crate::postgres::processed(
+            Ok(crate::postgres::processed_or_awaited(
                 &mut ***conn,
                 &self.stage.settings.scope,
                 &known,
@@ -591,7 +593,10 @@ impl Processor {
         }) {
             Ok(applied) => applied,
             Err(e) => {
-                log::warn!("{stream}: cannot tell whether trimmed entries were applied ({e}); left pending");
+                log::warn!(
+                    "{stream}: cannot tell yet whether the events of deleted entries {} were applied ({e}); left to settle later",
+                    entry_ids.join(", ")
+                );
                 return;
             }
         };
@@ -907,12 +912,53 @@ impl Processor {
                 Outcome::Other
             }
             Flow::Struck => {
-                let reason = format!(
-                    "the database connection was lost {strikes} times while this event ran, as other events committed (max attempts {max}): the event likely kills its database session"
-                );
-                let id = delivery.event_id().map(str::to_owned);
-                self.dead_letter(delivery, Kind::CrashLoop, reason);
-                Outcome::Failed(id)
+                // The sessions lost may have been those of its own commit's
+                // reply, or of a duplicate's statement (the one-statement
+                // path cannot tell a new event from a duplicate before its
+                // reply): an event applied is no crash loop (found by a
+                // hostile test: a connection reset at each reply naming the
+                // event made an applied event a `crash_loop` letter).
+                let event_id = delivery.event_id().unwrap_or_default().to_owned();
+                let scope = self.stage.settings.scope.clone();
+                let applied = self.connection().and_then(|()| {
+                    let conn = self.pg.as_mut().expect("connection() sets it");
+                    Ok(crate::postgres::processed_or_awaited(
+                        &mut ***conn,
+                        &scope,
+                        &[event_id.as_str()],
+                    )?)
+                });
+                match applied {
+                    Ok(applied) if applied.contains(&event_id) => {
+                        log::info!(
+                            "{}/{}: the connection was lost {strikes} times while it ran, and it was applied: a duplicate",
+                            delivery.stream,
+                            delivery.entry_id
+                        );
+                        Stats::add(&self.stage.common.stats.of(&delivery.stream).duplicates, 1);
+                        done.push(delivery, true);
+                        Outcome::Other
+                    }
+                    Ok(_) => {
+                        let reason = format!(
+                            "the database connection was lost {strikes} times while this event ran, as other events committed (max attempts {max}): the event likely kills its database session"
+                        );
+                        let id = delivery.event_id().map(str::to_owned);
+                        self.dead_letter(delivery, Kind::CrashLoop, reason);
+                        Outcome::Failed(id)
+                    }
+                    Err(e) => {
+                        // Left pending, reclaimed later: not dead-lettered
+                        // on a guess.
+                        log::warn!(
+                            "{}/{}: cannot tell whether it was applied ({e}); left pending",
+                            delivery.stream,
+                            delivery.entry_id
+                        );
+                        crate::worker::apply::take_back_start(&self.stage, &delivery);
+                        Outcome::Other
+                    }
+                }
             }
             Flow::Done(Ok(Applied::New)) => {
                 Stats::add(&self.stage.common.stats.of(&delivery.stream).applied, 1);

@@ -1153,3 +1153,82 @@ fn a_handler_after_a_fused_event_cannot_write_outside_its_transaction() {
     assert_eq!(letters.len(), 1, "{letters:?}");
     assert_eq!(letters[0].event_id.as_deref(), Some("rogue"));
 }
+
+/// Regression (hostile tester: an owner's COMMIT held 3 s on the network):
+/// the owner inserted the event's key and its effect, and its COMMIT was
+/// late (here a pause at `before-commit`); meanwhile the entry was deleted
+/// from the stream and another consumer, claiming it, found it gone. It
+/// asked `processed_events` with a plain SELECT, which does not see a
+/// transaction that has not ended, wrote a `trimmed` letter, and then the
+/// owner committed: applied and dead-lettered. (The pause comes after the
+/// owner's ownership check, as a COMMIT held on the network does.) It now
+/// inserts the key again
+/// and rolls back, waiting (100 ms) on the owner's: the entry is left to
+/// settle later, and the owner's commit is its one outcome.
+#[test]
+fn a_claimer_does_not_dead_letter_as_trimmed_an_entry_whose_owner_is_committing() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("trim-commit"), unique("g"));
+    let event_id = unique("e");
+    // Slow enough to be held over a second at its ownership check, which
+    // it passes; then the pause before COMMIT.
+    let sql = "INSERT INTO notifications (event_id, payload) SELECT $1, $2 FROM pg_sleep(1.2)";
+    let mut a = taskhub(&redis_url(), &db.url);
+    a.args(["run", "--stream", &stream, "--group", &group])
+        .args(["--consumer", "a", "--workers", "1", "--block-ms", "100"])
+        .args([
+            "--mode",
+            "per-event",
+            "--sql",
+            sql,
+            "--reclaim-interval",
+            "600s",
+        ])
+        .env("TASKHUB_FAULT", format!("before-commit@{event_id}"))
+        .env("TASKHUB_FAULT_PAUSE_MS", "6000");
+    let mut a = Proc::spawn(a);
+    let entry = xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", &event_id), ("payload", "p")],
+    );
+    assert!(
+        a.wait_for("taskhub-fault: before-commit", Duration::from_secs(20)),
+        "{}",
+        a.stderr()
+    );
+    let _: i64 = redis::cmd("XDEL")
+        .arg(&stream)
+        .arg(&entry)
+        .query(&mut conn)
+        .unwrap();
+    let mut b = taskhub(&redis_url(), &db.url);
+    b.args(["run", "--stream", &stream, "--group", &group])
+        .args(["--consumer", "b", "--workers", "1", "--block-ms", "100"])
+        .args(["--mode", "per-event", "--sql", sql])
+        .args(["--reclaim-min-idle", "2s", "--reclaim-interval", "200ms"])
+        .args(["--backoff-cap", "1s", "--max-retry-after", "1s"]);
+    let mut b = Proc::spawn(b);
+    // The owner goes on after its pause and commits.
+    let applied = wait_until(Duration::from_secs(30), || db.effects(&event_id) == 1);
+    std::thread::sleep(Duration::from_secs(2));
+    for p in [&mut a, &mut b] {
+        p.signal("TERM");
+        p.wait(Duration::from_secs(30));
+    }
+    assert!(applied, "a: {}\nb: {}", a.stderr(), b.stderr());
+    assert!(
+        b.stderr().contains(&entry),
+        "the claimer never met the deleted entry\n{}",
+        b.stderr()
+    );
+    let letters = dead_letters(&mut conn, &stream);
+    assert!(
+        letters.is_empty(),
+        "applied and dead-lettered: {letters:?}\na: {}\nb: {}",
+        a.stderr(),
+        b.stderr()
+    );
+    let _: () = redis::cmd("DEL").arg(&stream).query(&mut conn).unwrap();
+}
