@@ -586,7 +586,7 @@ impl Processor {
         let applied = match self.connection().and_then(|()| {
             let conn = self.pg.as_mut().expect("connection() sets it");
             Ok(crate::postgres::processed_or_awaited(
-                &mut ***conn,
+                conn,
                 &self.stage.settings.scope,
                 &known,
             )?)
@@ -923,7 +923,7 @@ impl Processor {
                 let applied = self.connection().and_then(|()| {
                     let conn = self.pg.as_mut().expect("connection() sets it");
                     Ok(crate::postgres::processed_or_awaited(
-                        &mut ***conn,
+                        conn,
                         &scope,
                         &[event_id.as_str()],
                     )?)
