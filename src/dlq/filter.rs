@@ -147,16 +147,23 @@ pub fn parse_time(text: &str, now: SystemTime) -> Result<SystemTime, Error> {
     shifted.ok_or_else(bad)
 }
 
-/// Whether `id` looks like a stream entry id (`1700000000000-0` or
-/// `1700000000000`).
+/// Whether `id` is a whole stream entry id (`1700000000000-0`). A bare
+/// `1700000000000` is not: `XRANGE` reads it as every id of that
+/// millisecond and `XDEL` as its `-0`, so a replay of it put back the event
+/// of `1700000000000-1` and deleted nothing, again at each replay (found by
+/// a hostile tester).
 pub(crate) fn valid_id(id: &str) -> bool {
-    let mut parts = id.splitn(2, '-');
     let digits = |s: &str| !s.is_empty() && s.len() <= 20 && s.bytes().all(|b| b.is_ascii_digit());
-    parts.next().is_some_and(digits) && parts.next().is_none_or(digits)
+    id.split_once('-')
+        .is_some_and(|(ms, seq)| digits(ms) && digits(seq))
 }
 
 pub(crate) fn check_ids(ids: &[String]) -> Result<(), Error> {
     match ids.iter().find(|id| !valid_id(id)) {
+        Some(id) if valid_id(&format!("{id}-0")) => Err(bad_input(format!(
+            "{id:?} is not a whole dead-letter id: give its sequence number too, as `dlq list` \
+             shows it (1700000000000-0)"
+        ))),
         Some(id) => Err(bad_input(format!(
             "{id:?} is not a dead-letter id (they look like 1700000000000-0)"
         ))),
@@ -189,7 +196,11 @@ mod tests {
     #[test]
     fn ids_are_checked() {
         assert!(valid_id("1700000000000-0"));
-        assert!(valid_id("1700000000000"));
+        assert!(
+            !valid_id("1700000000000"),
+            "a millisecond names several ids"
+        );
+        assert!(!valid_id("1-2-3"));
         assert!(!valid_id("abc"));
         assert!(!valid_id("1-"));
         assert!(!valid_id(""));

@@ -1128,6 +1128,75 @@ fn replay_keeps_a_letter_the_audit_fields_would_push_over_the_limit() {
     cleanup(&mut conn, &stream);
 }
 
+/// Regression (hostile tester): a dead-letter id typed without its
+/// sequence number (`5` for `5-1`). `XRANGE` took it for every id of that
+/// millisecond and `XDEL` for `5-0`: the replay put back the event of
+/// `5-1`, said "replayed 1", and left its letter, again at each replay.
+/// Such an id is now refused, and nothing moves.
+#[test]
+fn a_dead_letter_id_without_its_sequence_is_refused() {
+    let db = TestDb::new();
+    let stream = unique("atk_short");
+    let mut conn = redis(&redis_url());
+    for n in 0..2 {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &unique(&format!("s{n}"))), ("payload", "x")],
+        );
+    }
+    let summary = run_worker_with(&db.url, &stream, Some(INT_SQL), &[]);
+    assert_eq!(summary["permanent"], 2, "{summary:?}");
+    // The two letters again, at ids of one millisecond.
+    let dlq_key = format!("{stream}:dlq");
+    let letters: Vec<(String, Vec<(String, Vec<u8>)>)> = redis::cmd("XRANGE")
+        .arg(&dlq_key)
+        .arg("-")
+        .arg("+")
+        .query(&mut conn)
+        .unwrap();
+    let _: () = redis::cmd("DEL").arg(&dlq_key).query(&mut conn).unwrap();
+    for (seq, (_, fields)) in letters.iter().enumerate() {
+        let mut add = redis::cmd("XADD");
+        add.arg(&dlq_key).arg(format!("5-{seq}"));
+        for (k, v) in fields {
+            add.arg(k).arg(v);
+        }
+        let _: String = add.query(&mut conn).unwrap();
+    }
+    let stream_len = xlen(&mut conn, &stream);
+    for args in [
+        &["replay", "5"][..],
+        &["replay", "5", "--dry-run"],
+        &["show", "5"],
+    ] {
+        let out = dlq(&db.url, &stream, args);
+        assert_eq!(
+            out.code(),
+            Some(1),
+            "{args:?}: {}\n{}",
+            out.stdout,
+            out.stderr
+        );
+        assert!(
+            out.stderr.contains("is not a whole dead-letter id"),
+            "{args:?}: {}",
+            out.stderr
+        );
+    }
+    assert_eq!(xlen(&mut conn, &stream), stream_len, "nothing put back");
+    assert_eq!(dead_letters(&mut conn, &stream).len(), 2);
+    // The whole id replays its own letter.
+    let out = dlq_ok(&db.url, &stream, &["replay", "5-1"]);
+    assert!(out.stdout.contains("replayed 1"), "{}", out.stdout);
+    let left: Vec<String> = dead_letters(&mut conn, &stream)
+        .into_iter()
+        .filter_map(|l| l.id)
+        .collect();
+    assert_eq!(left, ["5-0"]);
+    cleanup(&mut conn, &stream);
+}
+
 /// The record a worker keeps as consumer `consumer` of group `g` on
 /// `stream` (`keys::consumer_record`).
 fn consumer_record(stream: &str, consumer: &str) -> String {
