@@ -1149,7 +1149,8 @@ fn a_dead_letter_id_without_its_sequence_is_refused() {
     assert_eq!(summary["permanent"], 2, "{summary:?}");
     // The two letters again, at ids of one millisecond.
     let dlq_key = format!("{stream}:dlq");
-    let letters: Vec<(String, Vec<(String, Vec<u8>)>)> = redis::cmd("XRANGE")
+    type Entry = (String, Vec<(String, Vec<u8>)>);
+    let letters: Vec<Entry> = redis::cmd("XRANGE")
         .arg(&dlq_key)
         .arg("-")
         .arg("+")
