@@ -218,6 +218,34 @@ fn cut_sizes(reason: &str) -> Option<(u64, u64)> {
     }
 }
 
+/// The longest `reason` a dead letter keeps, and the longest error of an
+/// attempt in its history: a database error can quote the value it
+/// refused, and a letter of a 300 KB payload whose reason and history
+/// quoted it twice more was over the 256 KiB past which listings read
+/// letters cut down, its history cut into something that is not JSON: no
+/// listing, filter or bulk action saw it (found by a hostile tester). Both
+/// fit whole in what a listing keeps of a field (`LETTER_KEEP` in
+/// `read.rs`), the history up to 28 attempts.
+pub(crate) const REASON_MAX: usize = 2048;
+pub(crate) const ATTEMPT_ERROR_MAX: usize = 512;
+
+/// `text` cut to at most `max` bytes at a character boundary, saying how
+/// much was left out.
+pub(crate) fn bounded_text(mut text: String, max: usize) -> String {
+    if text.len() <= max {
+        return text;
+    }
+    let total = text.len();
+    let note = |kept: usize| format!(" … ({} more bytes)", total - kept);
+    let mut keep = max.saturating_sub(note(0).len() + 4);
+    while !text.is_char_boundary(keep) {
+        keep -= 1;
+    }
+    text.truncate(keep);
+    text.push_str(&note(keep));
+    text
+}
+
 /// `t` in milliseconds since the epoch (0 before it).
 pub(crate) fn millis(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH)
@@ -456,6 +484,19 @@ pub(crate) mod tests {
             dead_at: 2,
             fields,
         }
+    }
+
+    #[test]
+    fn long_error_texts_are_cut_at_a_character_boundary_saying_how_much() {
+        assert_eq!(bounded_text("short".into(), 10), "short");
+        let long = "é".repeat(1000); // 2000 bytes
+        let cut = bounded_text(long, 100);
+        assert!(cut.len() <= 100, "{}", cut.len());
+        assert!(cut.ends_with(" more bytes)"), "{cut}");
+        assert!(cut.starts_with("éé"));
+        let (kept, rest) = cut.split_once(" … (").unwrap();
+        let left_out: usize = rest.split(' ').next().unwrap().parse().unwrap();
+        assert_eq!(kept.len() + left_out, 2000);
     }
 
     #[test]

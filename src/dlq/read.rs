@@ -13,11 +13,14 @@ use crate::redis::RedisConn;
 /// Dead letters read per round trip, at most.
 pub(crate) const PAGE: usize = 100;
 
-/// A dead letter larger than this (written by an older version, which kept
-/// whole payloads) is read cut down, keeping [`LETTER_KEEP`] bytes of each
-/// field, by the scans that list and filter; `show` reads it whole.
+/// A dead letter larger than this (an event of over about 250 KB, or a
+/// letter of an older version, which kept whole payloads or whole error
+/// texts) is read cut down, keeping [`LETTER_KEEP`] bytes of each field,
+/// by the scans that list and filter; `show` and `replay` read it whole.
+/// What a letter says about itself (its reason, its history: see
+/// `letter::REASON_MAX`) fits whole in that.
 const LETTER_READ_MAX: usize = 256 * 1024;
-const LETTER_KEEP: usize = 4096;
+const LETTER_KEEP: usize = 16 * 1024;
 
 /// How far one listing scans before it stops and says where it got (a
 /// filter that matches nothing must not read a whole stream per request).

@@ -5,6 +5,7 @@
 
 use std::time::{Instant, SystemTime};
 
+use crate::dlq::letter::{bounded_text, ATTEMPT_ERROR_MAX, REASON_MAX};
 use crate::dlq::{millis, Attempt, DeadLetter, Kind};
 use crate::error::{FailureClass, HandlerError};
 use crate::event::Invalid;
@@ -157,7 +158,7 @@ impl Processor {
         delivery.failures.push(Attempt {
             attempt,
             at: Some(SystemTime::now()),
-            error: error.to_string(),
+            error: bounded_text(error.to_string(), ATTEMPT_ERROR_MAX),
         });
         let config = &self.stage.settings;
         let kind = match error.class() {
@@ -238,7 +239,7 @@ impl Processor {
             consumer: config.consumer.clone(),
             event_id,
             kind,
-            reason,
+            reason: bounded_text(reason, REASON_MAX),
             attempts: delivery.attempts(),
             history,
             first_failed_at: millis(first_failed),

@@ -1198,6 +1198,46 @@ fn a_dead_letter_id_without_its_sequence_is_refused() {
     cleanup(&mut conn, &stream);
 }
 
+/// Regression (hostile tester): a 300 KB payload refused by the database,
+/// whose error quotes the value: the letter kept that error whole in its
+/// reason and its history, about 900 KB, past the 256 KiB over which
+/// listings read letters cut down, and its history, cut, was no longer
+/// JSON: `dlq list`, the filters and `replay --all` skipped it (the latter
+/// exiting 0 with the letter still there). Error texts are now bounded, and
+/// the letter is listed and replayed like any other.
+#[test]
+fn a_letter_whose_error_quotes_a_large_payload_is_listed_and_replayed() {
+    let db = TestDb::new();
+    let stream = unique("atk_bigerr");
+    let mut conn = redis(&redis_url());
+    let event = unique("big");
+    let payload = "x".repeat(300_000);
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", &event), ("payload", &payload)],
+    );
+    let summary = run_worker_with(&db.url, &stream, Some(INT_SQL), &[]);
+    assert_eq!(summary["permanent"], 1, "{summary:?}");
+    let letters = dead_letters(&mut conn, &stream);
+    assert!(
+        letters[0].reason.len() <= 2048,
+        "{}",
+        letters[0].reason.len()
+    );
+    let out = dlq_ok(&db.url, &stream, &["list", "--kind", "permanent"]);
+    assert!(
+        out.stdout.contains(&event),
+        "{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+    let out = dlq_ok(&db.url, &stream, &["replay", "--all"]);
+    assert!(out.stdout.contains("replayed 1"), "{}", out.stdout);
+    assert!(dead_letters(&mut conn, &stream).is_empty());
+    cleanup(&mut conn, &stream);
+}
+
 /// The record a worker keeps as consumer `consumer` of group `g` on
 /// `stream` (`keys::consumer_record`).
 fn consumer_record(stream: &str, consumer: &str) -> String {
