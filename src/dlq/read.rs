@@ -54,7 +54,9 @@ pub(crate) fn scan(
     budget: Option<(usize, Duration)>,
     mut visit: impl FnMut(String, Fields) -> bool,
 ) -> Result<Scanned, Error> {
-    if let Some(id) = before {
+    // A cursor may be a bare millisecond: an exclusive end, as XREVRANGE
+    // reads it.
+    if let Some(id) = before.filter(|id| !crate::dlq::filter::valid_id(&format!("{id}-0"))) {
         check_ids(std::slice::from_ref(&id.to_owned()))?;
     }
     let started = Instant::now();

@@ -252,7 +252,7 @@ pub(crate) struct Limit {
 /// and what the workers reading it publish (see
 /// `name_check::smallest_published_limit`), looked up once per stream
 /// (`known`). A failed look-up (a Redis user that may not run `XINFO` or
-/// read `th:*`) leaves `own`, said once at info level.
+/// read `th:*`) leaves `own`, with a warning.
 fn limit_for(
     conn: &mut RedisConn,
     stream: &str,
@@ -264,7 +264,7 @@ fn limit_for(
     }
     let published = crate::worker::name_check::smallest_published_limit(conn, stream)
         .unwrap_or_else(|e| {
-            log::info!(
+            log::warn!(
                 "{stream}: the workers' --max-entry-bytes could not be read from their records \
                  ({e}); keeping to this replay's own"
             );

@@ -96,12 +96,25 @@ pub(crate) fn answer_wait(config: &postgres::Config) -> Duration {
         + ANSWER_TIMEOUT
 }
 
-/// Connects left waiting for a server that never answered; at most
-/// [`MOST_LEFT_WAITING`] at a time.
+/// Connects still waiting for their server's answer.
 static LEFT_WAITING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-/// A pool that keeps trying through a long black hole leaves a thread per
-/// try: past this many, a connect fails at once until one of them ends.
-const MOST_LEFT_WAITING: usize = 4;
+/// When the last connect past [`MOST_LEFT_WAITING`] was let through.
+static LAST_PAST_CAP: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
+/// A pool that keeps trying through a black hole that never closes (a proxy
+/// whose backend hung) leaves a thread per try, which only ends when its
+/// connection does. Past this many waiting, a connect is tried once a
+/// minute (the rest fail at once), so the threads left grow by one a minute
+/// at most, and the pool never stops trying for good: a cap that refused
+/// every connect while its threads waited cut the worker off from
+/// PostgreSQL for ever (found by a review).
+const MOST_LEFT_WAITING: usize = 8;
+const PAST_CAP_EVERY: Duration = Duration::from_secs(60);
+
+/// Whether another connect may start now, with `waiting` connects still
+/// waiting and the last one past the cap let through at `last`.
+fn may_try(waiting: usize, last: Option<std::time::Instant>, now: std::time::Instant) -> bool {
+    waiting < MOST_LEFT_WAITING || last.is_none_or(|at| now.duration_since(at) >= PAST_CAP_EVERY)
+}
 
 /// Runs `connect` (a connect, and what the new session needs before use)
 /// on a thread of its own and waits for it at most `wait`; the thread is
@@ -116,14 +129,27 @@ pub(crate) fn bounded_connect<T: Send + 'static>(
     connect: impl FnOnce() -> Result<T, postgres::Error> + Send + 'static,
 ) -> Result<T, Box<dyn std::error::Error + Send + Sync>> {
     use std::sync::atomic::Ordering::SeqCst;
-    if LEFT_WAITING.load(SeqCst) >= MOST_LEFT_WAITING {
-        return Err(format!(
-            "{MOST_LEFT_WAITING} connections still wait for the server's answer; not trying another yet"
-        )
-        .into());
+    {
+        let mut last = LAST_PAST_CAP
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (waiting, now) = (LEFT_WAITING.load(SeqCst), std::time::Instant::now());
+        if !may_try(waiting, *last, now) {
+            return Err(format!(
+                "{waiting} connections still wait for the server's answer (a proxy that accepts connections and never answers?); trying again within a minute"
+            )
+            .into());
+        }
+        if waiting >= MOST_LEFT_WAITING {
+            *last = Some(now);
+            log::error!(
+                "postgres: {waiting} connections were never answered (a proxy that accepts connections and never answers?); trying once a minute"
+            );
+        }
+        // Counted under the lock: two callers cannot both pass the cap.
+        LEFT_WAITING.fetch_add(1, SeqCst);
     }
     let (sent, answer) = crossbeam_channel::bounded(1);
-    LEFT_WAITING.fetch_add(1, SeqCst);
     let spawned = std::thread::Builder::new()
         .name("taskhub-pg-connect".into())
         .spawn(move || {
@@ -159,6 +185,25 @@ pub(crate) fn pg_unreachable(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn past_the_cap_a_connect_is_tried_once_a_minute() {
+        let now = std::time::Instant::now();
+        assert!(may_try(0, None, now));
+        assert!(may_try(MOST_LEFT_WAITING - 1, Some(now), now));
+        // At the cap: the first is let through, then one a minute.
+        assert!(may_try(MOST_LEFT_WAITING, None, now));
+        assert!(!may_try(
+            MOST_LEFT_WAITING + 3,
+            Some(now),
+            now + Duration::from_secs(59)
+        ));
+        assert!(may_try(
+            MOST_LEFT_WAITING + 3,
+            Some(now),
+            now + PAST_CAP_EVERY
+        ));
+    }
 
     #[test]
     fn no_tls_context_is_built_for_a_unix_socket() {

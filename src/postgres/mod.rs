@@ -31,42 +31,61 @@ pub(crate) fn processed(
 const PROCESSED: &str = "SELECT event_id FROM processed_events \
      WHERE scope = (SELECT $1::text) AND event_id = ANY($2)";
 
-/// Which of `event_ids` are processed in `scope`, waiting (100 ms at most)
-/// for a transaction that inserted one of their keys and has not ended:
-/// the keys are inserted again and rolled back, so an insert not yet
-/// committed is waited for rather than missed, as [`processed`] misses it.
-/// Asked before a letter that says an event was not applied (a `trimmed`
-/// entry, a session that keeps dying): its owner may be between its insert
-/// and its COMMIT, delayed on the network, and then commit beside the
-/// letter (found by a hostile test: an owner's COMMIT held 3 s, the entry
-/// deleted meanwhile, and another consumer's `trimmed` letter of it beside
-/// the effect). An insert still open after the wait is an error (lock
-/// timeout, 55P03): the caller cannot tell yet, and tries again later.
+/// What [`processed_or_awaited`] found for an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Answer {
+    Processed,
+    NotProcessed,
+    /// A transaction inserted its key and had not ended after 100 ms: ask
+    /// again later.
+    Held,
+}
+
+/// Whether each of `event_ids` is processed in `scope`, waiting (100 ms at
+/// most) for a transaction that inserted its key and has not ended: each
+/// key is inserted again and rolled back, so an insert not yet committed is
+/// waited for rather than missed, as [`processed`] misses it. Asked before
+/// a letter that says an event was not applied (a `trimmed` entry, a
+/// session that keeps dying): its owner may be between its insert and its
+/// COMMIT, delayed on the network, and then commit beside the letter (found
+/// by a hostile test: an owner's COMMIT held 3 s, the entry deleted
+/// meanwhile, and another consumer's `trimmed` letter of it beside the
+/// effect). A key at a time, so a held key holds up only its own entry. An
+/// insert that fails otherwise falls back to [`processed`] for its key; one
+/// that lost the connection (the event's key may be what kills its
+/// session: a trigger, an extension) is the error of the whole call, and
+/// the caller asks [`processed`] on a new connection.
 pub(crate) fn processed_or_awaited(
     client: &mut postgres::Client,
     scope: &str,
     event_ids: &[&str],
-) -> Result<std::collections::HashSet<String>, postgres::Error> {
-    if event_ids.is_empty() {
-        return Ok(Default::default());
+) -> Result<Vec<Answer>, postgres::Error> {
+    let mut answers = Vec::with_capacity(event_ids.len());
+    for id in event_ids {
+        let mut probe = || -> Result<bool, postgres::Error> {
+            let mut tx = client.build_transaction().read_only(false).start()?;
+            tx.batch_execute("SET LOCAL lock_timeout = 100; SET LOCAL statement_timeout = 5000")?;
+            let new = tx.query_opt(INSERT_AGAIN, &[&scope, id])?.is_some();
+            tx.rollback()?;
+            Ok(!new)
+        };
+        let answer = match probe() {
+            Ok(true) => Answer::Processed,
+            Ok(false) => Answer::NotProcessed,
+            Err(e) if e.code() == Some(&postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
+                Answer::Held
+            }
+            Err(e) if client.is_closed() => return Err(e),
+            Err(_) if processed(client, scope, &[id])?.contains(*id) => Answer::Processed,
+            Err(_) => Answer::NotProcessed,
+        };
+        answers.push(answer);
     }
-    let mut tx = client.build_transaction().read_only(false).start()?;
-    tx.batch_execute("SET LOCAL lock_timeout = 100; SET LOCAL statement_timeout = 5000")?;
-    let new: std::collections::HashSet<String> = tx
-        .query(INSERT_AGAIN, &[&scope, &event_ids])?
-        .into_iter()
-        .map(|row| row.get(0))
-        .collect();
-    tx.rollback()?;
-    Ok(event_ids
-        .iter()
-        .filter(|id| !new.contains(**id))
-        .map(|id| (*id).to_owned())
-        .collect())
+    Ok(answers)
 }
 
 const INSERT_AGAIN: &str = "INSERT INTO processed_events (scope, event_id) \
-     SELECT (SELECT $1::text), unnest($2::text[]) ON CONFLICT DO NOTHING RETURNING event_id";
+     VALUES ($1, $2) ON CONFLICT DO NOTHING RETURNING 1";
 
 #[cfg(test)]
 pub(crate) mod tests {

@@ -39,9 +39,16 @@ pub(crate) struct Setup {
 }
 
 impl Setup {
-    /// Sets the session up; returns when the server started (see
-    /// [`PgClient::server_started`]).
-    fn apply(&self, client: &mut postgres::Client) -> Result<Option<String>, postgres::Error> {
+    /// Sets the session up; returns which database history it reached
+    /// and when the server started (see [`PgClient::server_started`]). The
+    /// history is for the caller to pass to the namespace
+    /// ([`Setup::observe`]) once it takes the connection: one made on a
+    /// thread left behind (see `bounded_connect`) may answer late, from a
+    /// server that is no longer the one in use (an old primary).
+    fn apply(
+        &self,
+        client: &mut postgres::Client,
+    ) -> Result<(Option<Identity>, Option<String>), postgres::Error> {
         let sql = format!(
             "SET statement_timeout = {}; SET default_transaction_read_only = on; {}; \
              SELECT pg_postmaster_start_time()::text",
@@ -53,16 +60,25 @@ impl Setup {
             postgres::SimpleQueryMessage::Row(row) => Some(row),
             _ => None,
         });
-        if let Some(row) = rows.next() {
+        let identity = rows.next().map(|row| {
             let text = |i: usize| row.get(i).unwrap_or_default().to_owned();
-            self.namespace.observe(&Identity {
+            Identity {
                 system_identifier: text(0),
                 database_oid: text(1),
                 timeline: text(2),
                 filenode: text(3),
-            });
+            }
+        });
+        let started = rows.next().and_then(|row| row.get(0)).map(str::to_owned);
+        Ok((identity, started))
+    }
+
+    /// Tells the markers' namespace which database history a connection
+    /// in use reached (see `keys.rs`).
+    fn observe(&self, identity: Option<&Identity>) {
+        if let Some(identity) = identity {
+            self.namespace.observe(identity);
         }
-        Ok(rows.next().and_then(|row| row.get(0)).map(str::to_owned))
     }
 }
 
@@ -137,15 +153,16 @@ impl r2d2::ManageConnection for PgManager {
     /// `connect_pg_then`).
     fn connect(&self) -> Result<PgClient, ConnectError> {
         let (connector, setup) = (self.connector.clone(), self.setup.clone());
-        let (client, server_started) = bounded_connect(self.wait, move || {
+        let (client, (identity, server_started)) = bounded_connect(self.wait, move || {
             let mut client = match &connector {
                 Connector::Plain(m) => m.connect()?,
                 Connector::Tls(m) => m.connect()?,
             };
-            let started = setup.apply(&mut client)?;
-            Ok((client, started))
+            let set_up = setup.apply(&mut client)?;
+            Ok((client, set_up))
         })
         .map_err(ConnectError)?;
+        self.setup.observe(identity.as_ref());
         Ok(PgClient {
             client,
             discard: false,
@@ -177,9 +194,10 @@ pub(crate) fn postgres_pool(url: &str, size: u32, setup: Setup) -> Result<PgPool
     // names the cause (refused, authentication, unknown database...).
     let (config, tls) = pg_config(url)?;
     let mut probe = connect_pg(&config, tls.clone()).map_err(|e| pg_unreachable(url, e))?;
-    setup
+    let (identity, _) = setup
         .apply(&mut probe)
         .map_err(|e| pg_unreachable(url, e))?;
+    setup.observe(identity.as_ref());
     drop(probe);
     let wait = answer_wait(&config);
     let connector = match tls {

@@ -200,7 +200,9 @@ impl NameCheck {
     /// Deletes the record if it is still this instance's, when its reader
     /// stops: a stopped instance publishes no limit (see
     /// [`smallest_published_limit`]). Waits at most a second for Redis: a
-    /// record left behind expires with its TTL.
+    /// record left behind expires with its TTL. (Its consumer stays in the
+    /// group, as one that read does: `taskhub consumers --prune-idle`
+    /// removes those of instances gone for good.)
     pub fn forget(&self, c: &mut RedisConn) {
         if self.off.get() || !self.written.get() {
             return;

@@ -42,6 +42,7 @@ use crate::handler::Handler;
 use crate::handler::StatementCache;
 use crate::postgres::pool::PgConn;
 use crate::postgres::pool::PgPool;
+use crate::postgres::Answer;
 use crate::redis::keys::Namespace;
 use crate::worker::apply::{Applied, Batch, Ended, Session};
 use crate::worker::context::Common;
@@ -583,26 +584,32 @@ impl Processor {
         let known: Vec<&str> = event_ids.iter().flatten().map(String::as_str).collect();
         // Its owner's transaction may not have ended yet (a COMMIT held up
         // on the network): waited for, not missed.
-        let applied = match self.connection().and_then(|()| {
-            let conn = self.pg.as_mut().expect("connection() sets it");
-            Ok(crate::postgres::processed_or_awaited(
-                conn,
-                &self.stage.settings.scope,
-                &known,
-            )?)
-        }) {
-            Ok(applied) => applied,
+        let answers = match self.applied_or_held(&known) {
+            Ok(answers) => answers,
             Err(e) => {
                 log::warn!(
-                    "{stream}: cannot tell yet whether the events of deleted entries {} were applied ({e}); left to settle later",
-                    entry_ids.join(", ")
+                    "{stream}: cannot tell whether the events of {} deleted entries were applied ({e}); left to settle later",
+                    trimmed.len()
                 );
                 return;
             }
         };
+        let answer_of: std::collections::HashMap<String, Answer> = known
+            .iter()
+            .map(|id| (*id).to_owned())
+            .zip(answers)
+            .collect();
+        let mut held = Vec::new();
         for (mut delivery, event_id) in trimmed.into_iter().zip(event_ids) {
+            let answer = event_id.as_ref().and_then(|id| answer_of.get(id).copied());
+            if answer == Some(Answer::Held) {
+                // Left pending for the next reclaim to settle (its ticket
+                // goes with it).
+                held.push(delivery.entry_id.clone());
+                continue;
+            }
             match event_id {
-                Some(id) if applied.contains(&id) => {
+                Some(id) if answer == Some(Answer::Processed) => {
                     log::info!(
                         "{}/{}: deleted from the stream after its event {id} was applied; acked",
                         delivery.stream,
@@ -620,6 +627,45 @@ impl Processor {
                     self.dead_letter(delivery, Kind::Trimmed, TRIMMED.to_owned());
                 }
                 None => self.dead_letter(delivery, Kind::Trimmed, TRIMMED.to_owned()),
+            }
+        }
+        if let Some(first) = held.first() {
+            log::warn!(
+                "{stream}: cannot tell yet whether the events of deleted entries ({first} and {} more) were applied: a transaction holds their keys uncommitted; left to settle later",
+                held.len() - 1
+            );
+        }
+    }
+
+    /// [`crate::postgres::processed_or_awaited`] for `event_ids`; when its
+    /// connection is lost (the event's own key may be what kills its
+    /// session), the plain look-up on a new connection: this worker's own
+    /// transactions of those events died with their sessions, so none of
+    /// ours is left uncommitted to miss.
+    fn applied_or_held(&mut self, event_ids: &[&str]) -> Result<Vec<Answer>, HandlerError> {
+        let scope = self.stage.settings.scope.clone();
+        self.connection()?;
+        let conn = self.pg.as_mut().expect("connection() sets it");
+        match crate::postgres::processed_or_awaited(conn, &scope, event_ids) {
+            Ok(answers) => Ok(answers),
+            Err(e) => {
+                log::debug!("postgres: looking events up again after {e}");
+                if let Some(mut conn) = self.pg.take() {
+                    conn.discard();
+                }
+                self.connection()?;
+                let conn = self.pg.as_mut().expect("connection() sets it");
+                let applied = crate::postgres::processed(&mut ***conn, &scope, event_ids)?;
+                Ok(event_ids
+                    .iter()
+                    .map(|id| {
+                        if applied.contains(*id) {
+                            Answer::Processed
+                        } else {
+                            Answer::NotProcessed
+                        }
+                    })
+                    .collect())
             }
         }
     }
@@ -919,17 +965,8 @@ impl Processor {
                 // hostile test: a connection reset at each reply naming the
                 // event made an applied event a `crash_loop` letter).
                 let event_id = delivery.event_id().unwrap_or_default().to_owned();
-                let scope = self.stage.settings.scope.clone();
-                let applied = self.connection().and_then(|()| {
-                    let conn = self.pg.as_mut().expect("connection() sets it");
-                    Ok(crate::postgres::processed_or_awaited(
-                        conn,
-                        &scope,
-                        &[event_id.as_str()],
-                    )?)
-                });
-                match applied {
-                    Ok(applied) if applied.contains(&event_id) => {
+                match self.applied_or_held(&[event_id.as_str()]).map(|a| a[0]) {
+                    Ok(Answer::Processed) => {
                         log::info!(
                             "{}/{}: the connection was lost {strikes} times while it ran, and it was applied: a duplicate",
                             delivery.stream,
@@ -939,7 +976,7 @@ impl Processor {
                         done.push(delivery, true);
                         Outcome::Other
                     }
-                    Ok(_) => {
+                    Ok(Answer::NotProcessed) => {
                         let reason = format!(
                             "the database connection was lost {strikes} times while this event ran, as other events committed (max attempts {max}): the event likely kills its database session"
                         );
@@ -947,15 +984,19 @@ impl Processor {
                         self.dead_letter(delivery, Kind::CrashLoop, reason);
                         Outcome::Failed(id)
                     }
-                    Err(e) => {
+                    held => {
                         // Left pending, reclaimed later: not dead-lettered
-                        // on a guess.
+                        // on a guess. Its start stays counted (a crash loop
+                        // is only said after its dedup insert found it new).
+                        let why = match held {
+                            Err(e) => e.to_string(),
+                            _ => "a transaction holds its key uncommitted".into(),
+                        };
                         log::warn!(
-                            "{}/{}: cannot tell whether it was applied ({e}); left pending",
+                            "{}/{}: cannot tell yet whether it was applied ({why}); left pending",
                             delivery.stream,
                             delivery.entry_id
                         );
-                        crate::worker::apply::take_back_start(&self.stage, &delivery);
                         Outcome::Other
                     }
                 }

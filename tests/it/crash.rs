@@ -783,7 +783,9 @@ fn an_entry_whose_read_failed_after_a_blocking_read_is_still_named() {
 ///
 /// Two consumers, per-event mode, 2 s min idle; an open transaction that
 /// inserted the event's dedup row holds its statement up; the entry is
-/// deleted; that transaction rolls back.
+/// deleted; the claimer that meets it writes no letter while that key is
+/// held uncommitted (it may yet commit); that transaction rolls back, and
+/// the entry becomes a `trimmed` letter with no effect.
 #[test]
 fn a_statement_held_up_past_min_idle_never_commits_beside_a_letter() {
     let db = TestDb::new();
@@ -825,7 +827,20 @@ fn a_statement_held_up_past_min_idle_never_commits_beside_a_letter() {
         .arg(&entry)
         .query(&mut conn)
         .unwrap();
-    // Another consumer claims the deleted entry and settles it.
+    // Another consumer meets the deleted entry; while a transaction holds
+    // the event's key uncommitted, it cannot tell whether the event will be
+    // applied, and writes no letter yet.
+    assert!(
+        wait_until(Duration::from_secs(20), || c2
+            .stderr()
+            .contains("cannot tell yet whether the events of deleted entries")),
+        "the claimer never met the deleted entry\n{}\n{}",
+        c1.stderr(),
+        c2.stderr()
+    );
+    assert!(dead_letters(&mut conn, &stream).is_empty());
+    locker.batch_execute("ROLLBACK").unwrap();
+    // Then it settles: not applied, a `trimmed` letter.
     assert!(
         wait_until(Duration::from_secs(20), || !dead_letters(
             &mut conn, &stream
@@ -835,7 +850,6 @@ fn a_statement_held_up_past_min_idle_never_commits_beside_a_letter() {
         c1.stderr(),
         c2.stderr()
     );
-    locker.batch_execute("ROLLBACK").unwrap();
     assert!(
         wait_until(Duration::from_secs(20), || pending(
             &mut conn, &stream, &group

@@ -144,7 +144,7 @@ fn an_applied_event_whose_sessions_keep_dying_is_no_crash_loop() {
     );
     // The statement reaches the server and commits; its reply is held,
     // then lost.
-    proxy.delay(Duration::from_millis(1500));
+    proxy.delay(Duration::from_secs(3));
     xadd(
         &mut conn,
         &stream,

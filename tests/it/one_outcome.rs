@@ -1156,7 +1156,7 @@ fn a_handler_after_a_fused_event_cannot_write_outside_its_transaction() {
 
 /// Regression (hostile tester: an owner's COMMIT held 3 s on the network):
 /// the owner inserted the event's key and its effect, and its COMMIT was
-/// late (here a pause at `before-commit`); meanwhile the entry was deleted
+/// late (here a pause of 15 s at `before-commit`); meanwhile the entry was deleted
 /// from the stream and another consumer, claiming it, found it gone. It
 /// asked `processed_events` with a plain SELECT, which does not see a
 /// transaction that has not ended, wrote a `trimmed` letter, and then the
@@ -1186,7 +1186,7 @@ fn a_claimer_does_not_dead_letter_as_trimmed_an_entry_whose_owner_is_committing(
             "600s",
         ])
         .env("TASKHUB_FAULT", format!("before-commit@{event_id}"))
-        .env("TASKHUB_FAULT_PAUSE_MS", "6000");
+        .env("TASKHUB_FAULT_PAUSE_MS", "15000");
     let mut a = Proc::spawn(a);
     let entry = xadd(
         &mut conn,
@@ -1210,6 +1210,8 @@ fn a_claimer_does_not_dead_letter_as_trimmed_an_entry_whose_owner_is_committing(
         .args(["--reclaim-min-idle", "2s", "--reclaim-interval", "200ms"])
         .args(["--backoff-cap", "1s", "--max-retry-after", "1s"]);
     let mut b = Proc::spawn(b);
+    // The claimer meets the deleted entry while the owner's key is held.
+    let met = wait_until(Duration::from_secs(15), || b.stderr().contains(&entry));
     // The owner goes on after its pause and commits.
     let applied = wait_until(Duration::from_secs(30), || db.effects(&event_id) == 1);
     std::thread::sleep(Duration::from_secs(2));
@@ -1219,7 +1221,7 @@ fn a_claimer_does_not_dead_letter_as_trimmed_an_entry_whose_owner_is_committing(
     }
     assert!(applied, "a: {}\nb: {}", a.stderr(), b.stderr());
     assert!(
-        b.stderr().contains(&entry),
+        met,
         "the claimer never met the deleted entry\n{}",
         b.stderr()
     );
