@@ -388,18 +388,24 @@ pick_worker() {
     done
 }
 kill_worker() {
-    local picked i pid
-    picked=$(pick_worker)
-    [[ -n $picked ]] || {
-        say "no running worker to kill"
-        return
-    }
-    read -r i pid <<<"$picked"
-    rand_secs 0.2 2.0 >"$DIR/run/delay.$i"
-    if kill -9 "$pid" 2>/dev/null; then
-        KILLS_DONE=$((KILLS_DONE + 1))
-        say "$(elapsed)s: SIGKILL c$i (pid $pid), kill $KILLS_DONE"
-    fi
+    local picked i pid try
+    # A worker picked may exit before the signal (a start that failed while
+    # a server was down, a crash-loop abort): pick again (seed 131 lost a
+    # kill so, and failed the run for it).
+    for ((try = 0; try < 20; try++)); do
+        picked=$(pick_worker)
+        [[ -n $picked ]] || {
+            say "no running worker to kill"
+            return
+        }
+        read -r i pid <<<"$picked"
+        rand_secs 0.2 2.0 >"$DIR/run/delay.$i"
+        if kill -9 "$pid" 2>/dev/null; then
+            KILLS_DONE=$((KILLS_DONE + 1))
+            say "$(elapsed)s: SIGKILL c$i (pid $pid), kill $KILLS_DONE"
+            return
+        fi
+    done
 }
 # SIGSTOP of a random worker, SIGCONT 3–6 s later (in the background: the
 # other faults go on meanwhile).
