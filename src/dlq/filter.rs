@@ -158,9 +158,16 @@ pub(crate) fn valid_id(id: &str) -> bool {
         .is_some_and(|(ms, seq)| digits(ms) && digits(seq))
 }
 
+/// Whether `id` is a bare millisecond (`1700000000000`): no dead-letter id,
+/// but a cursor (`--before`) may be one, an exclusive end as XREVRANGE
+/// reads it.
+pub(crate) fn is_millisecond(id: &str) -> bool {
+    valid_id(&format!("{id}-0"))
+}
+
 pub(crate) fn check_ids(ids: &[String]) -> Result<(), Error> {
     match ids.iter().find(|id| !valid_id(id)) {
-        Some(id) if valid_id(&format!("{id}-0")) => Err(bad_input(format!(
+        Some(id) if is_millisecond(id) => Err(bad_input(format!(
             "{id:?} is not a whole dead-letter id: give its sequence number too, as `dlq list` \
              shows it (1700000000000-0)"
         ))),

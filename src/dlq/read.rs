@@ -54,9 +54,7 @@ pub(crate) fn scan(
     budget: Option<(usize, Duration)>,
     mut visit: impl FnMut(String, Fields) -> bool,
 ) -> Result<Scanned, Error> {
-    // A cursor may be a bare millisecond: an exclusive end, as XREVRANGE
-    // reads it.
-    if let Some(id) = before.filter(|id| !crate::dlq::filter::valid_id(&format!("{id}-0"))) {
+    if let Some(id) = before.filter(|id| !crate::dlq::filter::is_millisecond(id)) {
         check_ids(std::slice::from_ref(&id.to_owned()))?;
     }
     let started = Instant::now();

@@ -266,7 +266,8 @@ fn limit_for(
         .unwrap_or_else(|e| {
             log::warn!(
                 "{stream}: the workers' --max-entry-bytes could not be read from their records \
-                 ({e}); keeping to this replay's own"
+                 ({}); keeping to this replay's own",
+                crate::error::chain(&e)
             );
             None
         });

@@ -150,7 +150,7 @@ impl r2d2::ManageConnection for PgManager {
     type Error = ConnectError;
 
     /// Connects and sets the session up within a bound (see
-    /// `connect_pg_then`).
+    /// `bounded_connect`).
     fn connect(&self) -> Result<PgClient, ConnectError> {
         let (connector, setup) = (self.connector.clone(), self.setup.clone());
         let (client, (identity, server_started)) = bounded_connect(self.wait, move || {

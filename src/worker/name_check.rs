@@ -246,26 +246,20 @@ fn published_limit(record: &str) -> Option<usize> {
 pub(crate) fn smallest_published_limit(
     conn: &mut RedisConn,
     stream: &str,
-) -> redis::RedisResult<Option<usize>> {
+) -> Result<Option<usize>, crate::error::Error> {
+    let redis_error =
+        |e| crate::error::Error::with_source(crate::error::ErrorKind::Redis, stream.to_owned(), e);
     let mut keys = Vec::new();
-    for group in crate::redis::streams::group_names(conn, stream)? {
+    for group in crate::redis::streams::group_names(conn, stream).map_err(redis_error)? {
         let Ok(group) = String::from_utf8(group) else {
             continue; // no worker runs under a name that is not UTF-8
         };
-        let rows: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
-            .arg("CONSUMERS")
-            .arg(stream)
-            .arg(&group)
-            .query(conn)?;
-        for row in rows {
-            let name = match row.get("name") {
-                Some(redis::Value::BulkString(b)) => std::str::from_utf8(b).ok().map(str::to_owned),
-                Some(redis::Value::SimpleString(s)) => Some(s.clone()),
-                _ => None,
-            };
-            if let Some(name) = name {
-                keys.push(crate::redis::keys::consumer_record(&group, stream, &name));
-            }
+        for consumer in crate::consumers::list_consumers(conn, stream, &group)? {
+            keys.push(crate::redis::keys::consumer_record(
+                &group,
+                stream,
+                &consumer.name,
+            ));
         }
     }
     if keys.is_empty() {
@@ -275,7 +269,7 @@ pub(crate) fn smallest_published_limit(
     for key in &keys {
         pipe.cmd("GET").arg(key);
     }
-    let records: Vec<Option<String>> = pipe.query(conn)?;
+    let records: Vec<Option<String>> = pipe.query(conn).map_err(redis_error)?;
     Ok(records
         .iter()
         .flatten()
