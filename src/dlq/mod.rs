@@ -50,6 +50,8 @@ pub use read::Listing;
 pub use replay::{ProcessedCheck, ReplayItem, ReplayOptions, ReplayReport};
 pub use stats::{fingerprint, ReasonCount, Stats};
 
+pub use crate::postgres::blockers::LockWatch;
+
 pub(crate) use json::format_time;
 pub(crate) use letter::millis;
 pub(crate) use purge::purge;
@@ -63,6 +65,16 @@ use crate::postgres::connect;
 /// A PostgreSQL client with the library's connect timeout.
 pub fn connect_postgres(database_url: &str) -> Result<postgres::Client, Error> {
     connect::postgres(database_url)
+}
+
+/// While `client`'s session waits for another session's lock (a migration,
+/// a `LOCK TABLE` left in an open transaction), logs at warn level who
+/// holds it, after 5 s and then every 30 s, naming the step `what`; says
+/// nothing otherwise. It asks on a connection of its own to `database_url`,
+/// opened only once the step has run 5 s. Keep the watch as long as the
+/// step runs: dropping it stops it.
+pub fn watch_locks(client: &mut postgres::Client, database_url: &str, what: &str) -> LockWatch {
+    LockWatch::begin(client, database_url, what)
 }
 
 pub(crate) fn redis_error(what: &str) -> impl Fn(redis::RedisError) -> Error + '_ {

@@ -98,11 +98,29 @@ impl Watch {
 
 /// What the session `pid` has been waiting for.
 fn word(pool: &PgPool, pid: i32, what: &str, waited: Duration) -> String {
-    let secs = waited.as_secs();
-    let row = pool
+    let found = pool
         .get()
         .ok()
-        .and_then(|mut conn| conn.query_opt(BLOCKERS, &[&pid]).ok().flatten());
+        .and_then(|mut conn| blockers(&mut conn, pid));
+    let secs = waited.as_secs();
+    match found {
+        Some(Waits::Lock(blockers)) => locked(what, secs, &blockers, "SIGTERM stops"),
+        _ => format!("postgres: {what} has run for {secs} s; still waiting (SIGTERM stops)"),
+    }
+}
+
+/// What a session waits for, as far as [`blockers`] can tell.
+enum Waits {
+    /// A lock, held by these sessions (pid, role, state, how long).
+    Lock(String),
+    /// Anything else, or nothing.
+    Other,
+}
+
+/// What the session `pid` waits for, asked on `asker`; `None` when the
+/// question failed.
+fn blockers(asker: &mut postgres::Client, pid: i32) -> Option<Waits> {
+    let row = asker.query_opt(BLOCKERS, &[&pid]).ok()?;
     let (kind, blockers) = match &row {
         Some(row) => (
             row.get::<_, Option<String>>(0),
@@ -110,10 +128,77 @@ fn word(pool: &PgPool, pid: i32, what: &str, waited: Duration) -> String {
         ),
         None => (None, None),
     };
-    match (kind.as_deref(), blockers) {
-        (Some("Lock"), Some(blockers)) => format!(
-            "postgres: {what} has waited {secs} s for a lock held by {blockers}; it goes on once that transaction ends (SIGTERM stops)"
-        ),
-        _ => format!("postgres: {what} has run for {secs} s; still waiting (SIGTERM stops)"),
+    Some(match (kind.as_deref(), blockers) {
+        (Some("Lock"), Some(blockers)) => Waits::Lock(blockers),
+        _ => Waits::Other,
+    })
+}
+
+fn locked(what: &str, secs: u64, blockers: &str, stop: &str) -> String {
+    format!(
+        "postgres: {what} has waited {secs} s for a lock held by {blockers}; it goes on once that transaction ends ({stop})"
+    )
+}
+
+/// How often a [`LockWatch`] asks.
+const LOCK_LOOK: Duration = Duration::from_secs(5);
+
+/// A watch over a command's own session for as long as the command runs
+/// (`dlq replay`, `dlq archive --to postgres`, `prune`): while the session
+/// waits for another session's lock (a migration, a `LOCK TABLE` left in
+/// an open transaction), it says who holds it, after [`LOCK_LOOK`] and then
+/// every [`NEXT_WORD`]; otherwise it says nothing. Without it such a
+/// command waited with no word (found by a hostile test). It asks on a
+/// connection of its own, opened at the first look, so a command shorter
+/// than [`LOCK_LOOK`] costs nothing; dropping the watch stops it.
+pub struct LockWatch {
+    _done: Sender<()>,
+}
+
+impl LockWatch {
+    /// Watches the session `client` of the command `what`, asking through
+    /// a new connection to `url`.
+    pub(crate) fn begin(client: &mut postgres::Client, url: &str, what: &str) -> LockWatch {
+        let (done, ended) = bounded::<()>(0);
+        let pid = client
+            .query_one("SELECT pg_backend_pid()", &[])
+            .map(|row| row.get::<_, i32>(0));
+        let (url, what) = (url.to_owned(), what.to_owned());
+        if let Ok(pid) = pid {
+            // Not joined: it ends within LOCK_LOOK of the command, or once
+            // the one question it may be asking returns.
+            let _ = std::thread::Builder::new()
+                .name("taskhub-lock-watch".into())
+                .spawn(move || {
+                    let mut asker: Option<postgres::Client> = None;
+                    let mut waiting: Option<(Instant, Instant)> = None;
+                    while let Err(RecvTimeoutError::Timeout) = ended.recv_timeout(LOCK_LOOK) {
+                        if asker.is_none() {
+                            asker = crate::postgres::connect::postgres(&url).ok();
+                        }
+                        let Some(conn) = asker.as_mut() else { return };
+                        match blockers(conn, pid) {
+                            Some(Waits::Lock(blockers)) => {
+                                let now = Instant::now();
+                                // Waiting since about one look ago.
+                                let ago = |d| now.checked_sub(d).unwrap_or(now);
+                                let (since, said) =
+                                    waiting.get_or_insert((ago(LOCK_LOOK), ago(NEXT_WORD)));
+                                if now.duration_since(*said) >= NEXT_WORD {
+                                    *said = now;
+                                    let secs = now.duration_since(*since).as_secs();
+                                    log::warn!(
+                                        "{}",
+                                        locked(&what, secs, &blockers, "Ctrl-C stops")
+                                    );
+                                }
+                            }
+                            Some(Waits::Other) => waiting = None,
+                            None => asker = None,
+                        }
+                    }
+                });
+        }
+        LockWatch { _done: done }
     }
 }

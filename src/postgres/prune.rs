@@ -10,6 +10,7 @@
 use std::time::Duration;
 
 use crate::error::{Error, ErrorKind};
+use crate::postgres::blockers::LockWatch;
 
 /// What [`prune`] removed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -44,6 +45,7 @@ pub fn prune(
     }
     crate::runtime::off_async(|| {
         let mut client = crate::postgres::connect::postgres(database_url)?;
+        let _watch = LockWatch::begin(&mut client, database_url, "prune's delete");
         let seconds = older_than.as_secs_f64();
         let sql = "DELETE FROM processed_events WHERE ctid = ANY(ARRAY(
                        SELECT ctid FROM processed_events

@@ -2633,3 +2633,77 @@ fn an_explicit_stream_wins_over_a_comma_list_in_the_environment() {
         assert_eq!(out.code(), Some(0), "{args:?}: {}", out.stderr);
     }
 }
+
+/// Regression (hostile test): `dlq replay` and `prune` waited with no word
+/// for a lock on `processed_events` held elsewhere (a migration, a `LOCK
+/// TABLE` left in an open transaction), where `run` says what it waits
+/// for. Each now says, within seconds, which session holds the lock, waits
+/// on, and finishes its work once the lock goes.
+#[test]
+fn replay_and_prune_say_who_holds_the_lock_they_wait_for() {
+    let db = TestDb::new();
+    taskhub::migrate(&db.url).unwrap();
+    let stream = unique("s");
+    let mut conn = redis(&redis_url());
+    let event = unique("ev");
+    let id = put(
+        &mut conn,
+        &letter(
+            &stream,
+            &event,
+            DeadLetterKind::Permanent,
+            "bad",
+            Duration::from_secs(60),
+            &[],
+        ),
+    );
+
+    // Holds the table's strongest lock until told to let go.
+    let hold = || {
+        let mut holder = db.client();
+        holder
+            .batch_execute("BEGIN; LOCK TABLE processed_events")
+            .unwrap();
+        let pid: i32 = holder
+            .query_one("SELECT pg_backend_pid()", &[])
+            .unwrap()
+            .get(0);
+        (holder, pid)
+    };
+    let waits_then_goes_on = |mut cmd: std::process::Command, what: &str| {
+        let (mut holder, pid) = hold();
+        cmd.env("RUST_LOG", "warn");
+        let mut p = Proc::spawn(cmd);
+        let said = format!("for a lock held by pid {pid} ");
+        assert!(
+            p.wait_for(&said, Duration::from_secs(30)),
+            "{what} never said who holds the lock: {}",
+            p.stderr()
+        );
+        assert!(
+            p.child.try_wait().unwrap().is_none(),
+            "{what} ended while the lock was held: {}",
+            p.stderr()
+        );
+        holder.batch_execute("COMMIT").unwrap();
+        let status = p.wait(T);
+        assert!(
+            status.success(),
+            "{what}: {status}\nstdout:\n{}\nstderr:\n{}",
+            p.stdout(),
+            p.stderr()
+        );
+        p.stdout()
+    };
+
+    let mut replay = taskhub(&redis_url(), &db.url);
+    replay.args(["dlq", "--stream", &stream, "replay", &id]);
+    let out = waits_then_goes_on(replay, "dlq replay");
+    assert!(out.contains("replayed 1"), "{out}");
+    assert!(dlq_ids(&mut conn, &stream).is_empty(), "the letter is gone");
+
+    let mut prune = taskhub(&redis_url(), &db.url);
+    prune.args(["prune", "--older-than", "7d"]);
+    waits_then_goes_on(prune, "prune");
+    cleanup(&mut conn, &stream);
+}

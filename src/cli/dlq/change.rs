@@ -80,6 +80,13 @@ impl Ctx {
                 None
             }
         };
+        let _watch = pg.as_mut().map(|client| {
+            dlq::watch_locks(
+                client,
+                database_url,
+                "dlq replay's look-up in processed_events",
+            )
+        });
         let options = dlq::ReplayOptions {
             dry_run: a.dry_run,
             rate: a.rate,
@@ -166,9 +173,11 @@ impl Ctx {
             ..self.filter()
         };
         let mut pg;
+        let _watch;
         let path;
         let (target, place) = if a.to == "postgres" {
             pg = dlq::connect_postgres(database_url).map_err(err)?;
+            _watch = dlq::watch_locks(&mut pg, database_url, "dlq archive's copy");
             (
                 dlq::ArchiveTarget::Postgres(&mut pg),
                 "PostgreSQL table dead_letters_archive".to_owned(),
