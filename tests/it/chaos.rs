@@ -80,7 +80,8 @@ fn chaos(mode: &str, seed: &str) -> (HashMap<String, String>, HashMap<String, St
     println!("--- chaos {mode} ---\n{stderr}\n{stdout}");
     assert!(
         status.success(),
-        "chaos ({mode}) found violations or failed: {status}\nstdout:\n{stdout}\nstderr:\n{stderr}"
+        "chaos ({mode}) found violations or failed: {status}\nstdout:\n{stdout}\nstderr:\n{stderr}\nwhy, in short:\n{}",
+        why(&stdout, &stderr)
     );
     // The tables: "label   value" lines between two dashed lines, the
     // second deployment's after its heading.
@@ -96,6 +97,33 @@ fn chaos(mode: &str, seed: &str) -> (HashMap<String, String>, HashMap<String, St
         .split_once("second deployment")
         .unwrap_or_else(|| panic!("no second deployment in:\n{stdout}"));
     (table(first), table(second))
+}
+
+/// The lines that say why a run failed, for the end of the message: a
+/// long run's output is cut in the middle where CI shows it, and the
+/// violations were in that middle (CI failed a run without saying why).
+fn why(stdout: &str, stderr: &str) -> String {
+    stdout
+        .lines()
+        .chain(stderr.lines())
+        .filter(|l| {
+            [
+                "VIOLATION",
+                "chaos check",
+                "not drained",
+                "did not stop",
+                "redis-cli:",
+                "FAIL",
+                "destroy failed",
+                "trim failed",
+                "kills happened",
+            ]
+            .iter()
+            .any(|w| l.contains(w))
+                || (l.contains("(must be 0)") && !l.trim_end().ends_with(" 0"))
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 fn number(table: &HashMap<String, String>, label: &str) -> u64 {
