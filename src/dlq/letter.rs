@@ -252,18 +252,53 @@ pub(crate) fn millis(t: SystemTime) -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// How many of its first attempts, and of its last ones, a letter's
+/// history keeps: `--max-attempts` has no upper bound, and a letter over
+/// 256 KiB with more than about 28 attempts of long errors had its
+/// history cut in listings, where no listing, filter or bulk action saw
+/// it (found in review). The attempts left out show as a gap in the
+/// numbers; the letter's `attempts` still counts them all.
+pub(crate) const HISTORY_HEAD: usize = 4;
+pub(crate) const HISTORY_TAIL: usize = 20;
+/// The most a history keeps in all, in JSON (under what a listing keeps
+/// of a field, `LETTER_KEEP` in `read.rs`): errors that JSON escapes
+/// grow up to six times.
+const HISTORY_MAX: usize = 14 * 1024;
+
+/// What a listing shows where a letter's history left out `n` attempts
+/// (a gap in their numbers).
+pub fn attempts_left_out(n: u32) -> String {
+    let s = if n == 1 { "" } else { "s" };
+    format!("({n} attempt{s} left out: a letter keeps its first and its last attempts)")
+}
+
 fn history_json(history: &[Attempt]) -> String {
-    let items: Vec<serde_json::Value> = history
-        .iter()
-        .map(|a| {
-            serde_json::json!({
-                "attempt": a.attempt,
-                "at": a.at.map(millis),
-                "error": a.error,
-            })
+    let item = |a: &Attempt| {
+        serde_json::json!({
+            "attempt": a.attempt,
+            "at": a.at.map(millis),
+            "error": a.error,
         })
-        .collect();
-    serde_json::Value::Array(items).to_string()
+        .to_string()
+    };
+    let head = history.len().min(HISTORY_HEAD);
+    let tail = (history.len() - head).min(HISTORY_TAIL);
+    let mut items: Vec<String> = history[..head].iter().map(item).collect();
+    let mut last: Vec<String> = history[history.len() - tail..].iter().map(item).collect();
+    // Past the most in all, the oldest of the last attempts go first, then
+    // the latest of the first ones; the last attempt always stays.
+    let size = |items: &[String], last: &[String]| {
+        items.iter().chain(last).map(|i| i.len() + 1).sum::<usize>() + 1
+    };
+    while size(&items, &last) > HISTORY_MAX && items.len() + last.len() > 1 {
+        if last.len() > 1 {
+            last.remove(0);
+        } else {
+            items.pop();
+        }
+    }
+    items.extend(last);
+    format!("[{}]", items.join(","))
 }
 
 fn parse_history(text: &str) -> Result<Vec<Attempt>, String> {
@@ -497,6 +532,37 @@ pub(crate) mod tests {
         let (kept, rest) = cut.split_once(" … (").unwrap();
         let left_out: usize = rest.split(' ').next().unwrap().parse().unwrap();
         assert_eq!(kept.len() + left_out, 2000);
+    }
+
+    #[test]
+    fn a_long_history_keeps_its_first_and_last_attempts_within_a_listing_s_cut() {
+        let history = |n: u32, error: &str| -> Vec<Attempt> {
+            (1..=n)
+                .map(|i| Attempt::new(i, Some(UNIX_EPOCH), bounded_text(error.repeat(600), 512)))
+                .collect()
+        };
+        let kept = |h: &[Attempt]| -> Vec<u32> {
+            let text = history_json(h);
+            assert!(text.len() <= HISTORY_MAX, "{}", text.len());
+            parse_history(&text)
+                .unwrap()
+                .iter()
+                .map(|a| a.attempt)
+                .collect()
+        };
+        // Short: whole.
+        assert_eq!(kept(&history(3, "e")), vec![1, 2, 3]);
+        // Long: the first 4 and the last 20.
+        let mut expected: Vec<u32> = (1..=4).collect();
+        expected.extend(81..=100);
+        assert_eq!(kept(&history(100, "e")), expected);
+        // Errors JSON escapes six times over: fewer of the last, and the
+        // last one always.
+        let escaped = kept(&history(100, "\u{1}"));
+        assert_eq!(escaped[..2], [1, 2]);
+        assert_eq!(escaped.last(), Some(&100));
+        assert!(escaped.len() < 24, "{escaped:?}");
+        assert_eq!(kept(&[]), Vec::<u32>::new());
     }
 
     #[test]

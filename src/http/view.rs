@@ -335,7 +335,16 @@ fn detail(can_change: bool, stream: &str, id: &str, l: &DeadLetter, list: &PageF
         );
     }
     body.push_str("</table><h2>Attempts</h2><table id=\"history\"><tr><th>#</th><th>at</th><th>error</th></tr>");
+    let mut next = 1;
     for a in &l.history {
+        if a.attempt > next {
+            let _ = write!(
+                body,
+                "<tr><td>…</td><td></td><td>{}</td></tr>",
+                escape(&crate::dlq::attempts_left_out(a.attempt - next))
+            );
+        }
+        next = a.attempt.saturating_add(1);
         let at = a.at.map_or("(never reported: crashed)".to_owned(), |t| {
             time(crate::dlq::millis(t))
         });
@@ -363,4 +372,27 @@ fn detail(can_change: bool, stream: &str, id: &str, l: &DeadLetter, list: &PageF
         }
     }
     body
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dlq::Attempt;
+
+    #[test]
+    fn a_letter_s_page_shows_where_its_history_left_attempts_out() {
+        let mut l = crate::dlq::letter::tests::sample_letter(Vec::new());
+        l.history = [1, 2, 5]
+            .into_iter()
+            .map(|n| Attempt::new(n, None, format!("failure {n}")))
+            .collect();
+        let list = PageFilter::read(&[], SystemTime::now()).unwrap();
+        let page = detail(false, "s", "1-0", &l, &list);
+        let at = |text: &str| page.find(text).unwrap_or_else(|| panic!("{text}: {page}"));
+        assert!(
+            at("failure 2") < at("(2 attempts left out")
+                && at("(2 attempts left out") < at("failure 5")
+        );
+        assert_eq!(page.matches("left out").count(), 1, "{page}");
+    }
 }

@@ -2707,3 +2707,64 @@ fn replay_and_prune_say_who_holds_the_lock_they_wait_for() {
     waits_then_goes_on(prune, "prune");
     cleanup(&mut conn, &stream);
 }
+
+/// Regression (found in review): a letter over the 256 KiB past which
+/// listings read letters cut down kept each field's first 16 KiB, its
+/// whole history only up to about 28 attempts of long errors. With more
+/// (`--max-attempts` has no upper bound) its history was cut into
+/// something that is not JSON, and no listing, filter or bulk action saw
+/// the letter. A letter now keeps the first attempts and the last ones,
+/// whatever their number; `show` says how many were left out between.
+#[test]
+fn a_large_letter_with_many_long_attempts_is_listed_and_replayed() {
+    let db = TestDb::new();
+    db.client().batch_execute(ALWAYS_RETRY).unwrap();
+    let stream = unique("atk_hist");
+    let mut conn = redis(&redis_url());
+    let event = unique("hist");
+    let payload = "x".repeat(300_000);
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", &event), ("payload", &payload)],
+    );
+    let summary = run_worker_with(
+        &db.url,
+        &stream,
+        Some("SELECT try_later($2) WHERE $1::text IS NOT NULL"),
+        &["--max-attempts", "40"],
+    );
+    assert_eq!(summary["exhausted"], 1, "{summary:?}");
+    let letters = dead_letters(&mut conn, &stream);
+    assert_eq!(letters[0].attempts, 40, "{:?}", letters[0].attempts);
+    let out = dlq_ok(&db.url, &stream, &["list", "--kind", "exhausted"]);
+    assert!(
+        out.stdout.contains(&event),
+        "{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+    let id = dlq_ids(&mut conn, &stream).remove(0);
+    let doc = dlq_ok(&db.url, &stream, &["show", &id, "--json"]).json();
+    let attempts: Vec<u64> = doc["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["attempt"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        (attempts.first(), attempts.last()),
+        (Some(&1), Some(&40)),
+        "the first and the last attempts: {attempts:?}"
+    );
+    let out = dlq_ok(&db.url, &stream, &["show", &id]);
+    assert!(
+        out.stdout.contains("attempts left out"),
+        "says where the history was cut: {}",
+        out.stdout
+    );
+    let out = dlq_ok(&db.url, &stream, &["replay", "--all"]);
+    assert!(out.stdout.contains("replayed 1"), "{}", out.stdout);
+    assert!(dead_letters(&mut conn, &stream).is_empty());
+    cleanup(&mut conn, &stream);
+}

@@ -230,17 +230,23 @@ impl Ctx {
             out.push_str(&format!("{:<13} {}\n", row[0], row[1]));
         }
         out.push_str("\nattempt history\n");
-        let history: Vec<Vec<String>> = l
-            .history
-            .iter()
-            .map(|a| {
-                vec![
-                    format!("  {}", a.attempt),
-                    a.at.map_or_else(|| "(never reported)".to_owned(), time_of),
-                    c(&a.error),
-                ]
-            })
-            .collect();
+        let mut history: Vec<Vec<String>> = Vec::new();
+        let mut next = 1;
+        for a in &l.history {
+            if a.attempt > next {
+                history.push(vec![
+                    "  …".into(),
+                    String::new(),
+                    taskhub::dlq::attempts_left_out(a.attempt - next),
+                ]);
+            }
+            next = a.attempt.saturating_add(1);
+            history.push(vec![
+                format!("  {}", a.attempt),
+                a.at.map_or_else(|| "(never reported)".to_owned(), time_of),
+                c(&a.error),
+            ]);
+        }
         if history.is_empty() {
             out.push_str("  (none recorded)\n");
         } else {
