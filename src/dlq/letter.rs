@@ -225,7 +225,7 @@ fn cut_sizes(reason: &str) -> Option<(u64, u64)> {
 /// letters cut down, its history cut into something that is not JSON: no
 /// listing, filter or bulk action saw it (found by a hostile tester). Both
 /// fit whole in what a listing keeps of a field (`LETTER_KEEP` in
-/// `read.rs`), the history up to 28 attempts.
+/// `read.rs`), and so does the history ([`HISTORY_MAX`]).
 pub(crate) const REASON_MAX: usize = 2048;
 pub(crate) const ATTEMPT_ERROR_MAX: usize = 512;
 
