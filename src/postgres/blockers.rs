@@ -146,11 +146,11 @@ const LOCK_LOOK: Duration = Duration::from_secs(5);
 /// A watch over a command's own session for as long as the command runs
 /// (`dlq replay`, `dlq archive --to postgres`, `prune`): while the session
 /// waits for another session's lock (a migration, a `LOCK TABLE` left in
-/// an open transaction), it says who holds it, after [`LOCK_LOOK`] and then
-/// every [`NEXT_WORD`]; otherwise it says nothing. Without it such a
+/// an open transaction), it says who holds it, after 5 s and then
+/// every 30 s; otherwise it says nothing. Without it such a
 /// command waited with no word (found by a hostile test). It asks on a
 /// connection of its own, opened at the first look, so a command shorter
-/// than [`LOCK_LOOK`] costs nothing; dropping the watch stops it.
+/// than 5 s costs nothing; dropping the watch stops it.
 pub struct LockWatch {
     _done: Sender<()>,
 }
