@@ -38,8 +38,8 @@ use crate::dlq::Kind;
 use crate::error::{FailureClass, HandlerError};
 use crate::event::{value_in, Event};
 use crate::fault::{self, Point};
-use crate::handler::Handler;
 use crate::handler::StatementCache;
+use crate::handler::{catch_panic, Handler};
 use crate::postgres::pool::PgConn;
 use crate::postgres::pool::PgPool;
 use crate::postgres::Answer;
@@ -341,15 +341,35 @@ impl Processor {
                 }
             }
             match &delivery.body {
-                Ok(event) => match self.stage.handler.validate(event) {
+                // The handler's own checks, a panic caught as one failed
+                // attempt of this event: uncaught, it took the whole job
+                // down and left it pending, to be read again and panic
+                // again, with no letter and no progress (found by a
+                // hostile test). `sql_effect` is asked here too, so that
+                // one that panics on this event fails it here, before the
+                // event joins a batch that asks it again.
+                Ok(event) => match catch_panic(|| {
+                    self.stage.handler.validate(event)?;
+                    let _ = self.stage.handler.sql_effect(event);
+                    Ok(())
+                }) {
                     Ok(()) => valid.push(delivery),
-                    Err(e) => {
-                        let kind = match e.class() {
-                            FailureClass::Permanent => Kind::Permanent,
-                            _ => Kind::Invalid,
-                        };
-                        self.dead_letter(delivery, kind, e.to_string());
+                    Err(e) if e.is_panic() => {
+                        Stats::add(&self.stage.common.stats.panics, 1);
+                        self.failed(delivery, e);
                     }
+                    Err(e) => match e.class() {
+                        FailureClass::Permanent => {
+                            self.dead_letter(delivery, Kind::Permanent, e.to_string())
+                        }
+                        FailureClass::Invalid => {
+                            self.dead_letter(delivery, Kind::Invalid, e.to_string())
+                        }
+                        // Retryable (a panic too), or an outage: an attempt
+                        // that failed, retried after its backoff (an outage
+                        // counts here: nothing was tried on the server).
+                        _ => self.failed(delivery, e),
+                    },
                 },
                 Err(_) if delivery.trimmed => trimmed.push(delivery),
                 Err((_, why)) => {

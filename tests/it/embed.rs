@@ -107,3 +107,85 @@ fn the_monitor_answers_before_during_and_after_run() {
     let after = monitor.ready().unwrap_err();
     assert!(after.iter().any(|p| p == "shutting down"), "{after:?}");
 }
+
+/// A handler whose `validate` panics on one event, or returns a retryable
+/// error for another (regressions, found by a hostile test): the panic
+/// took down the whole job it was in, which stayed pending, was read
+/// again and panicked again, with no letter and no end to `until_idle`;
+/// the retryable error was dead-lettered as `invalid` at once. Now each is
+/// that event's failed attempt: retried, then an `exhausted` letter; the
+/// other events are applied.
+#[test]
+fn a_validate_that_panics_or_asks_for_a_retry_costs_only_its_event() {
+    struct Picky;
+    impl taskhub::Handler for Picky {
+        fn handle(
+            &self,
+            event: &taskhub::Event,
+            tx: &mut taskhub::Tx<'_>,
+        ) -> Result<(), taskhub::HandlerError> {
+            tx.execute(
+                "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)",
+                &[&event.event_id(), &event.payload()],
+            )?;
+            Ok(())
+        }
+
+        fn validate(&self, event: &taskhub::Event) -> Result<(), taskhub::HandlerError> {
+            match event.event_id() {
+                "boom" => panic!("validate cannot cope with {}", event.event_id()),
+                "later" => Err(taskhub::HandlerError::retryable("a cache is down")),
+                _ => Ok(()),
+            }
+        }
+    }
+    let db = TestDb::new();
+    let stream = unique("embed-validate");
+    let mut conn = redis(&redis_url());
+    let mut ids: Vec<String> = (0..20).map(|i| format!("e{i}")).collect();
+    ids.insert(7, "boom".into());
+    ids.insert(12, "later".into());
+    for id in &ids {
+        xadd(&mut conn, &stream, &[("event_id", id), ("payload", "p")]);
+    }
+    let worker = fast_builder(&redis_url(), &db.url, &stream, &stream)
+        .max_attempts(3)
+        .until_idle(true)
+        .build(Picky)
+        .unwrap();
+    let stop = worker.shutdown_handle();
+    let running = std::thread::spawn(move || worker.run());
+    let ended = wait_until(Duration::from_secs(60), || running.is_finished());
+    if !ended {
+        stop.shutdown();
+    }
+    let summary = running.join().unwrap().unwrap();
+    assert!(ended, "until_idle never ended: {summary:?}");
+    assert_eq!(summary.applied, 20, "{summary:?}");
+    assert_eq!(summary.panics, 3, "{summary:?}");
+    let letters = dead_letters(&mut conn, &stream);
+    let mut got: Vec<(String, String, u32)> = letters
+        .iter()
+        .map(|l| {
+            (
+                l.event_id.clone().unwrap_or_default(),
+                l.kind.to_string(),
+                l.attempts,
+            )
+        })
+        .collect();
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            ("boom".to_owned(), "exhausted".to_owned(), 3),
+            ("later".to_owned(), "exhausted".to_owned(), 3)
+        ],
+        "{letters:?}"
+    );
+    assert!(
+        letters.iter().any(|l| l.reason.contains("panicked")),
+        "{letters:?}"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM notifications"), 20);
+}
