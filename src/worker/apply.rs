@@ -262,9 +262,17 @@ impl Processor {
                 // The run is over (an outage runs it again, the same start).
                 take_back_start(&stage, delivery);
             }
+            if tx.touched {
+                drop(tx);
+                self.session_may_have_changed();
+            }
             return Err(e);
         }
-        finish(&stage, tx, xid, delivery)
+        let finished = finish(&stage, tx, xid, delivery);
+        if finished.is_err() {
+            self.session_may_have_changed();
+        }
+        finished
     }
 
     /// Step 3 when the event's effect is the default SQL statement: the
@@ -793,6 +801,28 @@ impl Processor {
         batch: &[Delivery],
         guarded: bool,
     ) -> Result<Batch, HandlerError> {
+        let outcome = self.apply_batch_once(batch, guarded);
+        if matches!(outcome, Err(_) | Ok(Batch::Ended(_))) {
+            self.session_may_have_changed();
+        }
+        outcome
+    }
+
+    /// A transaction in which handler code ran did not end by our COMMIT
+    /// (which sets the session's guards again, see [`commit_if_ours`]):
+    /// the handler may have ended it itself, keeping a `SET` of its own, so
+    /// the session is set up again before its next use (a round trip, on
+    /// this failure path only). A `SET` in a transaction rolled back is
+    /// undone with it.
+    fn session_may_have_changed(&mut self) {
+        self.session = None;
+    }
+
+    fn apply_batch_once(
+        &mut self,
+        batch: &[Delivery],
+        guarded: bool,
+    ) -> Result<Batch, HandlerError> {
         let stage = self.stage.clone();
         let scope = stage.settings.scope.as_str();
         let mut fold: Vec<bool> = batch.iter().map(|d| d.plain).collect();
@@ -994,7 +1024,7 @@ impl Processor {
         for i in &applied {
             fault::hit(Point::BeforeCommit, event(&batch[*i]).event_id());
         }
-        if let Err(e) = commit(tx, xid, &take_back) {
+        if let Err(e) = commit(&stage, tx, xid, &take_back) {
             return batch_failed(&stage, batch, (&new, &fold), e);
         }
         Stats::add(&stage.common.stats.commits, 1);
@@ -1096,7 +1126,7 @@ fn finish(
         }
     }
     fault::hit(Point::BeforeCommit, event.event_id());
-    commit(tx, xid, "")?;
+    commit(stage, tx, xid, "")?;
     Stats::add(&stage.common.stats.commits, 1);
     fault::hit(Point::AfterCommit, event.event_id());
     committed(stage, event);
@@ -1354,9 +1384,10 @@ fn ended_error() -> HandlerError {
 /// COMMIT runs only if the check passed. The check fails in an aborted
 /// transaction (25P02), and raises an error of its own when the transaction
 /// id is not the one of the dedup insert (another transaction, or none).
-fn commit(tx: Tx<'_>, xid: i64, before: &str) -> Result<(), HandlerError> {
+fn commit(stage: &Stage, tx: Tx<'_>, xid: i64, before: &str) -> Result<(), HandlerError> {
     let Tx { mut tx, failed, .. } = tx;
-    match tx.batch_execute(&commit_if_ours(xid, before)) {
+    let sql = commit_if_ours(xid, before, stage.settings.handler_timeout);
+    match tx.batch_execute(&sql) {
         Ok(()) => {
             // Committed by our own COMMIT: dropping the `Transaction` would
             // send a ROLLBACK and wait for it (a round trip per event and a
@@ -1391,11 +1422,20 @@ fn commit(tx: Tx<'_>, xid: i64, before: &str) -> Result<(), HandlerError> {
 /// way to raise an error from plain SQL without a function of our own; its
 /// text is built from a volatile call, so the planner cannot fold (and
 /// raise) it ahead of the CASE.
-fn commit_if_ours(xid: i64, before: &str) -> String {
+///
+/// After the COMMIT, in the same round trip, the session's two guards of
+/// [`Session::Handler`] are set again: a handler that ran `SET
+/// statement_timeout = 0` or `SET default_transaction_read_only = off`
+/// (not `SET LOCAL`) changed the session for every later event on that
+/// connection, which then ran without the handler timeout, and a later
+/// handler that ended its transaction itself went on writing outside it:
+/// an effect beside its dead letter (found by a hostile test).
+fn commit_if_ours(xid: i64, before: &str, handler_timeout: std::time::Duration) -> String {
     format!(
         "SELECT CASE WHEN txid_current_if_assigned() IS DISTINCT FROM {xid} \
          THEN ('{NOT_OURS} ' || coalesce(txid_current_if_assigned()::text, 'none'))::int END; \
-         {before}COMMIT"
+         {before}COMMIT; SET default_transaction_read_only = on; SET statement_timeout = {}",
+        handler_timeout.as_millis()
     )
 }
 

@@ -189,3 +189,74 @@ fn a_validate_that_panics_or_asks_for_a_retry_costs_only_its_event() {
     );
     assert_eq!(db.count("SELECT count(*) FROM notifications"), 20);
 }
+
+/// Regression (hostile test): a handler that ran `SET statement_timeout =
+/// 0; SET default_transaction_read_only = off` (not `SET LOCAL`) changed
+/// the pooled session for every later event: a later statement outlived
+/// the handler timeout, and a later handler that ran COMMIT itself went on
+/// writing outside the transaction, an effect beside its dead letter. Our
+/// COMMIT now sets both guards again, and a transaction the handler ended
+/// itself has its session set up anew.
+#[test]
+fn a_handler_s_session_settings_do_not_outlive_its_event() {
+    let db = TestDb::new();
+    let stream = unique("embed-session");
+    let mut conn = redis(&redis_url());
+    for id in [
+        "loosen",
+        "slow",
+        "commit-then-write",
+        "loosen-and-commit",
+        "slow-2",
+    ] {
+        xadd(&mut conn, &stream, &[("event_id", id), ("payload", "p")]);
+    }
+    let handler = taskhub::handler_fn(|event: &taskhub::Event, tx: &mut taskhub::Tx<'_>| {
+        let id = event.event_id();
+        let insert = "INSERT INTO notifications (event_id, payload) VALUES ($1, 'p')";
+        match id {
+            "loosen" => {
+                tx.batch_execute(
+                    "SET statement_timeout = 0; SET default_transaction_read_only = off",
+                )?;
+                tx.execute(insert, &[&id])?;
+            }
+            "loosen-and-commit" => {
+                tx.batch_execute(
+                    "SET statement_timeout = 0; SET default_transaction_read_only = off; COMMIT",
+                )?;
+            }
+            "slow" | "slow-2" => {
+                tx.execute(insert, &[&id])?;
+                tx.batch_execute("SELECT pg_sleep(1.5)")?;
+            }
+            "commit-then-write" => {
+                tx.batch_execute("COMMIT")?;
+                tx.execute(insert, &[&id])?;
+            }
+            _ => unreachable!(),
+        }
+        Ok::<(), taskhub::HandlerError>(())
+    });
+    let worker = fast_builder(&redis_url(), &db.url, &stream, &stream)
+        .mode(taskhub::Mode::PerEvent)
+        .workers(1)
+        .max_attempts(1)
+        .handler_timeout(Duration::from_millis(500))
+        .until_idle(true)
+        .build(handler)
+        .unwrap();
+    let summary = worker.run().unwrap();
+    let effects = |id: &str| db.effects(id);
+    let letters = dead_letters(&mut conn, &stream);
+    let lettered = |id: &str| letters.iter().any(|l| l.event_id.as_deref() == Some(id));
+    let outcome = |id: &str| (effects(id), lettered(id));
+    assert_eq!(outcome("loosen"), (1, false), "{summary:?} {letters:?}");
+    for id in ["slow", "slow-2"] {
+        // The handler timeout cancels the sleep: no effect, a letter.
+        assert_eq!(outcome(id), (0, true), "{id}: {summary:?} {letters:?}");
+    }
+    // Its COMMIT committed the dedup row: a letter; its write after it was
+    // refused (read-only): no effect beside the letter.
+    assert_eq!(outcome("commit-then-write"), (0, true), "{letters:?}");
+}
