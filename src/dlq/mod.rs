@@ -62,7 +62,10 @@ pub(crate) use stats::{stats, stats_within};
 use crate::error::{Error, ErrorKind};
 use crate::postgres::connect;
 
-/// A PostgreSQL client with the library's connect timeout.
+/// A PostgreSQL client with the library's connect timeout. Like every
+/// sync `postgres::Client`, use it off async runtimes' threads
+/// (`spawn_blocking`): it starts a runtime of its own for each call, which
+/// panics inside another.
 pub fn connect_postgres(database_url: &str) -> Result<postgres::Client, Error> {
     connect::postgres(database_url)
 }

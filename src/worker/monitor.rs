@@ -254,10 +254,15 @@ impl Monitor {
             if let Err(e) = redis {
                 problems.push(format!("redis: {e}"));
             }
-            let pg = checkout(pg).and_then(|mut c| {
-                c.simple_query("SELECT 1")
-                    .map(drop)
-                    .map_err(|e| e.to_string())
+            // Off the caller's thread when that is an async runtime's (a
+            // health endpoint of an async server): the sync client starts
+            // a runtime of its own, which panics inside another.
+            let pg = crate::runtime::off_async(|| {
+                checkout(pg).and_then(|mut c| {
+                    c.simple_query("SELECT 1")
+                        .map(drop)
+                        .map_err(|e| e.to_string())
+                })
             });
             if let Err(e) = pg {
                 problems.push(format!("postgres: {e}"));
@@ -332,6 +337,11 @@ impl Monitor {
     /// within about twelve seconds: the worker's own are never lent, and at
     /// most two looks (the HTTP page's, alerts', this method's callers')
     /// hold one at once, the others waiting for their place.
+    ///
+    /// Call it off async runtimes' threads (`spawn_blocking`): the sync
+    /// `postgres` client starts a runtime of its own for each call, which
+    /// panics inside another. ([`Monitor::ready`] moves its own question
+    /// off such a thread.)
     pub fn with_postgres<T>(&self, f: impl FnOnce(&mut postgres::Client) -> T) -> Option<T> {
         let mut conn = self.pg_conn().ok()?;
         Some(f(&mut conn))

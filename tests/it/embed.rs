@@ -260,3 +260,28 @@ fn a_handler_s_session_settings_do_not_outlive_its_event() {
     // refused (read-only): no effect beside the letter.
     assert_eq!(outcome("commit-then-write"), (0, true), "{letters:?}");
 }
+
+/// Regression (hostile test): `Monitor::ready`, called on an async
+/// runtime's thread (a health endpoint of an async web server), panicked
+/// ("Cannot start a runtime from within a runtime"): its PostgreSQL
+/// question now runs off that thread.
+#[test]
+fn the_monitor_s_readiness_is_asked_from_async_code() {
+    let db = TestDb::new();
+    let stream = unique("embed-ready");
+    let worker = fast_builder(&redis_url(), &db.url, &stream, &stream)
+        .build(SqlHandler::default())
+        .unwrap();
+    let monitor = worker.monitor();
+    let stop = worker.shutdown_handle();
+    let running = std::thread::spawn(move || worker.run());
+    assert!(
+        wait_until(Duration::from_secs(30), || monitor.ready().is_ok()),
+        "{:?}",
+        monitor.ready()
+    );
+    let asked = runtime().block_on(async { monitor.ready() });
+    stop.shutdown();
+    running.join().unwrap().unwrap();
+    assert_eq!(asked, Ok(()));
+}
