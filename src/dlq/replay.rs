@@ -16,6 +16,9 @@ use crate::redis::RedisConn;
 /// Dead letters handled per round trip.
 pub(crate) const CHUNK: usize = 100;
 
+/// The lowest replay rate, in letters a second.
+const MIN_RATE: f64 = 0.001;
+
 /// The audit fields a replay adds to an entry (earlier ones are replaced):
 /// the dead-letter id it came from, when, how many times this event was
 /// replayed, and the group whose letter it was with the stream it was put
@@ -343,9 +346,12 @@ pub fn replay(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<ReplayReport, Error> {
     if let Some(rate) = options.rate {
-        if !(rate.is_finite() && rate > 0.0) {
+        // Below one a thousand seconds, the wait between two letters grew
+        // past what a Duration holds (`--rate 1e-300` panicked half-way,
+        // found by a hostile test), or past any sensible run.
+        if !(rate.is_finite() && rate >= MIN_RATE) {
             return Err(bad_input(format!(
-                "bad rate {rate}: expected a positive number"
+                "bad rate {rate}: expected at least {MIN_RATE} letters a second (one in about 17 minutes)"
             )));
         }
     }

@@ -2768,3 +2768,35 @@ fn a_large_letter_with_many_long_attempts_is_listed_and_replayed() {
     assert!(dead_letters(&mut conn, &stream).is_empty());
     cleanup(&mut conn, &stream);
 }
+
+/// Regression (hostile test): `dlq replay --rate 1e-300` replayed one
+/// letter, then panicked (exit 101, no report) computing the wait before
+/// the next; a rate under 0.001 a second is now refused before anything
+/// is replayed.
+#[test]
+fn a_replay_rate_too_low_to_wait_for_is_refused_before_anything_moves() {
+    let db = TestDb::new();
+    let stream = unique("atk_rate");
+    let mut conn = redis(&redis_url());
+    for n in 0..3 {
+        put(
+            &mut conn,
+            &letter(
+                &stream,
+                &format!("r{n}"),
+                DeadLetterKind::Permanent,
+                "bad",
+                Duration::from_secs(60),
+                &[],
+            ),
+        );
+    }
+    for rate in ["1e-300", "0.0001"] {
+        let out = dlq(&db.url, &stream, &["replay", "--all", "--rate", rate]);
+        assert_ne!(out.code(), Some(101), "a panic: {}", out.stderr);
+        assert_ne!(out.code(), Some(0), "{}", out.stderr);
+        assert!(out.stderr.contains("bad rate"), "{}", out.stderr);
+        assert_eq!(dlq_ids(&mut conn, &stream).len(), 3, "nothing moved");
+    }
+    cleanup(&mut conn, &stream);
+}
