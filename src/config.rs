@@ -459,12 +459,40 @@ impl Builder {
                 "max event_id bytes must be between 1 and 2048 (a PostgreSQL index limit)".into(),
             );
         }
+        // The key of processed_events is (scope, event_id); PostgreSQL's
+        // B-tree index refuses a row over 2,704 bytes, and every event of a
+        // scope too long for the longest id failed, retryable, until it
+        // was dead-lettered (found by a hostile test).
+        let scope = c.scope.as_deref().unwrap_or(&c.group);
+        if scope.len() + c.max_event_id_bytes > KEY_MAX {
+            return err(format!(
+                "the scope ({} bytes{}) and the longest event_id ({} bytes) make a \
+                 processed_events key over what its index takes: keep their sum within {KEY_MAX} bytes",
+                scope.len(),
+                if c.scope.is_none() { ", the group's name" } else { "" },
+                c.max_event_id_bytes
+            ));
+        }
         if c.max_entry_bytes == 0 {
             return err("max entry bytes must be positive".into());
+        }
+        // An idle reader sees a stop when its blocking read returns: a
+        // block as long as the shutdown timeout failed every graceful stop
+        // of an idle worker (found by a hostile test).
+        if c.block >= c.shutdown_timeout {
+            return err(format!(
+                "block ({:?}) must be shorter than the shutdown timeout ({:?}): an idle reader \
+                 sees a stop only when its blocking read returns",
+                c.block, c.shutdown_timeout
+            ));
         }
         Ok(c)
     }
 }
+
+/// The most bytes of a scope and an event id together (the index of
+/// `processed_events` takes rows up to 2,704 bytes, headers included).
+const KEY_MAX: usize = 2600;
 
 #[cfg(test)]
 mod tests {
@@ -497,6 +525,16 @@ mod tests {
                 "max retry-after",
             ),
             (b().shutdown_timeout(Duration::ZERO), "shutdown timeout"),
+            (
+                b().block(Duration::from_secs(60))
+                    .shutdown_timeout(Duration::from_secs(20)),
+                "shorter than the shutdown timeout",
+            ),
+            (
+                b().scope(&"s".repeat(700)).max_event_id_bytes(2048),
+                "processed_events key",
+            ),
+            (b().group(&"g".repeat(2600)), "the group's name"),
             (b().stream("s"), "twice"),
             (b().start_id("7"), "start id"),
             (

@@ -43,7 +43,8 @@ pub struct RunArgs {
     /// Entries per XREADGROUP, and so the largest batch.
     #[arg(long, default_value_t = 64, env = "TASKHUB_COUNT", help_heading = PROCESSING)]
     pub count: usize,
-    /// XREADGROUP BLOCK in milliseconds; a shutdown is seen within this time.
+    /// XREADGROUP BLOCK in milliseconds; a shutdown is seen within this time
+    /// (so it must be shorter than --shutdown-timeout).
     #[arg(long, default_value_t = 2000, env = "TASKHUB_BLOCK_MS", help_heading = PROCESSING)]
     pub block_ms: u64,
     /// Exit 0 once nothing new arrives and the group has nothing pending.
