@@ -3,7 +3,7 @@
 //! or, when permanent or out of attempts, dead-lettered; and entries that
 //! are not ours any more, or were deleted from their stream.
 
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::dlq::letter::{bounded_text, ATTEMPT_ERROR_MAX, REASON_MAX};
 use crate::dlq::{millis, Attempt, DeadLetter, Kind};
@@ -27,11 +27,27 @@ impl Processor {
             let reason = crate::worker::delivery::TRIMMED.to_owned();
             return self.dead_letter(delivery, Kind::Trimmed, reason);
         }
-        log::info!(
-            "{}/{}: no longer pending for this consumer while it held it (claimed or finished by another consumer, the usual case; or removed from the pending list by XGROUP DELCONSUMER or a deleted stream, which Redis never delivers again); rolled back, left to whoever holds it",
-            delivery.stream,
-            delivery.entry_id
-        );
+        let held = delivery.held_since.elapsed();
+        let min_idle = self.stage.settings.reclaim_min_idle;
+        if held >= min_idle {
+            // Held past the min-idle: taken over while it ran here (a
+            // handler slower than --reclaim-min-idle loses every entry of
+            // its batch to the next consumer, for ever: found by a hostile
+            // test). Said at warn level, with the fix.
+            log::warn!(
+                "{}/{}: taken over by another consumer after {} here, past --reclaim-min-idle {}; rolled back, left to it (a handler run longer than --reclaim-min-idle loses its entries again each time: raise --reclaim-min-idle above the longest run)",
+                delivery.stream,
+                delivery.entry_id,
+                humantime::format_duration(Duration::from_millis(held.as_millis() as u64)),
+                humantime::format_duration(min_idle),
+            );
+        } else {
+            log::info!(
+                "{}/{}: no longer pending for this consumer while it held it (claimed or finished by another consumer, the usual case; or removed from the pending list by XGROUP DELCONSUMER or a deleted stream, which Redis never delivers again); rolled back, left to whoever holds it",
+                delivery.stream,
+                delivery.entry_id
+            );
+        }
         Stats::add(&self.stage.common.stats.lost_ownership, 1);
     }
 

@@ -260,6 +260,13 @@ impl Worker {
         if let Ok(mut conn) = redis.get() {
             warn_if_evicting(&mut conn);
         }
+        if config.handler_timeout >= config.reclaim_min_idle {
+            log::warn!(
+                "taskhub: --handler-timeout {} is not below --reclaim-min-idle {}: a handler run longer than the min-idle loses its entries to another consumer, which runs them again (one effect still, but a run that is always that long never ends); keep the min-idle above the longest run",
+                humantime::format_duration(config.handler_timeout),
+                humantime::format_duration(config.reclaim_min_idle)
+            );
+        }
         let _ = self.monitor.inner.servers.set((redis.clone(), pg.clone()));
         log::info!(
             "taskhub: consumer {} of group {} reading {} with {} workers ({})",
@@ -667,6 +674,7 @@ fn settings(config: &Config, budget: Option<crate::handler::RetryBudget>) -> Set
         ack_batch: (config.count / 4).max(1),
         count: config.count,
         handler_timeout: config.handler_timeout,
+        reclaim_min_idle: config.reclaim_min_idle,
         fused_timeout: (config.reclaim_min_idle.saturating_sub(delivery::FRESH) / 2)
             .min(config.handler_timeout),
         backoff: Backoff {

@@ -197,6 +197,8 @@ pub(crate) struct Settings {
     /// `gather.rs`).
     pub count: usize,
     pub handler_timeout: Duration,
+    /// How long an entry may stay idle before another consumer may claim it.
+    pub reclaim_min_idle: Duration,
     /// The bound of the fused built-in statement (see `apply.rs`): half the
     /// time between `FRESH` and `reclaim_min_idle`, so that it commits well
     /// before another consumer may claim its entry.

@@ -1234,3 +1234,54 @@ fn a_claimer_does_not_dead_letter_as_trimmed_an_entry_whose_owner_is_committing(
     );
     let _: () = redis::cmd("DEL").arg(&stream).query(&mut conn).unwrap();
 }
+
+/// A handler run longer than `--reclaim-min-idle` (found by a hostile
+/// test): another consumer takes its entry while it runs, and takes it
+/// back in turn, for ever, with one effect at most but no progress. The
+/// worker warns at start when `--handler-timeout` allows such a run, and
+/// each consumer that loses an entry it held past the min-idle says so at
+/// warn level, with the fix.
+#[test]
+fn a_handler_slower_than_the_min_idle_is_named_with_the_fix() {
+    let db = TestDb::new();
+    let stream = unique("slow-owner");
+    let group = unique("g");
+    let mut conn = redis(&redis_url());
+    let event = unique("slow");
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", &event), ("payload", "p")],
+    );
+    let start = |consumer: &str| {
+        let mut cmd = one_worker(&db.url, &stream, &group, &["--consumer", consumer]);
+        cmd.args(["--mode", "per-event", "--handler-timeout", "30s"])
+            .args(["--reclaim-min-idle", "2s", "--reclaim-interval", "500ms"])
+            .args([
+                "--sql",
+                "INSERT INTO notifications (event_id, payload) SELECT $1, $2 FROM pg_sleep(4)",
+            ]);
+        Proc::spawn(cmd)
+    };
+    let mut first = start("c1");
+    assert!(
+        first.wait_for(
+            "is not below --reclaim-min-idle 2s",
+            Duration::from_secs(20)
+        ),
+        "{}",
+        first.stderr()
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let mut second = start("c2");
+    let said = "past --reclaim-min-idle 2s; rolled back";
+    let named = wait_until(Duration::from_secs(40), || {
+        first.stderr().contains(said) || second.stderr().contains(said)
+    });
+    for p in [&mut first, &mut second] {
+        p.signal("TERM");
+        p.wait(Duration::from_secs(40));
+    }
+    assert!(named, "c1: {}\nc2: {}", first.stderr(), second.stderr());
+    assert!(db.effects(&event) <= 1);
+}
