@@ -43,6 +43,23 @@ pub(crate) fn ensure_group(
             Ok(())
         }
         Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
+        // XGROUP CREATE is refused whole on a full Redis (maxmemory under
+        // noeviction), before the server looks for the group: a worker
+        // restarted then failed to start, blaming a group that existed
+        // (found by a hostile test). The group there, it starts; else the
+        // error says what is wrong.
+        Err(e) if e.code() == Some("OOM") => {
+            let named = group_names(conn, stream)?;
+            if named.iter().any(|g| g == group.as_bytes()) {
+                Ok(())
+            } else {
+                Err(redis::RedisError::from((
+                    redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError),
+                    "Redis is out of memory (maxmemory, with the noeviction policy) and refused to create the group",
+                    e.to_string(),
+                )))
+            }
+        }
         Err(e) => Err(e),
     }
 }

@@ -3377,3 +3377,69 @@ fn a_call_killed_or_cancelled_midway_loses_and_repeats_nothing() {
     letter_for(&letters, "k5");
     assert_eq!(pending(&mut conn, &stream, &group), 0);
 }
+
+/// Regression (hostile test): a worker started on a full Redis (maxmemory
+/// under noeviction) exited 1 blaming "cannot create group", for a group
+/// that existed: XGROUP CREATE is refused whole on a full Redis. It now
+/// starts, and its events are applied (reads and acks need no memory).
+#[test]
+fn a_worker_starts_on_a_full_redis_whose_group_exists() {
+    let redis_server = PrivateRedis::start();
+    let url = redis_server.url();
+    let db = TestDb::new();
+    let stream = unique("full");
+    let mut conn = redis(&url);
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&stream)
+        .arg("g")
+        .arg("0")
+        .arg("MKSTREAM")
+        .query(&mut conn)
+        .unwrap();
+    for i in 0..20 {
+        xadd(
+            &mut conn,
+            &stream,
+            &[("event_id", &format!("e{i}")), ("payload", "p")],
+        );
+    }
+    // Full: the limit below what it uses already.
+    let used: String = redis::cmd("INFO").arg("memory").query(&mut conn).unwrap();
+    let used: u64 = used
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("noeviction")
+        .query(&mut conn)
+        .unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg(used / 2)
+        .query(&mut conn)
+        .unwrap();
+    let mut cmd = taskhub(&url, &db.url);
+    cmd.args([
+        "run",
+        "--stream",
+        &stream,
+        "--group",
+        "g",
+        "--consumer",
+        "c",
+    ])
+    .args(["--workers", "1", "--block-ms", "200", "--until-idle"]);
+    let out = output(cmd, None, Duration::from_secs(60));
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    assert_eq!(
+        db.count("SELECT count(*) FROM notifications"),
+        20,
+        "{}",
+        out.stderr
+    );
+}
