@@ -1,6 +1,8 @@
 //! The Redis pool shared by the worker threads, the retry and dead-letter
 //! threads and the reclaimer (the readers keep connections of their own).
 
+use std::time::{Duration, Instant};
+
 use crate::error::{Error, ErrorKind};
 use crate::net::{pool_builder, REDIS_COMMAND_TIMEOUT};
 use crate::redact::redact;
@@ -20,19 +22,60 @@ pub(crate) struct RedisManager {
     client: RedisClient,
 }
 
+/// A connection of the pool, with when it was last given back: one that
+/// sat idle longer than [`IDLE_CHECK`] is asked a PING before it is handed
+/// out. A server with a `timeout` closes connections idle that long, and
+/// the first command after a quiet spell met a closed connection, which
+/// the worker took for an outage: an error logged and a pause, on every
+/// burst, with Redis up all along (found by a hostile test). Busy
+/// connections are handed out with no round trip.
+pub(crate) struct Pooled {
+    conn: RedisConn,
+    back_at: Instant,
+}
+
+impl std::ops::Deref for Pooled {
+    type Target = RedisConn;
+
+    fn deref(&self) -> &RedisConn {
+        &self.conn
+    }
+}
+
+impl std::ops::DerefMut for Pooled {
+    fn deref_mut(&mut self) -> &mut RedisConn {
+        &mut self.conn
+    }
+}
+
+/// How long a pooled connection may sit idle before it is checked on its
+/// way out: the shortest `timeout` Redis takes is 1 s. Under a load of
+/// more than an event a second the connections come back sooner; below
+/// it, a round trip more per event costs nothing that shows.
+const IDLE_CHECK: Duration = Duration::from_secs(1);
+
 impl r2d2::ManageConnection for RedisManager {
-    type Connection = RedisConn;
+    type Connection = Pooled;
     type Error = redis::RedisError;
 
-    fn connect(&self) -> Result<RedisConn, redis::RedisError> {
-        self.client.connect(REDIS_COMMAND_TIMEOUT)
+    fn connect(&self) -> Result<Pooled, redis::RedisError> {
+        Ok(Pooled {
+            conn: self.client.connect(REDIS_COMMAND_TIMEOUT)?,
+            back_at: Instant::now(),
+        })
     }
 
-    fn is_valid(&self, conn: &mut RedisConn) -> Result<(), redis::RedisError> {
-        redis::cmd("PING").query::<()>(conn)
+    /// Called on check-out (the pool tests every connection it hands out).
+    fn is_valid(&self, conn: &mut Pooled) -> Result<(), redis::RedisError> {
+        if conn.back_at.elapsed() < IDLE_CHECK {
+            return Ok(());
+        }
+        redis::cmd("PING").query::<()>(&mut conn.conn)
     }
 
-    fn has_broken(&self, conn: &mut RedisConn) -> bool {
+    /// Called when a connection is given back.
+    fn has_broken(&self, conn: &mut Pooled) -> bool {
+        conn.back_at = Instant::now();
         conn.is_broken()
     }
 }
@@ -41,6 +84,7 @@ impl r2d2::ManageConnection for RedisManager {
 /// threads. `client` was checked when it was opened.
 pub(crate) fn redis_pool(client: &RedisClient, url: &str, size: u32) -> Result<RedisPool, Error> {
     pool_builder(size, "taskhub-redis-pool-{}")
+        .test_on_check_out(true)
         .build(RedisManager {
             client: client.clone(),
         })

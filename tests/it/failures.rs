@@ -3443,3 +3443,59 @@ fn a_worker_starts_on_a_full_redis_whose_group_exists() {
         out.stderr
     );
 }
+
+/// Regression (hostile test): a Redis with a `timeout` closes connections
+/// idle that long, and the first command on a pooled connection after a
+/// quiet spell met it closed: "Redis: unavailable" at error level and a
+/// pause, on every burst, with Redis up all along. A connection idle over
+/// a second is now asked a PING before it is handed out.
+#[test]
+fn a_redis_that_closes_idle_connections_is_no_outage() {
+    let redis_server = PrivateRedis::start_with(&["--timeout", "2"]);
+    let url = redis_server.url();
+    let db = TestDb::new();
+    let stream = unique("idle");
+    let mut cmd = taskhub(&url, &db.url);
+    cmd.args([
+        "run",
+        "--stream",
+        &stream,
+        "--group",
+        "g",
+        "--consumer",
+        "c",
+    ])
+    .args(["--workers", "2", "--block-ms", "500"]);
+    let mut worker = Proc::spawn(cmd);
+    let mut conn = redis(&url);
+    let mut sent = 0;
+    for _burst in 0..3 {
+        for _ in 0..30 {
+            xadd(
+                &mut conn,
+                &stream,
+                &[("event_id", &format!("e{sent}")), ("payload", "p")],
+            );
+            sent += 1;
+        }
+        assert!(
+            wait_until(Duration::from_secs(20), || {
+                db.count("SELECT count(*) FROM notifications") == sent
+            }),
+            "{}",
+            worker.stderr()
+        );
+        // Quiet past the server's timeout: it closes the idle connections.
+        std::thread::sleep(Duration::from_secs(4));
+        conn = redis(&url);
+    }
+    worker.signal("TERM");
+    assert!(
+        worker.wait(Duration::from_secs(30)).success(),
+        "{}",
+        worker.stderr()
+    );
+    let stderr = worker.stderr();
+    assert!(!stderr.contains("unavailable"), "{stderr}");
+    assert!(!stderr.contains("ERROR"), "{stderr}");
+}
