@@ -43,7 +43,8 @@ pub(crate) struct Job {
 
 /// Writes a dead letter and acks its entry in one atomic step, only while
 /// this consumer owns the entry (pending for it, with the delivery count it
-/// holds it with), and only once per entry. Returns 1 when written, 0 when
+/// holds it with), and only once per entry. Returns 1 when written (also
+/// when an earlier send of this same letter wrote it, its reply lost), 0 when
 /// the entry is no longer this consumer's (another consumer claimed it, or
 /// it was acked), 2 when it was dead-lettered before (then it is acked).
 ///
@@ -91,6 +92,18 @@ end
 if dead_in(KEYS[3], KEYS[5], KEYS[2], ARGV[1], ARGV, 2, 2, same)[1] then
     redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
     redis.call('HDEL', KEYS[4], ARGV[2])
+    -- This very letter, field for field: written by an earlier send of
+    -- this call, whose reply was lost. Written, as far as the caller knows.
+    local lid = redis.call('HGET', KEYS[3], ARGV[2])
+    if lid then
+        local e = redis.call('XRANGE', KEYS[2], lid, lid)
+        local f = e[1] and e[1][2]
+        if f and #f == #ARGV - 4 then
+            local j = 1
+            while j <= #f and f[j] == ARGV[j + 4] do j = j + 1 end
+            if j > #f then return 1 end
+        end
+    end
     return 2
 end
 if ARGV[4] ~= '' then
@@ -440,6 +453,63 @@ mod tests {
             dead_at: 0,
             fields: Vec::new(),
         }
+    }
+
+    /// Regression (hostile test): a letter whose reply was lost (the
+    /// connection cut after Redis ran the script) is sent again; the second
+    /// send found the letter and answered "dead-lettered before", so the
+    /// letter was never counted nor logged. A send that finds this very
+    /// letter answers "written".
+    #[test]
+    fn a_letter_sent_again_after_its_reply_was_lost_counts_as_written() {
+        let mut c = conn();
+        let stream = format!("dl-resend-{}", uuid::Uuid::new_v4());
+        run(
+            &mut c,
+            &["XADD", &stream, "7-0", "event_id", "a", "payload", "p"],
+        );
+        run(&mut c, &["XGROUP", "CREATE", &stream, "g", "0"]);
+        run(
+            &mut c,
+            &["XREADGROUP", "GROUP", "g", "c", "STREAMS", &stream, ">"],
+        );
+        let mut l = letter(&stream, "7-0", "c");
+        l.kind = Kind::Permanent;
+        l.event_id = Some("a".into());
+        l.reason = "refused".into();
+        l.dead_at = 1_700_000_000_000;
+        l.fields = vec![
+            (b"event_id".to_vec(), b"a".to_vec()),
+            (b"payload".to_vec(), b"p".to_vec()),
+        ];
+        let job = |l: &DeadLetter| Job {
+            letter: l.clone(),
+            token: None,
+            holder: None,
+            ticket: None,
+        };
+        let send = |c: &mut crate::redis::RedisConn, l: &DeadLetter| -> i64 {
+            write_command(&job(l)).query(c).unwrap()
+        };
+        assert_eq!(send(&mut c, &l), 1);
+        assert_eq!(send(&mut c, &l), 1, "the same letter again: written");
+        // Another letter of the entry (its group created again, say): before.
+        let mut other = l.clone();
+        other.dead_at += 1;
+        assert_eq!(send(&mut c, &other), 2);
+        let letters: usize = redis::cmd("XLEN")
+            .arg(dead_letter_stream(&stream))
+            .query(&mut c)
+            .unwrap();
+        assert_eq!(letters, 1);
+        let keys = [
+            stream.clone(),
+            dead_letter_stream(&stream),
+            crate::redis::keys::dead_letter_index(&stream, "g"),
+            crate::redis::keys::dead_letter_index_of_all_groups(&stream),
+            crate::redis::keys::in_flight_ids(&stream, "g"),
+        ];
+        redis::cmd("DEL").arg(&keys).query::<()>(&mut c).unwrap();
     }
 
     /// Regression (found by the chaos run in CI): an entry dead-lettered
