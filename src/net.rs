@@ -35,6 +35,21 @@ pub(crate) fn interrupted(text: &str) -> bool {
     text.contains(&std::io::Error::from_raw_os_error(libc::EINTR).to_string())
 }
 
+/// A Redis error's text with a read or write timeout said as one: the socket's
+/// own words for it are "Resource temporarily unavailable (os error 11)"
+/// (EAGAIN), which left an operator looking for a resource (found by a
+/// hostile test, with a Redis stopped by SIGSTOP).
+pub(crate) fn plain(text: &str) -> String {
+    let eagain = std::io::Error::from_raw_os_error(libc::EAGAIN).to_string();
+    text.replace(
+        &eagain,
+        &format!(
+            "timed out: no answer within {} s",
+            REDIS_COMMAND_TIMEOUT.as_secs()
+        ),
+    )
+}
+
 /// `%XX` escapes decoded (for a path in a URL query).
 pub(crate) fn percent_decode(s: &str) -> String {
     let bytes = s.as_bytes();
@@ -69,4 +84,19 @@ pub(crate) fn percent_encode(text: &str) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_timeout_is_said_as_one() {
+        let eagain = std::io::Error::from_raw_os_error(libc::EAGAIN).to_string();
+        assert_eq!(
+            plain(&format!("redis: {eagain}")),
+            "redis: timed out: no answer within 10 s"
+        );
+        assert_eq!(plain("connection refused"), "connection refused");
+    }
 }

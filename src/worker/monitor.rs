@@ -252,7 +252,7 @@ impl Monitor {
                     .map_err(|e| e.to_string())
             });
             if let Err(e) = redis {
-                problems.push(format!("redis: {e}"));
+                problems.push(format!("redis: {}", crate::net::plain(&e)));
             }
             // Off the caller's thread when that is an async runtime's (a
             // health endpoint of an async server): the sync client starts

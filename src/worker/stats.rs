@@ -252,7 +252,10 @@ impl Health {
     /// the server stays up (each stop logged an ERROR saying Redis was
     /// unavailable; found by a hostile test).
     pub fn down(&self, server: Server, why: &dyn std::fmt::Display) -> bool {
-        let why = why.to_string();
+        let why = match server {
+            Server::Redis => crate::net::plain(&why.to_string()),
+            _ => why.to_string(),
+        };
         if crate::net::interrupted(&why) {
             log::warn!("{server:?}: a call was interrupted ({why}), by a stop and continue of this process or a signal; connecting again");
             return false;
