@@ -107,7 +107,11 @@ pub trait Handler: Send + Sync + 'static {
     /// worker readies the session so that the `SqlHandler`'s batch form runs
     /// it for a whole batch in one call. `SqlHandler` returns itself; a
     /// wrapper that adds nothing inside the transaction may return the one it
-    /// wraps. Defaults to `None`: `handle` runs.
+    /// wraps. Defaults to `None`: `handle` runs. It must not panic: it is
+    /// asked in the middle of a batch's work, and a panic there leaves the
+    /// whole read pending, to be read again (put a check that may fail in
+    /// [`validate`](Handler::validate), where a panic costs its event one
+    /// attempt).
     fn sql_effect(&self, _event: &Event) -> Option<&crate::SqlHandler> {
         None
     }

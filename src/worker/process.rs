@@ -343,18 +343,12 @@ impl Processor {
                 }
             }
             match &delivery.body {
-                // The handler's own checks, a panic caught as one failed
+                // The handler's own check, a panic caught as one failed
                 // attempt of this event: uncaught, it took the whole job
                 // down and left it pending, to be read again and panic
                 // again, with no letter and no progress (found by a
-                // hostile test). `sql_effect` is asked here too, so that
-                // one that panics on this event fails it here, before the
-                // event joins a batch that asks it again.
-                Ok(event) => match catch_panic(|| {
-                    self.stage.handler.validate(event)?;
-                    let _ = self.stage.handler.sql_effect(event);
-                    Ok(())
-                }) {
+                // hostile test).
+                Ok(event) => match catch_panic(|| self.stage.handler.validate(event)) {
                     Ok(()) => valid.push(delivery),
                     Err(e) if e.is_panic() => {
                         Stats::add(&self.stage.common.stats.panics, 1);
