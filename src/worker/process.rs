@@ -361,9 +361,11 @@ impl Processor {
                         FailureClass::Invalid => {
                             self.dead_letter(delivery, Kind::Invalid, e.to_string())
                         }
-                        // Retryable (a panic too), or an outage: an attempt
-                        // that failed, retried after its backoff (an outage
-                        // counts here: nothing was tried on the server).
+                        // A server the check needed was down: again after
+                        // a backoff, counting no attempt, as outages go.
+                        FailureClass::Outage => self.not_counted(delivery, &e),
+                        // Retryable: an attempt that failed, retried after
+                        // its backoff.
                         _ => self.failed(delivery, e),
                     },
                 },
@@ -583,11 +585,16 @@ impl Processor {
     fn settle_trimmed(&mut self, stream: &str, trimmed: Vec<Delivery>, done: &mut Finished) {
         let ids_key = crate::redis::keys::in_flight_ids(stream, &self.stage.settings.group);
         let entry_ids: Vec<&str> = trimmed.iter().map(|d| d.entry_id.as_str()).collect();
+        // Bytes, not text: an entry whose event id is not UTF-8 (invalid,
+        // never applied) is recorded as it came, and reading the ids as
+        // text failed the whole look-up at every claim, leaving its
+        // deleted neighbours pending for ever (found by the chaos run in
+        // CI).
         let Some(event_ids) = self.with_redis(|conn| {
             redis::cmd("HMGET")
                 .arg(&ids_key)
                 .arg(&entry_ids)
-                .query::<Vec<Option<String>>>(conn)
+                .query::<Vec<Option<Vec<u8>>>>(conn)
         }) else {
             return;
         };
@@ -597,7 +604,10 @@ impl Processor {
             );
             return;
         }
-        let known: Vec<&str> = event_ids.iter().flatten().map(String::as_str).collect();
+        fn text(id: &Option<Vec<u8>>) -> Option<&str> {
+            id.as_deref().and_then(|b| std::str::from_utf8(b).ok())
+        }
+        let known: Vec<&str> = event_ids.iter().filter_map(text).collect();
         // Its owner's transaction may not have ended yet (a COMMIT held up
         // on the network): waited for, not missed.
         let answers = match self.applied_or_held(&known) {
@@ -616,8 +626,8 @@ impl Processor {
             .zip(answers)
             .collect();
         let mut held = Vec::new();
-        for (mut delivery, event_id) in trimmed.into_iter().zip(event_ids) {
-            let answer = event_id.as_ref().and_then(|id| answer_of.get(id).copied());
+        for (mut delivery, event_id) in trimmed.into_iter().zip(event_ids.iter()) {
+            let answer = text(event_id).and_then(|id| answer_of.get(id).copied());
             if answer == Some(Answer::Held) {
                 // Left pending for the next reclaim to settle (its ticket
                 // goes with it).
@@ -627,9 +637,10 @@ impl Processor {
             match event_id {
                 Some(id) if answer == Some(Answer::Processed) => {
                     log::info!(
-                        "{}/{}: deleted from the stream after its event {id} was applied; acked",
+                        "{}/{}: deleted from the stream after its event {} was applied; acked",
                         delivery.stream,
-                        delivery.entry_id
+                        delivery.entry_id,
+                        String::from_utf8_lossy(id)
                     );
                     Stats::add(&self.stage.common.stats.of(stream).duplicates, 1);
                     done.push(delivery, false);
@@ -637,7 +648,7 @@ impl Processor {
                 Some(id) => {
                     if delivery.event_id().is_none() {
                         if let Err((known, _)) = &mut delivery.body {
-                            known.push((b"event_id".to_vec(), id.into_bytes()));
+                            known.push((b"event_id".to_vec(), id.clone()));
                         }
                     }
                     self.dead_letter(delivery, Kind::Trimmed, TRIMMED.to_owned());

@@ -950,3 +950,98 @@ fn events_waiting_to_be_gathered_survive_a_kill() {
     assert_eq!(pending(&mut conn, &stream, &group), 0);
     assert!(dead_letters(&mut conn, &stream).is_empty());
 }
+
+/// Regression (found by the chaos run in CI, the batch run's 14 entries
+/// never settled): entries deleted from the stream while pending are
+/// settled from the event ids recorded when they were read; one whose
+/// event id is not UTF-8 (invalid, recorded as it came) made that look-up
+/// fail, for it and every deleted entry claimed with it, at every claim,
+/// for ever. Its dead consumer's deleted entries are now settled: a
+/// `trimmed` letter each, and the valid one's names its event.
+#[test]
+fn deleted_entries_with_an_event_id_that_is_not_utf8_are_settled() {
+    let db = TestDb::new();
+    let mut conn = redis(&redis_url());
+    let (stream, group) = (unique("trim-bytes"), unique("g"));
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&stream)
+        .arg(&group)
+        .arg("0")
+        .arg("MKSTREAM")
+        .query(&mut conn)
+        .unwrap();
+    let bytes: &[u8] = b"\xff\xfe-not-text";
+    let bad: String = redis::cmd("XADD")
+        .arg(&stream)
+        .arg("*")
+        .arg("event_id")
+        .arg(bytes)
+        .arg("payload")
+        .arg("p")
+        .query(&mut conn)
+        .unwrap();
+    let good = xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "fine"), ("payload", "p")],
+    );
+    // A consumer that read both, recorded their event ids as the reader
+    // does, and died; then both entries were deleted.
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(&group)
+        .arg("ghost")
+        .arg("STREAMS")
+        .arg(&stream)
+        .arg(">")
+        .query(&mut conn)
+        .unwrap();
+    let in_flight = format!("{stream}:dlq:ids:{}:{group}", group.len());
+    let _: () = redis::cmd("HSET")
+        .arg(&in_flight)
+        .arg(&bad)
+        .arg(bytes)
+        .arg(&good)
+        .arg("fine")
+        .query(&mut conn)
+        .unwrap();
+    let _: () = redis::cmd("XDEL")
+        .arg(&stream)
+        .arg(&bad)
+        .arg(&good)
+        .query(&mut conn)
+        .unwrap();
+    let out = output(
+        run_cmd(
+            &db,
+            &stream,
+            &group,
+            "c1",
+            &[
+                "--reclaim-min-idle",
+                "2s",
+                "--reclaim-interval",
+                "500ms",
+                "--until-idle",
+            ],
+        ),
+        None,
+        Duration::from_secs(60),
+    );
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    assert_eq!(pending(&mut conn, &stream, &group), 0, "{}", out.stderr);
+    let letters = dead_letters(&mut conn, &stream);
+    let mut kinds: Vec<(String, Option<String>)> = letters
+        .iter()
+        .map(|l| (l.kind.to_string(), l.event_id.clone()))
+        .collect();
+    kinds.sort();
+    assert_eq!(kinds.len(), 2, "{letters:?}");
+    assert!(kinds.iter().all(|(k, _)| k == "trimmed"), "{letters:?}");
+    assert!(
+        kinds.iter().any(|(_, e)| e.as_deref() == Some("fine")),
+        "{letters:?}"
+    );
+    let _: () = redis::cmd("DEL").arg(&in_flight).query(&mut conn).unwrap();
+}
