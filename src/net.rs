@@ -41,13 +41,7 @@ pub(crate) fn interrupted(text: &str) -> bool {
 /// hostile test, with a Redis stopped by SIGSTOP).
 pub(crate) fn plain(text: &str) -> String {
     let eagain = std::io::Error::from_raw_os_error(libc::EAGAIN).to_string();
-    text.replace(
-        &eagain,
-        &format!(
-            "timed out: no answer within {} s",
-            REDIS_COMMAND_TIMEOUT.as_secs()
-        ),
-    )
+    text.replace(&eagain, "timed out: no answer in time")
 }
 
 /// `%XX` escapes decoded (for a path in a URL query).
@@ -95,7 +89,7 @@ mod tests {
         let eagain = std::io::Error::from_raw_os_error(libc::EAGAIN).to_string();
         assert_eq!(
             plain(&format!("redis: {eagain}")),
-            "redis: timed out: no answer within 10 s"
+            "redis: timed out: no answer in time"
         );
         assert_eq!(plain("connection refused"), "connection refused");
     }

@@ -281,7 +281,8 @@ fn history_json(history: &[Attempt]) -> String {
         })
         .to_string()
     };
-    let head = history.len().min(HISTORY_HEAD);
+    // The last attempt is always one of the last ones kept.
+    let head = history.len().saturating_sub(1).min(HISTORY_HEAD);
     let tail = (history.len() - head).min(HISTORY_TAIL);
     let mut items: Vec<String> = history[..head].iter().map(item).collect();
     let mut last: Vec<String> = history[history.len() - tail..].iter().map(item).collect();

@@ -56,7 +56,7 @@ pub(crate) use json::format_time;
 pub(crate) use letter::millis;
 pub(crate) use purge::purge;
 pub(crate) use read::{list, show};
-pub(crate) use replay::replay;
+pub(crate) use replay::{replay, MIN_RATE};
 pub(crate) use stats::{stats, stats_within};
 
 use crate::error::{Error, ErrorKind};

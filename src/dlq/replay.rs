@@ -17,7 +17,7 @@ use crate::redis::RedisConn;
 pub(crate) const CHUNK: usize = 100;
 
 /// The lowest replay rate, in letters a second.
-const MIN_RATE: f64 = 0.001;
+pub(crate) const MIN_RATE: f64 = 0.001;
 
 /// The audit fields a replay adds to an entry (earlier ones are replaced):
 /// the dead-letter id it came from, when, how many times this event was

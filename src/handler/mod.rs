@@ -62,9 +62,10 @@ pub trait Handler: Send + Sync + 'static {
     /// store, fields that cannot become an HTTP header) fails here, alone,
     /// instead of failing a batch and taking attempts. Return an
     /// [`HandlerError::invalid`] (or permanent) error to dead-letter it. A
-    /// retryable error, an outage or a panic here is one failed attempt of
-    /// this event alone, retried after its backoff like one of
-    /// [`handle`](Handler::handle) (an outage counts as an attempt here).
+    /// retryable error or a panic here is one failed attempt of this event
+    /// alone, retried after its backoff like one of
+    /// [`handle`](Handler::handle); an outage is tried again after a
+    /// backoff, counting no attempt.
     /// Accepts every event by default.
     fn validate(&self, _event: &Event) -> Result<(), HandlerError> {
         Ok(())

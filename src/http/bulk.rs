@@ -142,14 +142,15 @@ pub(crate) fn upto(form: &[(String, String)]) -> Result<Upto, String> {
     }
 }
 
-/// The rate of a replay form: replays per second within (0, 1000].
+/// The rate of a replay form: replays per second within [0.001, 1000].
 pub(crate) fn rate(form: &[(String, String)]) -> Result<f64, String> {
     match param(form, "rate") {
         None => Ok(RATE),
         Some(text) => match text.parse::<f64>() {
-            Ok(r) if r > 0.0 && r <= MAX_RATE => Ok(r),
+            Ok(r) if (crate::dlq::MIN_RATE..=MAX_RATE).contains(&r) => Ok(r),
             _ => Err(format!(
-                "rate {text:?}: give replays per second, at most {MAX_RATE}"
+                "rate {text:?}: give replays per second, from {} to {MAX_RATE}",
+                crate::dlq::MIN_RATE
             )),
         },
     }

@@ -189,7 +189,12 @@ impl LockWatch {
                                     let secs = now.duration_since(*since).as_secs();
                                     log::warn!(
                                         "{}",
-                                        locked(&what, secs, &blockers, "Ctrl-C stops")
+                                        locked(
+                                            &what,
+                                            secs,
+                                            &blockers,
+                                            "stopping the command stops the wait"
+                                        )
                                     );
                                 }
                             }

@@ -53,6 +53,8 @@ impl std::ops::DerefMut for Pooled {
 /// more than an event a second the connections come back sooner; below
 /// it, a round trip more per event costs nothing that shows.
 const IDLE_CHECK: Duration = Duration::from_secs(1);
+/// How long that check waits for its PING's answer.
+const IDLE_PING: Duration = Duration::from_millis(500);
 
 impl r2d2::ManageConnection for RedisManager {
     type Connection = Pooled;
@@ -66,11 +68,25 @@ impl r2d2::ManageConnection for RedisManager {
     }
 
     /// Called on check-out (the pool tests every connection it hands out).
+    /// The PING waits at most [`IDLE_PING`]: a server that closed the
+    /// connection answers at once, and r2d2 tests idle connections one
+    /// after another inside `get`, where a server that never answers
+    /// would cost the command timeout each (found in review). On a
+    /// cluster, redis-rs sends PING to every primary and reconnects a node
+    /// on its own: no PING.
     fn is_valid(&self, conn: &mut Pooled) -> Result<(), redis::RedisError> {
         if conn.back_at.elapsed() < IDLE_CHECK {
             return Ok(());
         }
-        redis::cmd("PING").query::<()>(&mut conn.conn)
+        match &mut conn.conn {
+            RedisConn::Single { conn: c, .. } => {
+                c.set_read_timeout(Some(IDLE_PING))?;
+                let answered = redis::cmd("PING").query::<()>(c);
+                c.set_read_timeout(Some(REDIS_COMMAND_TIMEOUT))?;
+                answered
+            }
+            RedisConn::Cluster { .. } => Ok(()),
+        }
     }
 
     /// Called when a connection is given back.

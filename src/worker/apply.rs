@@ -269,7 +269,7 @@ impl Processor {
             return Err(e);
         }
         let finished = finish(&stage, tx, xid, delivery);
-        if finished.is_err() {
+        if !matches!(finished, Ok(Applied::New)) {
             self.session_may_have_changed();
         }
         finished
@@ -802,18 +802,17 @@ impl Processor {
         guarded: bool,
     ) -> Result<Batch, HandlerError> {
         let outcome = self.apply_batch_once(batch, guarded);
-        if matches!(outcome, Err(_) | Ok(Batch::Ended(_))) {
+        if !matches!(outcome, Ok(Batch::Applied(..))) {
             self.session_may_have_changed();
         }
         outcome
     }
 
-    /// A transaction in which handler code ran did not end by our COMMIT
-    /// (which sets the session's guards again, see [`commit_if_ours`]):
-    /// the handler may have ended it itself, keeping a `SET` of its own, so
-    /// the session is set up again before its next use (a round trip, on
-    /// this failure path only). A `SET` in a transaction rolled back is
-    /// undone with it.
+    /// A transaction in which handler code may have run did not end by our
+    /// COMMIT (which sets the session's guards again, see
+    /// [`commit_if_ours`]): the handler may have ended it itself and kept
+    /// a `SET` of its own after that, so the session is set up again
+    /// before its next use (a round trip, on these failure paths only).
     fn session_may_have_changed(&mut self) {
         self.session = None;
     }
@@ -1423,8 +1422,10 @@ fn commit(stage: &Stage, tx: Tx<'_>, xid: i64, before: &str) -> Result<(), Handl
 /// text is built from a volatile call, so the planner cannot fold (and
 /// raise) it ahead of the CASE.
 ///
-/// After the COMMIT, in the same round trip, the session's two guards of
-/// [`Session::Handler`] are set again: a handler that ran `SET
+/// Before the COMMIT, in the same round trip, the session's two guards of
+/// [`Session::Handler`] are set again (a `SET` in a transaction lasts
+/// once it commits, and COMMIT stays last, so an error still means that
+/// nothing committed): a handler that ran `SET
 /// statement_timeout = 0` or `SET default_transaction_read_only = off`
 /// (not `SET LOCAL`) changed the session for every later event on that
 /// connection, which then ran without the handler timeout, and a later
@@ -1434,7 +1435,7 @@ fn commit_if_ours(xid: i64, before: &str, handler_timeout: std::time::Duration) 
     format!(
         "SELECT CASE WHEN txid_current_if_assigned() IS DISTINCT FROM {xid} \
          THEN ('{NOT_OURS} ' || coalesce(txid_current_if_assigned()::text, 'none'))::int END; \
-         {before}COMMIT; SET default_transaction_read_only = on; SET statement_timeout = {}",
+         {before}SET default_transaction_read_only = on; SET statement_timeout = {}; COMMIT",
         handler_timeout.as_millis()
     )
 }

@@ -235,6 +235,13 @@ impl Processor {
     /// until PostgreSQL ends that session: `idle_in_transaction_session_timeout`
     /// on the role bounds it.)
     fn held_elsewhere(&mut self, delivery: Delivery, error: &HandlerError) {
+        self.not_counted(delivery, error);
+    }
+
+    /// Tries `delivery` again after the backoff of its next attempt,
+    /// counting none (see [`Processor::held_elsewhere`]; also an outage met
+    /// by the handler's `validate`).
+    pub(crate) fn not_counted(&mut self, delivery: Delivery, error: &HandlerError) {
         let (stream, entry) = (delivery.stream.clone(), delivery.entry_id.clone());
         let next = delivery.attempts() + 1;
         let after = self.retry_later(delivery, next, None);

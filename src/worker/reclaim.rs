@@ -103,13 +103,16 @@ impl Reclaimer {
     /// in-flight room.
     fn reclaim_stream(&self, stream: &Arc<str>, jobs: &Sender<Job>) -> redis::RedisResult<()> {
         let common = &self.common;
-        let mut conn = common.redis_conn()?;
         let min_idle = self.min_idle.as_millis() as u64;
         let mut after = "-".to_string();
         loop {
             let Some(room) = self.flow.reserve(self.count, &common.shutdown) else {
                 return Ok(());
             };
+            // Taken once there is room: one held while the reader's room
+            // was full sat idle, and a Redis with a `timeout` closed it
+            // (found in review).
+            let mut conn = common.redis_conn()?;
             let taken = take(
                 common,
                 &self.flow,

@@ -228,7 +228,7 @@ fn a_handler_s_session_settings_do_not_outlive_its_event() {
             }
             "slow" | "slow-2" => {
                 tx.execute(insert, &[&id])?;
-                tx.batch_execute("SELECT pg_sleep(1.5)")?;
+                tx.batch_execute("SELECT pg_sleep(4)")?;
             }
             "commit-then-write" => {
                 tx.batch_execute("COMMIT")?;
@@ -242,7 +242,7 @@ fn a_handler_s_session_settings_do_not_outlive_its_event() {
         .mode(taskhub::Mode::PerEvent)
         .workers(1)
         .max_attempts(1)
-        .handler_timeout(Duration::from_millis(500))
+        .handler_timeout(Duration::from_secs(2))
         .until_idle(true)
         .build(handler)
         .unwrap();

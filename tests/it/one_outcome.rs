@@ -1259,7 +1259,7 @@ fn a_handler_slower_than_the_min_idle_is_named_with_the_fix() {
             .args(["--reclaim-min-idle", "2s", "--reclaim-interval", "500ms"])
             .args([
                 "--sql",
-                "INSERT INTO notifications (event_id, payload) SELECT $1, $2 FROM pg_sleep(4)",
+                "INSERT INTO notifications (event_id, payload) SELECT $1, $2 FROM pg_sleep(12)",
             ]);
         Proc::spawn(cmd)
     };
