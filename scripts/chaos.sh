@@ -569,12 +569,20 @@ destroy_group() {
 }
 TRIMMED=0
 trim_stream() {
-    local out n
-    out=$("$CHAOS_BIN" trim --stream "$STREAM" --group "$GROUP" --pending 20 \
-        --record "$DIR/trims" 2>>"$DIR/trim.log") || {
-        say "trim failed: $(tail -n 2 "$DIR/trim.log")"
-        return
-    }
+    local out n tries=0
+    # Right after a group destroy or a Redis restart the group may not be
+    # there yet (NOGROUP) until a worker creates it again: tried again for
+    # up to 10 s, so that the fault happens (CI's run of seed 20261201 met
+    # it once and failed on the count alone).
+    until out=$("$CHAOS_BIN" trim --stream "$STREAM" --group "$GROUP" --pending 20 \
+        --record "$DIR/trims" 2>>"$DIR/trim.log"); do
+        tries=$((tries + 1))
+        if ((tries >= 20)); then
+            say "trim failed: $(tail -n 2 "$DIR/trim.log")"
+            return
+        fi
+        sleep 0.5
+    done
     n=${out%% *}
     TRIMMED=$((TRIMMED + n))
     TRIMS_DONE=$((TRIMS_DONE + 1))
