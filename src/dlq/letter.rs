@@ -265,11 +265,20 @@ pub(crate) const HISTORY_TAIL: usize = 20;
 /// grow up to six times.
 const HISTORY_MAX: usize = 14 * 1024;
 
-/// What a listing shows where a letter's history left out `n` attempts
-/// (a gap in their numbers).
-pub fn attempts_left_out(n: u32) -> String {
-    let s = if n == 1 { "" } else { "s" };
-    format!("({n} attempt{s} left out: a letter keeps its first and its last attempts)")
+/// The attempts of a letter's `history`, each with what a listing shows
+/// before it where the history left attempts out (a gap in their
+/// numbers): `dlq show` and the page both list them so.
+pub fn with_gaps(history: &[Attempt]) -> impl Iterator<Item = (Option<String>, &Attempt)> {
+    let mut next = 1;
+    history.iter().map(move |a| {
+        let gap = (a.attempt > next).then(|| {
+            let n = a.attempt - next;
+            let s = if n == 1 { "" } else { "s" };
+            format!("({n} attempt{s} left out: a letter keeps its first and its last attempts)")
+        });
+        next = a.attempt.saturating_add(1);
+        (gap, a)
+    })
 }
 
 fn history_json(history: &[Attempt]) -> String {

@@ -335,16 +335,14 @@ fn detail(can_change: bool, stream: &str, id: &str, l: &DeadLetter, list: &PageF
         );
     }
     body.push_str("</table><h2>Attempts</h2><table id=\"history\"><tr><th>#</th><th>at</th><th>error</th></tr>");
-    let mut next = 1;
-    for a in &l.history {
-        if a.attempt > next {
+    for (gap, a) in crate::dlq::with_gaps(&l.history) {
+        if let Some(gap) = gap {
             let _ = write!(
                 body,
                 "<tr><td>…</td><td></td><td>{}</td></tr>",
-                escape(&crate::dlq::attempts_left_out(a.attempt - next))
+                escape(&gap)
             );
         }
-        next = a.attempt.saturating_add(1);
         let at = a.at.map_or("(never reported: crashed)".to_owned(), |t| {
             time(crate::dlq::millis(t))
         });

@@ -285,3 +285,58 @@ fn the_monitor_s_readiness_is_asked_from_async_code() {
     running.join().unwrap().unwrap();
     assert_eq!(asked, Ok(()));
 }
+
+/// A `validate` that meets an outage (a server it asks is down) counts no
+/// attempt: the event is tried again after a backoff until the check
+/// passes, here five outages against three attempts, and is applied, with
+/// no letter (found in review: each outage counted, and an event whose
+/// check met a short outage became an `exhausted` letter).
+#[test]
+fn an_outage_in_validate_counts_no_attempt() {
+    struct Flaky(std::sync::atomic::AtomicU32);
+    impl taskhub::Handler for Flaky {
+        fn handle(
+            &self,
+            event: &taskhub::Event,
+            tx: &mut taskhub::Tx<'_>,
+        ) -> Result<(), taskhub::HandlerError> {
+            tx.execute(
+                "INSERT INTO notifications (event_id, payload) VALUES ($1, $2)",
+                &[&event.event_id(), &event.payload()],
+            )?;
+            Ok(())
+        }
+
+        fn validate(&self, event: &taskhub::Event) -> Result<(), taskhub::HandlerError> {
+            let calls = self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if event.event_id() == "checked" && calls < 5 {
+                return Err(taskhub::HandlerError::outage("the cache is down"));
+            }
+            Ok(())
+        }
+    }
+    let db = TestDb::new();
+    let stream = unique("embed-validate-outage");
+    let mut conn = redis(&redis_url());
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", "checked"), ("payload", "p")],
+    );
+    let worker = fast_builder(&redis_url(), &db.url, &stream, &stream)
+        .max_attempts(3)
+        .until_idle(true)
+        .build(Flaky(std::sync::atomic::AtomicU32::new(0)))
+        .unwrap();
+    let stop = worker.shutdown_handle();
+    let running = std::thread::spawn(move || worker.run());
+    let ended = wait_until(Duration::from_secs(60), || running.is_finished());
+    if !ended {
+        stop.shutdown();
+    }
+    let summary = running.join().unwrap().unwrap();
+    assert!(ended, "until_idle never ended: {summary:?}");
+    assert_eq!(summary.applied, 1, "{summary:?}");
+    assert!(dead_letters(&mut conn, &stream).is_empty());
+    assert_eq!(db.effects("checked"), 1);
+}

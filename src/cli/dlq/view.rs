@@ -231,16 +231,10 @@ impl Ctx {
         }
         out.push_str("\nattempt history\n");
         let mut history: Vec<Vec<String>> = Vec::new();
-        let mut next = 1;
-        for a in &l.history {
-            if a.attempt > next {
-                history.push(vec![
-                    "  …".into(),
-                    String::new(),
-                    taskhub::dlq::attempts_left_out(a.attempt - next),
-                ]);
+        for (gap, a) in taskhub::dlq::with_gaps(&l.history) {
+            if let Some(gap) = gap {
+                history.push(vec!["  …".into(), String::new(), gap]);
             }
-            next = a.attempt.saturating_add(1);
             history.push(vec![
                 format!("  {}", a.attempt),
                 a.at.map_or_else(|| "(never reported)".to_owned(), time_of),
