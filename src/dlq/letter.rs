@@ -25,12 +25,19 @@ use crate::event::{value_in, Fields, MOST_FIELDS, PREFIX};
 pub struct Attempt {
     /// 1-based attempt number across deliveries.
     pub attempt: u32,
-    /// When it failed; `None` for an earlier delivery that never reported
-    /// (the consumer stopped or crashed during it).
+    /// When it failed; for a run that started on a consumer and never
+    /// finished ([`UNFINISHED_RUN`]), when it started; `None` for an
+    /// earlier delivery known only by Redis's delivery count (the consumer
+    /// stopped or crashed during it).
     pub at: Option<SystemTime>,
     /// What went wrong.
     pub error: String,
 }
+
+/// How a dead letter's history begins an attempt that started on a
+/// consumer and never finished (the consumer crashed, or lost the entry,
+/// while it ran): the consumer's name and the delivery follow.
+pub const UNFINISHED_RUN: &str = "started on consumer ";
 
 /// Why an event was dead-lettered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

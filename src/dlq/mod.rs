@@ -44,7 +44,7 @@ mod stats;
 pub use archive::{ArchiveReport, ArchiveTarget};
 pub use filter::{parse_time, Filter, ReasonMatch, Selection};
 pub use handle::DeadLetters;
-pub use letter::{dead_letter_stream, with_gaps, Attempt, DeadLetter, Kind};
+pub use letter::{dead_letter_stream, with_gaps, Attempt, DeadLetter, Kind, UNFINISHED_RUN};
 pub use purge::PurgeReport;
 pub use read::Listing;
 pub use replay::{ProcessedCheck, ReplayItem, ReplayOptions, ReplayReport};

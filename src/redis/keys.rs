@@ -11,9 +11,10 @@
 //!   scope `g:x` with event `1` would be one key. Its value is its own
 //!   tag ([`marker_tag`]): a reply counts as the marker only when it carries
 //!   the tag of the key that was asked for (see `markers.rs`).
-//! - The start set of a redelivered entry (one member per delivery; a new
-//!   name since it was a counter),
-//!   `th:d:<len>:<group>:<len>:<stream>:<entry_id>` (see `process.rs`).
+//! - The runs of a redelivered entry that started and did not finish (a
+//!   hash: delivery count -> when and on which consumer it started; a new
+//!   name each time its form changed: a counter, then a set),
+//!   `th:r:<len>:<group>:<len>:<stream>:<entry_id>` (see `apply.rs`).
 //! - The record of the instance running as a consumer,
 //!   `th:c:<len>:<group>:<len>:<stream>:<consumer>`: its token, process id
 //!   and host, refreshed every few seconds by the reader, with a TTL (see
@@ -250,10 +251,11 @@ pub(crate) fn consumer_record(group: &str, stream: &str, consumer: &str) -> Stri
     )
 }
 
-/// The start counter of one entry of `stream` in `group`.
+/// The started runs of one entry of `stream` in `group` (see
+/// `worker/apply.rs`).
 pub(crate) fn started(group: &str, stream: &str, entry_id: &str) -> String {
     format!(
-        "th:d:{}:{group}:{}:{stream}:{entry_id}",
+        "th:r:{}:{group}:{}:{stream}:{entry_id}",
         group.len(),
         stream.len()
     )

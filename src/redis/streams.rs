@@ -170,7 +170,7 @@ pub(crate) fn check_keys(conn: &mut RedisConn, stream: &str, group: &str) -> Res
 /// A refused start-up check, said for an operator.
 fn access(e: &redis::RedisError) -> String {
     if e.code() == Some("NOPERM") {
-        format!("the Redis user may not run what taskhub needs ({e}); allow it (on the stream's keys and the markers' th:*): XREADGROUP XACK XCLAIM XAUTOCLAIM XPENDING XADD XRANGE XREVRANGE XDEL XLEN XGROUP XINFO HSET HDEL HMGET HGETALL HSCAN GET MGET SET EXISTS EXPIRE DEL SADD SCARD SREM EVAL EVALSHA SCRIPT PING INFO (or +@all; see \"TLS and credentials\" under Deploying in the README)")
+        format!("the Redis user may not run what taskhub needs ({e}); allow it (on the stream's keys and the markers' th:*): XREADGROUP XACK XCLAIM XAUTOCLAIM XPENDING XADD XRANGE XREVRANGE XDEL XLEN XGROUP XINFO HSET HDEL HMGET HGETALL HSCAN GET MGET SET EXISTS EXPIRE DEL EVAL EVALSHA SCRIPT PING INFO (or +@all; see \"TLS and credentials\" under Deploying in the README)")
     } else {
         format!("checking the keys beside the stream: {e}")
     }

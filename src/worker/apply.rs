@@ -32,11 +32,13 @@
 //! transaction. (In a backlog such a read is split instead, its handler's
 //! events gathered with other reads': see `gather.rs`.)
 
-use std::time::Instant;
+use std::time::{Duration, Instant, SystemTime};
 
 use foldhash::HashSetExt;
 
 use crate::config::Mode;
+use crate::dlq::letter::{bounded_text, ATTEMPT_ERROR_MAX};
+use crate::dlq::{millis, Attempt, UNFINISHED_RUN};
 use crate::error::{classify_postgres, FailureClass, HandlerError};
 use crate::event::Event;
 use crate::fault::{self, Point};
@@ -219,9 +221,15 @@ impl Processor {
         if delivery.delivery_count > 1 && delivery.failures.is_empty() {
             if delivery.started_as.is_none() {
                 let member = delivery.delivery_count;
-                let started = count_start(&stage, delivery).ok_or_else(stopped)?;
+                let runs = count_start(&stage, delivery).ok_or_else(stopped)?;
+                // (Runs numbered above this delivery are of the group
+                // before an XGROUP DESTROY reset the counts: not counted.)
+                let runs: Vec<(u64, String)> =
+                    runs.into_iter().filter(|(d, _)| *d <= member).collect();
+                let started = u64::try_from(runs.len()).unwrap_or(u64::MAX);
                 delivery.delivery_count = delivery.delivery_count.min(started.saturating_add(1));
                 delivery.started_as = Some(member);
+                delivery.unfinished = unfinished_runs(runs, member);
             }
             if delivery.prior_attempts() >= stage.settings.max_attempts {
                 return Ok(Applied::CrashLoop);
@@ -258,13 +266,19 @@ impl Processor {
                 true => ended(&mut tx, xid).unwrap_or(e),
                 false => e,
             };
-            if e.class() != FailureClass::Outage {
-                // The run is over (an outage runs it again, the same start).
-                take_back_start(&stage, delivery);
-            }
-            if tx.touched {
-                drop(tx);
+            // The run is over (an outage runs it again, the same start):
+            // its start is taken back while the transaction holds the
+            // event's row; if Redis does not answer at once, after the
+            // rollback (which frees the handler's locks), through the
+            // outage.
+            let taken = e.class() == FailureClass::Outage || take_back_start(&stage, delivery);
+            let touched = tx.touched;
+            drop(tx);
+            if touched {
                 self.session_may_have_changed();
+            }
+            if !taken {
+                take_back_start_through_outages(&stage, delivery);
             }
             return Err(e);
         }
@@ -1116,16 +1130,25 @@ fn finish(
     if delivery.held_long() {
         let owned = ownership(stage, std::slice::from_ref(delivery)).ok_or_else(stopped)?;
         if let Some(lost) = not_ours(&owned[0]) {
-            if lost == Applied::NotOurs {
-                // Before the rollback frees the row for the new owner,
-                // whose start must not see ours.
-                take_back_start(stage, delivery);
+            // Before the rollback frees the row for the new owner, whose
+            // start must not see ours (through an outage only after it).
+            if lost == Applied::NotOurs && !take_back_start(stage, delivery) {
+                drop(tx);
+                take_back_start_through_outages(stage, delivery);
             }
             return Ok(lost);
         }
     }
     fault::hit(Point::BeforeCommit, event.event_id());
-    commit(stage, tx, xid, "")?;
+    if let Err(e) = commit(stage, tx, xid, "") {
+        // Refused at COMMIT (a serialization failure, a deferred
+        // constraint): the run is over, rolled back. (Lost at COMMIT, it
+        // runs again after the outage, the same start.)
+        if e.class() != FailureClass::Outage {
+            take_back_start_through_outages(stage, delivery);
+        }
+        return Err(e);
+    }
     Stats::add(&stage.common.stats.commits, 1);
     fault::hit(Point::AfterCommit, event.event_id());
     committed(stage, event);
@@ -1138,56 +1161,117 @@ fn stopped() -> HandlerError {
     HandlerError::outage("stopped while Redis was unavailable")
 }
 
-/// Counts the start of a redelivered entry's attempt; returns the starts
-/// counted so far for it (this one included), not counting its first
-/// delivery. `None` when a shutdown interrupted a Redis outage.
-fn count_start(stage: &Stage, delivery: &Delivery) -> Option<u64> {
+/// Counts the start of a redelivered entry's attempt; returns the runs
+/// started and not finished so far (this one included), not counting its
+/// first delivery: delivery count -> `<unix ms> <consumer>`. `None` when a
+/// shutdown interrupted a Redis outage.
+fn count_start(stage: &Stage, delivery: &Delivery) -> Option<Vec<(u64, String)>> {
     let settings = &stage.settings;
-    let key = crate::redis::keys::started(&settings.group, &delivery.stream, &delivery.entry_id);
+    let key = started_key(stage, delivery);
     let ttl = settings.marker_ttl.as_secs().max(1);
     let count = delivery.delivery_count;
+    let run = format!("{} {}", millis(SystemTime::now()), settings.consumer);
     stage
         .common
-        .with_redis(|conn| record_start(conn, &key, count, ttl))
+        .with_redis(|conn| record_start(conn, &key, count, &run, ttl))
+}
+
+/// The earlier runs among `runs` (those before `own`), as the attempts a
+/// dead letter's history lists: when each started and on which consumer.
+fn unfinished_runs(runs: Vec<(u64, String)>, own: u64) -> Vec<Attempt> {
+    runs.into_iter()
+        .filter(|(delivery, _)| *delivery < own)
+        .map(|(delivery, run)| {
+            let (at, consumer) = run.split_once(' ').unwrap_or(("", &run));
+            let at = at
+                .parse::<u64>()
+                .ok()
+                .map(|ms| SystemTime::UNIX_EPOCH + Duration::from_millis(ms));
+            Attempt {
+                attempt: 0, // numbered by `Delivery::history`
+                at,
+                error: bounded_text(
+                    format!("{UNFINISHED_RUN}{consumer} (delivery {delivery}) and never finished: that consumer crashed, or lost the entry, while it ran"),
+                    ATTEMPT_ERROR_MAX,
+                ),
+            }
+        })
+        .collect()
 }
 
 /// Takes back the start of a delivery whose run ended without a crash
 /// (it failed, or is to be rolled back because another consumer claimed
-/// the entry meanwhile): the start set counts runs that never ended.
+/// the entry meanwhile): the runs recorded are the runs that never ended.
 /// Without it, an entry claimed from holder to holder while each was held
 /// up (one waiting for Redis inside its transaction, the next for its row
 /// lock) counted one start per holder, and a failed run whose retry or
 /// dead letter was refused (the entry claimed away) counted as a crash for
 /// the next holder: both ended as crash loops.
 /// Called while the transaction still holds the event's row, so the new
-/// owner's start, which waits for that row, cannot count ours; and when a
-/// shutdown stops a run that waits out an outage (`process.rs`). Best
-/// effort: a start left behind counts one attempt more.
-pub(crate) fn take_back_start(stage: &Stage, delivery: &Delivery) {
+/// owner's start, which waits for that row, cannot count ours. Up to three
+/// quick tries, each on a connection of its own (the first may be one Redis
+/// just closed), but none begun after a second (a Redis that does not
+/// answer is not waited for with the row held); `false` when none was
+/// answered: then [`take_back_start_through_outages`], once the
+/// transaction is over.
+pub(crate) fn take_back_start(stage: &Stage, delivery: &Delivery) -> bool {
+    let Some(member) = delivery.started_as else {
+        return true;
+    };
+    let key = started_key(stage, delivery);
+    let began = Instant::now();
+    (0..3).any(|_| {
+        began.elapsed() < Duration::from_secs(1)
+            && stage
+                .common
+                .redis_conn()
+                .and_then(|mut conn| take_back(&mut conn, &key, member))
+                .is_ok()
+    })
+}
+
+/// [`take_back_start`], then through a Redis outage if it has to: with one
+/// try, a pooled connection Redis had just closed left the start behind,
+/// and the next consumer charged the run as a crash (CI's chaos run
+/// dead-lettered an event with two transient failures as `exhausted` at
+/// four attempts). Also when a shutdown stops a run that waits out an
+/// outage (`process.rs`). Only a shutdown during a Redis outage leaves the
+/// start: one attempt more.
+pub(crate) fn take_back_start_through_outages(stage: &Stage, delivery: &Delivery) {
     let Some(member) = delivery.started_as else {
         return;
     };
-    let settings = &stage.settings;
-    let key = crate::redis::keys::started(&settings.group, &delivery.stream, &delivery.entry_id);
-    let taken = stage.common.redis_conn().and_then(|mut conn| {
-        redis::cmd("SREM")
-            .arg(&key)
-            .arg(member)
-            .query::<()>(&mut conn)
-    });
-    if let Err(e) = taken {
+    if take_back_start(stage, delivery) {
+        return;
+    }
+    let key = started_key(stage, delivery);
+    if stage
+        .common
+        .with_redis(|conn| take_back(conn, &key, member))
+        .is_none()
+    {
         log::warn!(
-            "{}/{}: start not taken back ({e}); it counts as one attempt",
+            "{}/{}: start not taken back (the worker stopped during a Redis outage, or Redis refused it); it counts as one attempt",
             delivery.stream,
             delivery.entry_id
         );
     }
 }
 
-/// Records the start of the delivery numbered `delivery` under `key`;
-/// returns the starts recorded so far.
+fn started_key(stage: &Stage, delivery: &Delivery) -> String {
+    crate::redis::keys::started(&stage.settings.group, &delivery.stream, &delivery.entry_id)
+}
+
+fn take_back(conn: &mut crate::redis::RedisConn, key: &str, member: u64) -> redis::RedisResult<()> {
+    redis::cmd("HDEL").arg(key).arg(member).query(conn)
+}
+
+/// Records the start of the delivery numbered `delivery` under `key`, as
+/// `run` (when, and on which consumer); returns the runs recorded so far,
+/// in delivery order (a field that is not a delivery number, which taskhub
+/// never writes, is skipped).
 ///
-/// A set with one member per delivery, not a counter: `with_redis` sends
+/// A hash with one field per delivery, not a counter: `with_redis` sends
 /// the command again when its reply was lost (a reset, a read timeout after
 /// Redis ran it), and one delivery must count one start however often it
 /// is sent.
@@ -1195,21 +1279,28 @@ fn record_start(
     conn: &mut crate::redis::RedisConn,
     key: &str,
     delivery: u64,
+    run: &str,
     ttl: u64,
-) -> redis::RedisResult<u64> {
-    let (n,): (u64,) = redis::pipe()
-        .cmd("SADD")
+) -> redis::RedisResult<Vec<(u64, String)>> {
+    let (runs,): (Vec<(String, String)>,) = redis::pipe()
+        .cmd("HSET")
         .arg(key)
         .arg(delivery)
+        .arg(run)
         .ignore()
-        .cmd("SCARD")
+        .cmd("HGETALL")
         .arg(key)
         .cmd("EXPIRE")
         .arg(key)
         .arg(ttl)
         .ignore()
         .query(conn)?;
-    Ok(n)
+    let mut runs: Vec<(u64, String)> = runs
+        .into_iter()
+        .filter_map(|(field, run)| Some((field.parse().ok()?, run)))
+        .collect();
+    runs.sort_unstable_by_key(|(delivery, _)| *delivery);
+    Ok(runs)
 }
 
 /// Checks (and refreshes) that each of `held` is still this consumer's, in
@@ -1527,18 +1618,47 @@ mod tests {
     /// by `with_redis` when its reply was lost (a reset, or a read timeout
     /// after Redis had run it). One delivery then counted two starts, and an
     /// innocent event that met a few such faults was dead-lettered as a
-    /// crash loop. A start is now one set member per delivery: sending it
+    /// crash loop. A start is now one hash field per delivery: sending it
     /// again counts nothing.
     #[test]
     fn a_start_sent_twice_for_one_delivery_counts_once() {
         let mut conn = crate::redis::streams::tests::conn();
         let key =
             crate::redis::keys::started("g", &format!("starts-{}", uuid::Uuid::new_v4()), "1-0");
-        assert_eq!(record_start(&mut conn, &key, 2, 60).unwrap(), 1);
+        let count = |conn: &mut _, delivery, run| {
+            record_start(conn, &key, delivery, run, 60).unwrap().len()
+        };
+        assert_eq!(count(&mut conn, 2, "1000 c1"), 1);
         // The same delivery's start, sent again after a lost reply.
-        assert_eq!(record_start(&mut conn, &key, 2, 60).unwrap(), 1);
-        assert_eq!(record_start(&mut conn, &key, 3, 60).unwrap(), 2);
+        assert_eq!(count(&mut conn, 2, "1000 c1"), 1);
+        assert_eq!(count(&mut conn, 3, "2000 c2"), 2);
         let _: () = redis::cmd("DEL").arg(&key).query(&mut conn).unwrap();
+    }
+
+    /// The earlier runs recorded for an entry become its history's
+    /// attempts: when each started and on which consumer (a consumer name
+    /// may hold spaces), its own run left out.
+    #[test]
+    fn unfinished_runs_name_their_consumer_and_start() {
+        let runs = vec![
+            (2, "1700000000123 worker a".to_owned()),
+            (3, "not a time".to_owned()),
+            (4, "1700000001000 c2".to_owned()),
+        ];
+        let attempts = unfinished_runs(runs, 4);
+        assert_eq!(attempts.len(), 2);
+        assert_eq!(
+            attempts[0].at,
+            Some(SystemTime::UNIX_EPOCH + Duration::from_millis(1_700_000_000_123))
+        );
+        assert!(
+            attempts[0]
+                .error
+                .starts_with("started on consumer worker a (delivery 2) and never finished"),
+            "{}",
+            attempts[0].error
+        );
+        assert_eq!(attempts[1].at, None);
     }
 
     /// A failure of the built-in statement is the batch's to split only

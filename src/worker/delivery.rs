@@ -40,6 +40,10 @@ pub(crate) struct Delivery {
     pub held_since: Instant,
     /// Failed attempts in this process.
     pub failures: Vec<Attempt>,
+    /// Earlier runs of the entry on any consumer that started and never
+    /// finished (the crashes charged to it), as recorded when this
+    /// delivery started: its history names them.
+    pub unfinished: Vec<Attempt>,
     /// Connections lost while this event ran and other events committed:
     /// an event that kills its database session is a crash loop too.
     pub strikes: u32,
@@ -134,6 +138,7 @@ impl Delivery {
                 trimmed,
                 held_since: sent_at,
                 failures: Vec::new(),
+                unfinished: Vec::new(),
                 strikes: 0,
                 started_as: None,
                 ticket: Some(ticket),
@@ -166,6 +171,7 @@ impl Delivery {
             trimmed: true,
             held_since: at,
             failures: Vec::new(),
+            unfinished: Vec::new(),
             strikes: 0,
             started_as: None,
             ticket,
@@ -209,16 +215,24 @@ impl Delivery {
             .saturating_add(u32::try_from(self.failures.len()).unwrap_or(u32::MAX))
     }
 
-    /// The full history: unreported earlier deliveries, then this process's
-    /// failures.
+    /// The full history: unreported earlier deliveries (the runs recorded
+    /// as started and never finished, with when and where, after the first
+    /// delivery's), then this process's failures.
     pub fn history(&self) -> Vec<Attempt> {
-        let mut history: Vec<Attempt> = (1..=self.prior_attempts())
-            .map(|attempt| Attempt {
-                attempt,
-                at: None,
-                error: "delivered but never finished (the consumer stopped or crashed)".into(),
-            })
-            .collect();
+        let prior = self.prior_attempts() as usize;
+        let named = self.unfinished.len().min(prior);
+        let unnamed = (0..prior - named).map(|_| Attempt {
+            attempt: 0,
+            at: None,
+            error: "delivered but never finished (the consumer stopped or crashed)".into(),
+        });
+        let runs = self.unfinished[self.unfinished.len() - named..]
+            .iter()
+            .cloned();
+        let mut history: Vec<Attempt> = unnamed.chain(runs).collect();
+        for (i, attempt) in history.iter_mut().enumerate() {
+            attempt.attempt = u32::try_from(i + 1).unwrap_or(u32::MAX);
+        }
         history.extend(self.failures.iter().cloned());
         history
     }

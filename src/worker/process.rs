@@ -981,7 +981,7 @@ impl Processor {
                 // Dropped: left pending. Stopped while it waited out an
                 // outage, its run did not crash the process: the next
                 // delivery must not count it.
-                crate::worker::apply::take_back_start(&self.stage, &delivery);
+                crate::worker::apply::take_back_start_through_outages(&self.stage, &delivery);
                 Outcome::Other
             }
             Flow::Struck => {

@@ -126,6 +126,11 @@ pub(crate) struct Retry {
     pub delivery_count: u64,
     pub token: Option<u64>,
     pub failures: Vec<Attempt>,
+    pub unfinished: Vec<Attempt>,
+    /// The start its run recorded, if any: the retry of a run that counted
+    /// no attempt (it waited for a row held elsewhere) is the same start,
+    /// not one more.
+    pub started_as: Option<u64>,
     pub strikes: u32,
     /// Its parked place in the in-flight set.
     pub ticket: Option<Ticket>,
@@ -194,6 +199,8 @@ impl Retry {
             delivery_count: delivery.delivery_count,
             token: delivery.token,
             failures: delivery.failures,
+            unfinished: delivery.unfinished,
+            started_as: delivery.started_as,
             strikes: delivery.strikes,
             ticket: delivery.ticket,
         }
@@ -221,8 +228,9 @@ fn back_to_pool(
         trimmed,
         held_since,
         failures: retry.failures,
+        unfinished: retry.unfinished,
         strikes: retry.strikes,
-        started_as: None,
+        started_as: retry.started_as,
         ticket: retry.ticket,
         seen: None,
         plain: false,

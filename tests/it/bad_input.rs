@@ -615,7 +615,7 @@ fn a_redis_user_without_taskhubs_own_keys_is_a_start_up_error() {
     let server = PrivateRedis::start();
     let stream = unique("nomarkers");
     let mut conn = redis(&server.url());
-    for (user, patterns) in [("streams", &[""][..]), ("starts", &["~th:d:*"])] {
+    for (user, patterns) in [("streams", &[""][..]), ("starts", &["~th:r:*"])] {
         let mut acl = redis::cmd("ACL");
         acl.arg(&["SETUSER", user, "on", ">pw", "&*", "+@all"])
             .arg(format!("~{stream}*"));

@@ -394,8 +394,8 @@ fn a_steady_run_whose_redis_goes_away_ends_with_its_error() {
         .arg(&probed.0);
     let mut bench = Proc::spawn(cmd);
     // Its first events committed: the steady load is under way. (A
-    // marker, not the consumer's record `th:c:...` or a dead letter's
-    // `th:d:...`: the consumer's record is written before the worker is
+    // marker, not the consumer's record `th:c:...` or the runs of a
+    // redelivered entry `th:r:...`: the consumer's record is written before the worker is
     // ready, and Redis stopped then made this test wait for the producer,
     // which had not begun.)
     let mut check = redis::Client::open(redis.url())
@@ -409,7 +409,7 @@ fn a_steady_run_whose_redis_goes_away_ends_with_its_error() {
                 .query(&mut check)
                 .unwrap_or_default();
             keys.iter()
-                .any(|k| !k.starts_with("th:c:") && !k.starts_with("th:d:"))
+                .any(|k| !k.starts_with("th:c:") && !k.starts_with("th:r:"))
         }),
         "no marker written\n{}",
         bench.stderr()

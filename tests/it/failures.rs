@@ -3499,3 +3499,144 @@ fn a_redis_that_closes_idle_connections_is_no_outage() {
     assert!(!stderr.contains("unavailable"), "{stderr}");
     assert!(!stderr.contains("ERROR"), "{stderr}");
 }
+
+/// Fails the first run of each event after cutting every client of its
+/// Redis (`CLIENT KILL TYPE normal`), so the worker's next command meets a
+/// closed connection; then applies it.
+struct CutsRedisThenFails {
+    url: String,
+    calls: AtomicUsize,
+}
+
+impl Handler for CutsRedisThenFails {
+    fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+            let mut conn = redis(&self.url);
+            let _: redis::Value = redis::cmd("CLIENT")
+                .arg(&["KILL", "TYPE", "normal"])
+                .query(&mut conn)
+                .unwrap();
+            return Err(HandlerError::retryable("fails once"));
+        }
+        tx.execute(INSERT, &[&event.event_id(), &event.payload()])?;
+        Ok(())
+    }
+}
+
+/// Its first run writes a row a deferred check refuses, so that run fails
+/// at COMMIT, not in the handler; then applies the event.
+struct RefusedAtCommitOnce {
+    calls: AtomicUsize,
+}
+
+impl Handler for RefusedAtCommitOnce {
+    fn handle(&self, event: &Event, tx: &mut Tx<'_>) -> Result<(), HandlerError> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+            tx.execute("INSERT INTO later_checked VALUES (1)", &[])?;
+        }
+        tx.execute(INSERT, &[&event.event_id(), &event.payload()])?;
+        Ok(())
+    }
+}
+
+/// Runs `handler` on one entry redelivered to it (a consumer read it and
+/// died, the worker's reclaimer claims it: a run whose start is recorded),
+/// until it is applied; returns the handler calls and the runs of the
+/// entry left recorded in Redis.
+fn runs_left<H: Handler + 'static>(
+    redis_server: &PrivateRedis,
+    db: &TestDb,
+    handler: Arc<H>,
+    calls: impl Fn(&H) -> usize,
+) -> (usize, Vec<HashMap<String, String>>) {
+    let url = redis_server.url();
+    let (stream, group) = (unique("takeback"), "g");
+    let mut conn = redis(&url);
+    let event_id = unique("e");
+    xadd(
+        &mut conn,
+        &stream,
+        &[("event_id", &event_id), ("payload", "p")],
+    );
+    let _: () = redis::cmd("XGROUP")
+        .arg(&["CREATE", &stream, group, "0"])
+        .query(&mut conn)
+        .unwrap();
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg(&[
+            "GROUP", group, "ghost", "COUNT", "1", "STREAMS", &stream, ">",
+        ])
+        .query(&mut conn)
+        .unwrap();
+    let builder = fast_builder(&url, &db.url, &stream, group)
+        .workers(1)
+        .max_retry_after(Duration::from_secs(1))
+        .reclaim_min_idle(Duration::from_secs(2))
+        .reclaim_interval(Duration::from_millis(200));
+    let worker = Running::start(builder, handler.clone());
+    assert!(
+        wait_until(Duration::from_secs(30), || db.effects(&event_id) == 1),
+        "the event was never applied"
+    );
+    worker.stop();
+    let mut conn = redis(&url); // (a handler may have cut the first one)
+    let keys: Vec<String> = redis::cmd("KEYS").arg("th:r:*").query(&mut conn).unwrap();
+    let runs = keys
+        .iter()
+        .map(|key| redis::cmd("HGETALL").arg(key).query(&mut conn).unwrap())
+        .collect();
+    (calls(&handler), runs)
+}
+
+/// Regression (CI's chaos run, seed 20261201): a redelivered entry's run
+/// that failed took its start back with one try, on whatever pooled
+/// connection came first; a connection Redis had just closed left the
+/// start behind ("start not taken back; it counts as one attempt"), and
+/// the next consumer charged that run as a crash: an event with two
+/// transient failures was dead-lettered `exhausted` at 4 attempts. The
+/// start is now taken back through Redis outages, like every other
+/// command of the worker.
+#[test]
+fn a_failed_run_takes_its_start_back_through_a_redis_outage() {
+    let redis_server = PrivateRedis::start();
+    let db = TestDb::new();
+    let handler = Arc::new(CutsRedisThenFails {
+        url: redis_server.url(),
+        calls: AtomicUsize::new(0),
+    });
+    let (calls, runs) = runs_left(&redis_server, &db, handler, |h| {
+        h.calls.load(Ordering::SeqCst)
+    });
+    // The run that failed took its start back (its retry here records
+    // none): no run of the entry is left to be charged as a crash.
+    assert_eq!(calls, 2);
+    assert!(runs.iter().all(HashMap::is_empty), "runs left: {runs:?}");
+}
+
+/// A redelivered entry's run refused at COMMIT (a deferred check)
+/// ended without a crash, but kept its start: the next consumer would
+/// have charged it as one (found by review). It is now taken back.
+#[test]
+fn a_run_refused_at_commit_takes_its_start_back() {
+    let redis_server = PrivateRedis::start();
+    let db = TestDb::new();
+    // A check deferred to COMMIT that fails as a serialization failure
+    // (40001, retryable) for every row.
+    db.client()
+        .batch_execute(
+            "CREATE TABLE later_checked (n int);
+             CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS
+                 $$BEGIN RAISE EXCEPTION 'refused at commit' USING ERRCODE = '40001'; END$$;
+             CREATE CONSTRAINT TRIGGER refuse AFTER INSERT ON later_checked
+                 DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse();",
+        )
+        .unwrap();
+    let handler = Arc::new(RefusedAtCommitOnce {
+        calls: AtomicUsize::new(0),
+    });
+    let (calls, runs) = runs_left(&redis_server, &db, handler, |h| {
+        h.calls.load(Ordering::SeqCst)
+    });
+    assert_eq!(calls, 2);
+    assert!(runs.iter().all(HashMap::is_empty), "runs left: {runs:?}");
+}
