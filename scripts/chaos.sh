@@ -306,7 +306,8 @@ say "redis :$REDIS_PORT, postgres :$PG_PORT, logs in $DIR"
 
 # --- workers under supervisors ------------------------------------------------------
 # Each supervisor restarts its worker whenever it exits, until run/stop.<i>
-# exists; it records every exit status in run/exits.<i>.
+# exists; it records every exit status in run/exits.<i>, with the time
+# (unix ms): the check proves each crash a dead letter charges with them.
 supervise() {
     local i=$1 pid rc delay
     set +e
@@ -326,7 +327,7 @@ supervise() {
         wait "$pid"
         rc=$?
         rm -f "$DIR/run/pid.$i"
-        echo "$rc" >>"$DIR/run/exits.$i"
+        echo "$rc $(date +%s%3N)" >>"$DIR/run/exits.$i"
         [[ -e $DIR/run/stop.$i ]] && break
         delay=0.3
         if [[ -e $DIR/run/delay.$i ]]; then
@@ -656,9 +657,9 @@ done
 ((alive == 0)) || say "a worker did not stop within 30 s of SIGTERM"
 
 # --- the figures and the check ----------------------------------------------------------------
-ABORT_DEATHS=$(cat "$DIR"/run/exits.* 2>/dev/null | grep -c '^134$' || true)
-KILLED_SEEN=$(cat "$DIR"/run/exits.* 2>/dev/null | grep -c '^137$' || true)
-START_FAILURES=$(cat "$DIR"/run/exits.* 2>/dev/null | grep -c '^1$' || true)
+ABORT_DEATHS=$(cat "$DIR"/run/exits.* 2>/dev/null | grep -c '^134 ' || true)
+KILLED_SEEN=$(cat "$DIR"/run/exits.* 2>/dev/null | grep -c '^137 ' || true)
+START_FAILURES=$(cat "$DIR"/run/exits.* 2>/dev/null | grep -c '^1 ' || true)
 RECLAIMED=$(cat "$DIR"/w*.log | sed -n 's/.*reclaimed \([0-9]*\) entries.*/\1/p' | awk '{ s += $1 } END { print s + 0 }')
 # The handler's events of backlogs' mixed reads that waited for other reads'
 # (batch mode, src/worker/gather.rs), from the summaries of the processes
@@ -676,7 +677,7 @@ RUST_LOG=warn "$CHAOS_BIN" check --stream "$STREAM" --group "$GROUP" --manifest 
     --abort-deaths "$ABORT_DEATHS" --redis-restarts "$REDIS_RESTARTS_DONE" \
     --pg-restarts "$PG_RESTARTS_DONE" --killed-for-good "${#RETIRED[@]}" \
     --orphaned "$ORPHANED" --reclaimed "$RECLAIMED" --elapsed "$ELAPSED" \
-    --trims "$DIR/trims" --destroyed "$DIR/destroyed" \
+    --trims "$DIR/trims" --destroyed "$DIR/destroyed" --run-dir "$DIR" \
     --figure "network faults (worker <-> server)=$NET_DONE${NET_TEXT:+ ($NET_TEXT)}" \
     --figure "worker pauses (SIGSTOP 3-6 s, past --reclaim-min-idle)=$PAUSES_DONE" \
     --figure "PostgreSQL read-only windows (standby, promoted)=$READONLY_DONE" \
@@ -693,7 +694,7 @@ if ((DEPLOYMENTS == 2)); then
         --database-url "$DATABASE_URL2" --manifest "$DIR/manifest.jsonl" \
         --max-attempts "$MAX_ATTEMPTS" --mode "$MODE" --kills "$KILLS_DONE" \
         --abort-deaths "$ABORT_DEATHS" --redis-restarts "$REDIS_RESTARTS_DONE" \
-        --pg-restarts "$PG_RESTARTS_DONE" --elapsed "$ELAPSED" || status=1
+        --pg-restarts "$PG_RESTARTS_DONE" --elapsed "$ELAPSED" --run-dir "$DIR" || status=1
 fi
 
 # The same promises once more, straight from redis-cli and psql.

@@ -44,6 +44,7 @@ use clap::{Args, Parser, Subcommand};
 #[path = "../support/proxy.rs"]
 mod proxy;
 use rand::{Rng, SeedableRng};
+use taskhub::dlq::UNFINISHED_RUN;
 use taskhub::{Event, Handler, HandlerError, SqlHandler, Tx, Worker};
 
 #[derive(Parser)]
@@ -222,6 +223,12 @@ struct CheckArgs {
     /// More figures of the run, `label=value`, for the table.
     #[arg(long = "figure")]
     figures: Vec<String>,
+    /// The run's directory: the supervisors' exit records (`run/exits.<i>`,
+    /// "status unix-ms" per exit of consumer `c<i>`) and the workers' logs
+    /// (`w<i>.log`), the evidence for each crash a dead letter's history
+    /// charges to a consumer.
+    #[arg(long)]
+    run_dir: Option<std::path::PathBuf>,
 }
 
 fn main() {
@@ -940,6 +947,7 @@ const CHECKS: &[(&str, &str, &str)] = &[
         "SELECT DISTINCT e.event_id FROM chaos_expected e
          WHERE e.expect = 'apply'
            AND NOT EXISTS (SELECT 1 FROM notifications n WHERE n.event_id = e.event_id)
+           AND NOT EXISTS (SELECT 1 FROM chaos_dlq d WHERE d.event_id = e.event_id AND d.excused)
            AND EXISTS (SELECT 1 FROM chaos_expected o
                        WHERE o.event_id = e.event_id AND o.expect = 'apply' AND NOT o.gone
                          AND NOT (o.trimmed AND EXISTS (SELECT 1 FROM chaos_dlq d
@@ -968,7 +976,15 @@ const CHECKS: &[(&str, &str, &str)] = &[
         "SELECT d.original_id || ' ' || d.kind || ': ' || d.reason FROM chaos_dlq d
          LEFT JOIN chaos_expected e ON e.entry_id = d.original_id
          WHERE e.entry_id IS NULL
-            OR (e.expect = 'apply' AND NOT (e.trimmed AND d.kind = 'trimmed'))",
+            OR (e.expect = 'apply' AND NOT (e.trimmed AND d.kind = 'trimmed') AND NOT d.excused)",
+    ),
+    (
+        "attempts charged to a run whose consumer neither crashed nor lost the entry",
+        "wrong",
+        // A dead letter's history names each run that started and never
+        // finished: its consumer must have died of a signal after the run
+        // started, or said it lost the entry (taken over while it ran).
+        "SELECT original_id || ': ' || run FROM chaos_runs WHERE NOT proven",
     ),
     (
         "dead letters of the wrong kind or without the expected reason",
@@ -1070,7 +1086,10 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
              trimmed bool NOT NULL, gone bool NOT NULL);
          CREATE TABLE chaos_dlq (dlq_id text PRIMARY KEY, original_id text NOT NULL,
              event_id text, kind text NOT NULL, reason text NOT NULL, attempts int NOT NULL,
-             fields_intact bool NOT NULL);",
+             fields_intact bool NOT NULL, excused bool NOT NULL);
+         DROP TABLE IF EXISTS chaos_runs;
+         CREATE TABLE chaos_runs (original_id text NOT NULL, run text NOT NULL,
+             proven bool NOT NULL);",
     )?;
     let mut tx = db.transaction()?;
     let ins = tx.prepare("INSERT INTO chaos_expected VALUES ($1, $2, $3, $4, $5, $6, $7, $8)")?;
@@ -1089,7 +1108,12 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
             ],
         )?;
     }
-    let ins = tx.prepare("INSERT INTO chaos_dlq VALUES ($1, $2, $3, $4, $5, $6, $7)")?;
+    let ins = tx.prepare("INSERT INTO chaos_dlq VALUES ($1, $2, $3, $4, $5, $6, $7, $8)")?;
+    let ins_run = tx.prepare("INSERT INTO chaos_runs VALUES ($1, $2, $3)")?;
+    let evidence = match &a.run_dir {
+        Some(dir) => Evidence::read(dir, &a.stream)?,
+        None => Evidence::default(),
+    };
     let mut undecodable = Vec::new();
     for (id, fields) in &dlq {
         let letter = match taskhub::DeadLetter::from_fields(Some(id.clone()), fields) {
@@ -1115,6 +1139,67 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
                 .collect();
             want == letter.fields
         });
+        // The runs its history charges as crashes, each with its evidence:
+        // a crash of its consumer before that consumer's next attempt (or
+        // the letter), or that consumer saying it lost the entry. (Runs of
+        // two consumers may overlap: one claims an entry queued behind
+        // another's run past the min-idle.)
+        let consumer_of = |a: &taskhub::dlq::Attempt| {
+            match a.error.strip_prefix(UNFINISHED_RUN) {
+                Some(run) => run.split(" (delivery ").next().map(str::to_owned),
+                // This process's own failures: the letter's consumer's.
+                None if a.at.is_some() => Some(letter.consumer.clone()),
+                None => None,
+            }
+        };
+        let mut unnamed = 0;
+        let mut runs = Vec::new();
+        for (i, attempt) in letter.history.iter().enumerate() {
+            if attempt.error.starts_with("delivered but never finished") {
+                unnamed += 1;
+            } else if let Some(run) = attempt.error.strip_prefix(UNFINISHED_RUN) {
+                let consumer = run.split(" (delivery ").next().unwrap_or_default();
+                let at = attempt.at.map(unix_ms);
+                let until = letter.history[i + 1..]
+                    .iter()
+                    .filter(|later| consumer_of(later).as_deref() == Some(consumer))
+                    .find_map(|later| later.at.map(unix_ms))
+                    .unwrap_or(letter.dead_at as i64);
+                let proven =
+                    at.is_some_and(|at| evidence.proves(consumer, at, until, &letter.original_id));
+                tx.execute(
+                    &ins_run,
+                    &[
+                        &letter.original_id,
+                        &format!("{consumer} at {at:?}"),
+                        &proven,
+                    ],
+                )?;
+                runs.push(proven);
+            }
+        }
+        // An event that should apply, dead-lettered as exhausted because
+        // crashes took the attempts its own failures left: at most the one
+        // unnamed charge of its first deliveries, and every named one
+        // proven (a crash of that consumer, or its run taken over).
+        let failures = letter.history.len() - unnamed - runs.len();
+        let charged = unnamed + runs.len();
+        let k = by_entry
+            .get(letter.original_id.as_str())
+            .and_then(|m| m.fields.iter().find(|(n, _)| n == b"payload"))
+            .and_then(|(_, v)| serde_json::from_slice::<serde_json::Value>(v).ok())
+            .and_then(|v| v["k"].as_u64())
+            .unwrap_or(0) as usize;
+        // (`panic-once` fails once, whatever its k.)
+        let k = match by_entry.get(letter.original_id.as_str()) {
+            Some(m) if m.kind == "panic-once" => k.max(1),
+            _ => k,
+        };
+        let excused = letter.kind == taskhub::dlq::Kind::Exhausted
+            && charged > 0
+            && runs.iter().all(|p| *p)
+            && unnamed <= 1
+            && failures <= k;
         tx.execute(
             &ins,
             &[
@@ -1125,6 +1210,7 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
                 &letter.reason,
                 &(letter.attempts as i32),
                 &intact,
+                &excused,
             ],
         )?;
     }
@@ -1205,6 +1291,7 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
         &mut db,
         "SELECT count(DISTINCT e.event_id) FROM chaos_expected e
          WHERE e.expect = 'apply'
+           AND NOT EXISTS (SELECT 1 FROM chaos_dlq d WHERE d.event_id = e.event_id AND d.excused)
            AND EXISTS (SELECT 1 FROM chaos_expected o
                        WHERE o.event_id = e.event_id AND o.expect = 'apply'
                          AND (EXISTS (SELECT 1 FROM chaos_effects n
@@ -1236,8 +1323,11 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
                 OR EXISTS (SELECT 1 FROM chaos_dlq d WHERE d.original_id = e.entry_id)))
             OR (e.expect = 'apply' AND e.trimmed
                 AND EXISTS (SELECT 1 FROM chaos_dlq d
-                            WHERE d.original_id = e.entry_id AND d.kind = 'trimmed'))",
+                            WHERE d.original_id = e.entry_id AND d.kind = 'trimmed'))
+            OR EXISTS (SELECT 1 FROM chaos_dlq d WHERE d.original_id = e.entry_id AND d.excused)",
     )?;
+    let excused = count(&mut db, "SELECT count(*) FROM chaos_dlq WHERE excused")?;
+    let runs = count(&mut db, "SELECT count(*) FROM chaos_runs")?;
     let kinds: Vec<(String, i64)> = db
         .query(
             "SELECT split_part(kind, ':', 1), count(*) FROM chaos_expected GROUP BY 1 ORDER BY 1",
@@ -1289,6 +1379,11 @@ fn check(redis_url: &str, db_url: &str, a: &CheckArgs) -> Res<()> {
                 dead_text.join(", ")
             ),
         ),
+        (
+            "  exhausted by proven crashes, though they should apply",
+            excused.to_string(),
+        ),
+        ("runs charged as crashes in dead letters", runs.to_string()),
         ("pending at the end", pending.to_string()),
         ("lost (must be 0)", lost.to_string()),
         ("duplicated (must be 0)", duplicated.to_string()),
@@ -1464,6 +1559,105 @@ fn destroy(url: &str, a: &DestroyArgs) -> Res<()> {
     }
     println!("{} pending", ids.len());
     Ok(())
+}
+
+fn unix_ms(at: std::time::SystemTime) -> i64 {
+    at.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// What the run's directory says of each consumer: when its processes
+/// exited and how, and when it said it lost an entry.
+#[derive(Default)]
+struct Evidence {
+    /// Consumer -> (unix ms, exit status) of each exit, in order.
+    exits: HashMap<String, Vec<(i64, i32)>>,
+    /// (consumer, entry id) -> when its log said the entry was taken from
+    /// it (unix ms).
+    lost: HashMap<(String, String), Vec<i64>>,
+}
+
+impl Evidence {
+    /// Reads `run/exits.<i>` ("status unix-ms" per exit of consumer `c<i>`)
+    /// and `w<i>.log` (the worker's log, at info level) for each `i`.
+    fn read(dir: &std::path::Path, stream: &str) -> Res<Evidence> {
+        let mut evidence = Evidence::default();
+        for i in 1.. {
+            let exits = dir.join(format!("run/exits.{i}"));
+            let log = dir.join(format!("w{i}.log"));
+            if !exits.exists() && !log.exists() {
+                break;
+            }
+            let consumer = format!("c{i}");
+            if let Ok(text) = std::fs::read_to_string(&exits) {
+                let list = text
+                    .lines()
+                    .filter_map(|l| {
+                        let (rc, at) = l.split_once(' ')?;
+                        Some((at.parse().ok()?, rc.parse().ok()?))
+                    })
+                    .collect();
+                evidence.exits.insert(consumer.clone(), list);
+            }
+            let Ok(text) = std::fs::read(&log) else {
+                continue;
+            };
+            // What a worker says when an entry is taken from it (its run,
+            // its retry or its dead letter: see `fail.rs`, `retry.rs`,
+            // `dead_letter.rs`), or left pending unsure; or when its run
+            // ended in a letter another consumer had written meanwhile (a
+            // run that kept losing its session, claimed while it waited).
+            let lost = [
+                "taken over by another consumer",
+                "no longer pending for this consumer",
+                "the entry is no longer this consumer's",
+                "cannot tell yet whether it was applied",
+                "dead-lettered before",
+            ];
+            let prefix = format!(" {stream}/");
+            for line in String::from_utf8_lossy(&text).lines() {
+                if !lost.iter().any(|l| line.contains(l)) {
+                    continue;
+                }
+                // "[2026-12-07T17:50:56.593Z INFO  taskhub::...] <stream>/<entry>: ..."
+                let at = line
+                    .get(1..25)
+                    .and_then(|t| humantime::parse_rfc3339(t).ok())
+                    .map(unix_ms);
+                let entry = line
+                    .split(&prefix)
+                    .nth(1)
+                    .and_then(|rest| rest.split_once(':'))
+                    .map(|(entry, _)| entry.to_owned());
+                if let (Some(at), Some(entry)) = (at, entry) {
+                    evidence
+                        .lost
+                        .entry((consumer.clone(), entry))
+                        .or_default()
+                        .push(at);
+                }
+            }
+        }
+        Ok(evidence)
+    }
+
+    /// Whether the run of `entry` that `consumer` started at `at` (unix ms)
+    /// never finished for a reason seen: that consumer's process died of a
+    /// signal (SIGKILL, an abort) between `at` and `until` (its next
+    /// attempt, or the dead letter), not in a graceful stop; or it said,
+    /// after `at`, that the entry was taken from it.
+    fn proves(&self, consumer: &str, at: i64, until: i64, entry: &str) -> bool {
+        let crashed = self
+            .exits
+            .get(consumer)
+            .and_then(|exits| exits.iter().find(|(t, _)| *t >= at))
+            .is_some_and(|(t, rc)| *t <= until && *rc >= 128);
+        let lost = self
+            .lost
+            .get(&(consumer.to_owned(), entry.to_owned()))
+            .is_some_and(|times| times.iter().any(|t| *t >= at));
+        crashed || lost
+    }
 }
 
 /// `<ms>-<seq>` as a pair, for comparing entry ids.
