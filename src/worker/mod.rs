@@ -25,7 +25,7 @@ use crate::postgres::blockers::Watch;
 use crate::postgres::connect;
 use crate::postgres::pool::{postgres_pool, PgPool, Setup};
 use crate::redis::keys::Namespace;
-use crate::redis::pool::redis_pool;
+use crate::redis::pool::{redis_pool, RedisPool};
 use crate::redis::streams;
 use crate::redis::RedisClient;
 use crate::shutdown::Shutdown;
@@ -238,6 +238,11 @@ impl Worker {
             }
             Err(Checked::Failed(e)) => return Err(e),
             Ok(()) => {}
+        }
+        if wait_while_loading(&redis, shutdown) {
+            let summary = self.monitor.inner.stats.snapshot();
+            log::info!("taskhub: stopped while Redis loaded its data; {summary}");
+            return Ok(summary);
         }
         {
             let mut conn = redis
@@ -725,5 +730,35 @@ fn jobs_per_read(config: &Config, handler: &dyn Handler) -> usize {
         1
     } else {
         config.workers
+    }
+}
+
+/// Waits while Redis loads its data: after a restart it answers every
+/// command with `LOADING` until it is done (seconds, minutes for a large
+/// dataset), which is no reason for a start to fail (it blamed the group
+/// it could not create). Said at once, then every 30 s; a shutdown stops
+/// the wait (`true`). Any other answer ends it: what follows reports it.
+fn wait_while_loading(redis: &RedisPool, shutdown: &Shutdown) -> bool {
+    let began = std::time::Instant::now();
+    let mut said: Option<std::time::Instant> = None;
+    loop {
+        let loading = redis.get().is_ok_and(|mut conn| {
+            redis::cmd("PING").query::<()>(&mut *conn).is_err_and(|e| {
+                e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::BusyLoading)
+            })
+        });
+        if !loading {
+            return false;
+        }
+        if said.is_none_or(|at| at.elapsed() >= Duration::from_secs(30)) {
+            log::warn!(
+                "redis: loading its data (LOADING); waiting for it ({}s so far; SIGTERM stops)",
+                began.elapsed().as_secs()
+            );
+            said = Some(std::time::Instant::now());
+        }
+        if shutdown.sleep(Duration::from_millis(200)) {
+            return true;
+        }
     }
 }

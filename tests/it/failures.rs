@@ -3640,3 +3640,46 @@ fn a_run_refused_at_commit_takes_its_start_back() {
     assert_eq!(calls, 2);
     assert!(runs.iter().all(HashMap::is_empty), "runs left: {runs:?}");
 }
+
+/// A worker started while Redis loads its data (after a restart it
+/// answers every command with `LOADING` until it is done: seconds, or
+/// minutes for a large dataset) waits for it and then works. It exited 1
+/// with "cannot create group g: BusyLoading", blaming the group (found by
+/// a hostile test; a service manager started Redis and taskhub together).
+#[test]
+fn a_worker_started_while_redis_loads_its_data_waits_for_it() {
+    let mut redis_server = PrivateRedis::start_with(&["--enable-debug-command", "yes"]);
+    let url = redis_server.url();
+    let db = TestDb::new();
+    let stream = unique("loading");
+    let mut conn = redis(&url);
+    xadd(&mut conn, &stream, &[("event_id", "e1"), ("payload", "p")]);
+    // Enough keys that loading them, 200 µs each, takes about 6 s; in the
+    // AOF's RDB preamble, which is what the key-load delay slows.
+    let _: () = redis::cmd("DEBUG")
+        .arg(&["POPULATE", "30000", "filler", "10"])
+        .query(&mut conn)
+        .unwrap();
+    let _: String = redis::cmd("BGREWRITEAOF").query(&mut conn).unwrap();
+    assert!(wait_until(Duration::from_secs(30), || {
+        let info: String = redis::cmd("INFO")
+            .arg("persistence")
+            .query(&mut conn)
+            .unwrap();
+        info.contains("aof_rewrite_in_progress:0") && info.contains("aof_rewrite_scheduled:0")
+    }));
+    redis_server.stop();
+    redis_server.start_again_loading(&[
+        "--key-load-delay",
+        "200",
+        "--loading-process-events-interval-bytes",
+        "1024",
+    ]);
+    let mut cmd = taskhub(&url, &db.url);
+    cmd.args(["run", "--stream", &stream, "--group", "g", "--until-idle"])
+        .args(["--block-ms", "100"]);
+    let out = output(cmd, None, Duration::from_secs(60));
+    assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
+    assert!(out.stderr.contains("loading"), "{}", out.stderr);
+    assert_eq!(db.effects("e1"), 1, "{}", out.stderr);
+}

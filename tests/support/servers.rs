@@ -92,6 +92,42 @@ impl PrivateRedis {
         );
     }
 
+    /// Starts the server again with `extra` settings added, returning as
+    /// soon as it answers, before it has loaded its data (while it answers
+    /// every command with `LOADING`).
+    pub fn start_again_loading(&mut self, extra: &[&str]) {
+        self.extra.extend(extra.iter().map(|s| s.to_string()));
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--dir", self.dir.0.to_str().unwrap()])
+            .args([
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+            ])
+            .args(&self.extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is installed (scripts/test.sh installs it)");
+        self.child = Some(child);
+        let url = self.url();
+        assert!(
+            wait_until(Duration::from_secs(10), || redis::Client::open(
+                url.as_str()
+            )
+            .and_then(|c| c.get_connection())
+            .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
+            .is_err_and(
+                |e| e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::BusyLoading)
+            )),
+            "private redis did not start loading"
+        );
+    }
+
     /// Stops the server (SIGKILL: like a crash; AOF always keeps the data).
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
