@@ -3,6 +3,13 @@
 #
 # Usage:  bash scripts/bench.sh    (EVENTS=100000 WORKERS=8 DURATION=15 CAPACITY_SECS=20 STEADY_SECS=30 PAIRS=3 SSLMODE=disable
 #                                   DISK_PROBE_DIR=<a temporary directory>)
+#         PG_PRIVATE="max_wal_size=16GB" bash scripts/bench.sh
+#                                  the same on a private PostgreSQL (initdb in
+#                                  a temporary directory, a free port, the
+#                                  default settings but those given, written
+#                                  to its postgresql.conf: see "Deploying" in
+#                                  the README), stopped at the end;
+#                                  DATABASE_URL is then ignored
 #
 # 1. makes sure Redis and PostgreSQL run (scripts/services.sh) and builds the
 #    release benchmark (examples/bench.rs);
@@ -75,6 +82,39 @@ if ! [[ $PAIRS =~ ^[1-9][0-9]*$ ]]; then
     exit 2
 fi
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379}
+# A private PostgreSQL, with settings of its own (PG_PRIVATE), if asked.
+PG_PRIVATE_DIR=""
+stop_private_pg() {
+    if [[ -n $PG_PRIVATE_DIR ]]; then
+        as_pg "$PG_BIN/pg_ctl" -D "$PG_PRIVATE_DIR/data" -m fast -w stop >/dev/null 2>&1 || true
+        rm -rf "$PG_PRIVATE_DIR"
+    fi
+}
+if [[ -n ${PG_PRIVATE:-} ]]; then
+    # shellcheck source=pg_bin_dir.sh
+    source scripts/pg_bin_dir.sh
+    PG_BIN=$(pg_bin_dir) || {
+        echo "bench: initdb/pg_ctl not found; set TASKHUB_PG_BIN" >&2
+        exit 2
+    }
+    # initdb and postgres refuse to run as root: root hands over to `postgres`.
+    as_pg() { if [[ $EUID -eq 0 ]]; then runuser -u postgres -- "$@"; else "$@"; fi; }
+    PG_PRIVATE_DIR=$(mktemp -d "${TMPDIR:-/tmp}/taskhub-bench-pg.XXXXXX")
+    chmod 755 "$PG_PRIVATE_DIR"
+    if [[ $EUID -eq 0 ]]; then chown postgres "$PG_PRIVATE_DIR"; fi
+    trap stop_private_pg EXIT
+    pg_port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    as_pg "$PG_BIN/initdb" -D "$PG_PRIVATE_DIR/data" -A trust -U postgres -E UTF8 >/dev/null
+    {
+        echo "port = $pg_port"
+        echo "listen_addresses = '127.0.0.1'"
+        echo "unix_socket_directories = '$PG_PRIVATE_DIR'"
+        for setting in $PG_PRIVATE; do echo "${setting%%=*} = '${setting#*=}'"; done
+    } | as_pg tee -a "$PG_PRIVATE_DIR/data/postgresql.conf" >/dev/null
+    as_pg "$PG_BIN/pg_ctl" -D "$PG_PRIVATE_DIR/data" -l "$PG_PRIVATE_DIR/log" -w -t 60 start >/dev/null
+    DATABASE_URL=postgres://postgres@127.0.0.1:$pg_port/postgres
+    echo "bench: a private PostgreSQL on port $pg_port with $PG_PRIVATE (log: $PG_PRIVATE_DIR/log)"
+fi
 DATABASE_URL=${DATABASE_URL:-postgres://postgres:taskhub@127.0.0.1:5432/taskhub}
 DATABASE_URL=${DATABASE_URL%%\?*}
 # Loopback without TLS by default, like a local socket, for both pgbench and
@@ -110,7 +150,7 @@ fi
 export DATABASE_URL=$BENCH_URL
 
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+trap 'rm -rf "$work"; stop_private_pg' EXIT
 # By default the probe's file goes in the temporary directory, which may
 # not be on the database's disk (see DISK_PROBE_DIR above).
 probe_where=${DISK_PROBE_DIR:-"this run's temporary directory (DISK_PROBE_DIR not set: it may not be on the database's disk)"}
