@@ -222,14 +222,9 @@ impl Processor {
             if delivery.started_as.is_none() {
                 let member = delivery.delivery_count;
                 let runs = count_start(&stage, delivery).ok_or_else(stopped)?;
-                // (Runs numbered above this delivery are of the group
-                // before an XGROUP DESTROY reset the counts: not counted.)
-                let runs: Vec<(u64, String)> =
-                    runs.into_iter().filter(|(d, _)| *d <= member).collect();
-                let started = u64::try_from(runs.len()).unwrap_or(u64::MAX);
-                delivery.delivery_count = delivery.delivery_count.min(started.saturating_add(1));
+                delivery.delivery_count = runs.prior_attempts(member).saturating_add(1);
                 delivery.started_as = Some(member);
-                delivery.unfinished = unfinished_runs(runs, member);
+                delivery.unfinished = unfinished_runs(runs.started, member);
             }
             if delivery.prior_attempts() >= stage.settings.max_attempts {
                 return Ok(Applied::CrashLoop);
@@ -1161,11 +1156,39 @@ fn stopped() -> HandlerError {
     HandlerError::outage("stopped while Redis was unavailable")
 }
 
-/// Counts the start of a redelivered entry's attempt; returns the runs
-/// started and not finished so far (this one included), not counting its
-/// first delivery: delivery count -> `<unix ms> <consumer>`. `None` when a
-/// shutdown interrupted a Redis outage.
-fn count_start(stage: &Stage, delivery: &Delivery) -> Option<Vec<(u64, String)>> {
+/// What Redis holds of the earlier deliveries of an entry (one hash,
+/// [`crate::redis::keys::started`]).
+#[derive(Debug, Default, PartialEq)]
+struct Runs {
+    /// The runs recorded as started and not finished: delivery count ->
+    /// `<unix ms> <consumer>` (fields `<delivery>`).
+    started: Vec<(u64, String)>,
+    /// The deliveries known to have ended without a crash though left
+    /// pending, and never recorded as started (a first delivery stopped by
+    /// a shutdown while it waited out an outage: fields `e<delivery>`).
+    ended: Vec<u64>,
+}
+
+impl Runs {
+    /// The attempts of the deliveries before `member` (this one): each run
+    /// recorded as started and never finished; and, for all the others
+    /// never recorded (the first delivery, and any queued but never
+    /// started), one, for the crash that may have ended them, unless each
+    /// is known to have ended without one. (Deliveries numbered from
+    /// `member` up are of the group before an XGROUP DESTROY reset the
+    /// counts: not counted.)
+    fn prior_attempts(&self, member: u64) -> u64 {
+        let started = self.started.iter().filter(|(d, _)| *d < member).count() as u64;
+        let ended = self.ended.iter().filter(|d| **d < member).count() as u64;
+        let unknown = member.saturating_sub(1) > started + ended;
+        (started + u64::from(unknown)).min(member.saturating_sub(1))
+    }
+}
+
+/// Counts the start of a redelivered entry's attempt; returns what Redis
+/// holds of its runs, this one included. `None` when a shutdown
+/// interrupted a Redis outage.
+fn count_start(stage: &Stage, delivery: &Delivery) -> Option<Runs> {
     let settings = &stage.settings;
     let key = started_key(stage, delivery);
     let ttl = settings.marker_ttl.as_secs().max(1);
@@ -1230,6 +1253,65 @@ pub(crate) fn take_back_start(stage: &Stage, delivery: &Delivery) -> bool {
     })
 }
 
+/// Marks `deliveries`, left pending by a shutdown that stopped their run
+/// while it waited out an outage, as ended without a crash, so that their
+/// next delivery charges them nothing: a run recorded as started takes its
+/// start back ([`take_back_start_through_outages`]); a delivery never
+/// recorded (a first delivery) gets an `e<delivery>` field beside the
+/// runs. Without it, a graceful restart while PostgreSQL was down cost
+/// every event it held one attempt, and one with `--max-attempts 1` became
+/// a `crash_loop` letter without ever failing (found by a hostile test).
+/// A few quick tries (the worker is stopping); where Redis does not take
+/// them, the next delivery counts one attempt, as after a crash.
+pub(crate) fn ended_without_crash<'a>(
+    stage: &Stage,
+    deliveries: impl IntoIterator<Item = &'a Delivery>,
+) {
+    let settings = &stage.settings;
+    let ttl = settings.marker_ttl.as_secs().max(1);
+    let value = format!("{} {}", millis(SystemTime::now()), settings.consumer);
+    let mut marks = redis::pipe();
+    let mut any = false;
+    for delivery in deliveries {
+        if delivery.started_as.is_some() {
+            take_back_start_through_outages(stage, delivery);
+            continue;
+        }
+        // A retry's earlier failures are known only here: its next
+        // delivery's one charge stands for them.
+        let Some(number) = delivery.fence().filter(|_| delivery.failures.is_empty()) else {
+            continue;
+        };
+        let key = started_key(stage, delivery);
+        marks
+            .cmd("HSET")
+            .arg(&key)
+            .arg(format!("e{number}"))
+            .arg(&value)
+            .ignore()
+            .cmd("EXPIRE")
+            .arg(&key)
+            .arg(ttl)
+            .ignore();
+        any = true;
+    }
+    if !any {
+        return;
+    }
+    let began = Instant::now();
+    let marked = (0..3).any(|_| {
+        began.elapsed() < Duration::from_secs(1)
+            && stage
+                .common
+                .redis_conn()
+                .and_then(|mut conn| marks.query::<()>(&mut *conn))
+                .is_ok()
+    });
+    if !marked {
+        log::warn!("redis: the runs stopped by the shutdown were not marked as ended (Redis did not answer); their next delivery counts one attempt each");
+    }
+}
+
 /// [`take_back_start`], then through a Redis outage if it has to: with one
 /// try, a pooled connection Redis had just closed left the start behind,
 /// and the next consumer charged the run as a crash (CI's chaos run
@@ -1267,9 +1349,8 @@ fn take_back(conn: &mut crate::redis::RedisConn, key: &str, member: u64) -> redi
 }
 
 /// Records the start of the delivery numbered `delivery` under `key`, as
-/// `run` (when, and on which consumer); returns the runs recorded so far,
-/// in delivery order (a field that is not a delivery number, which taskhub
-/// never writes, is skipped).
+/// `run` (when, and on which consumer); returns what the hash holds (a
+/// field of neither form, which taskhub never writes, is skipped).
 ///
 /// A hash with one field per delivery, not a counter: `with_redis` sends
 /// the command again when its reply was lost (a reset, a read timeout after
@@ -1281,8 +1362,8 @@ fn record_start(
     delivery: u64,
     run: &str,
     ttl: u64,
-) -> redis::RedisResult<Vec<(u64, String)>> {
-    let (runs,): (Vec<(String, String)>,) = redis::pipe()
+) -> redis::RedisResult<Runs> {
+    let (fields,): (Vec<(String, String)>,) = redis::pipe()
         .cmd("HSET")
         .arg(key)
         .arg(delivery)
@@ -1295,11 +1376,15 @@ fn record_start(
         .arg(ttl)
         .ignore()
         .query(conn)?;
-    let mut runs: Vec<(u64, String)> = runs
-        .into_iter()
-        .filter_map(|(field, run)| Some((field.parse().ok()?, run)))
-        .collect();
-    runs.sort_unstable_by_key(|(delivery, _)| *delivery);
+    let mut runs = Runs::default();
+    for (field, run) in fields {
+        if let Ok(delivery) = field.parse() {
+            runs.started.push((delivery, run));
+        } else if let Some(Ok(delivery)) = field.strip_prefix('e').map(str::parse) {
+            runs.ended.push(delivery);
+        }
+    }
+    runs.started.sort_unstable_by_key(|(delivery, _)| *delivery);
     Ok(runs)
 }
 
@@ -1626,13 +1711,42 @@ mod tests {
         let key =
             crate::redis::keys::started("g", &format!("starts-{}", uuid::Uuid::new_v4()), "1-0");
         let count = |conn: &mut _, delivery, run| {
-            record_start(conn, &key, delivery, run, 60).unwrap().len()
+            record_start(conn, &key, delivery, run, 60)
+                .unwrap()
+                .started
+                .len()
         };
         assert_eq!(count(&mut conn, 2, "1000 c1"), 1);
         // The same delivery's start, sent again after a lost reply.
         assert_eq!(count(&mut conn, 2, "1000 c1"), 1);
         assert_eq!(count(&mut conn, 3, "2000 c2"), 2);
         let _: () = redis::cmd("DEL").arg(&key).query(&mut conn).unwrap();
+    }
+
+    /// The attempts before a delivery: one for the deliveries never
+    /// recorded (the first one's crash), unless each is known to have
+    /// ended without one; one per run recorded and never finished; never
+    /// more than the deliveries before it.
+    #[test]
+    fn prior_attempts_count_crashes_not_clean_stops() {
+        let runs = |started: &[u64], ended: &[u64]| Runs {
+            started: started.iter().map(|d| (*d, String::new())).collect(),
+            ended: ended.to_vec(),
+        };
+        // The first delivery crashed (or nothing is known of it).
+        assert_eq!(runs(&[2], &[]).prior_attempts(2), 1);
+        // It was stopped by a shutdown while it waited out an outage.
+        assert_eq!(runs(&[2], &[1]).prior_attempts(2), 0);
+        // Then the second run crashed too.
+        assert_eq!(runs(&[2, 3], &[1]).prior_attempts(3), 1);
+        assert_eq!(runs(&[2, 3], &[]).prior_attempts(3), 2);
+        // Deliveries 2 and 3 were queued behind a crash, never started:
+        // one charge for all that is unknown.
+        assert_eq!(runs(&[4], &[]).prior_attempts(4), 1);
+        assert_eq!(runs(&[4], &[1]).prior_attempts(4), 1);
+        assert_eq!(runs(&[4], &[1, 2, 3]).prior_attempts(4), 0);
+        // Runs of the group before it was destroyed and created again.
+        assert_eq!(runs(&[2, 5, 6], &[]).prior_attempts(2), 1);
     }
 
     /// The earlier runs recorded for an entry become its history's

@@ -799,7 +799,9 @@ impl Processor {
                 p.apply_batch(&chunk, guarded)
             }) {
                 Flow::Stopped => {
-                    // Left pending.
+                    // Left pending, marked as ended without a crash.
+                    let left = chunk.iter().chain(halves.iter().flatten());
+                    crate::worker::apply::ended_without_crash(&self.stage, left);
                     chunk.clear();
                     halves.clear();
                 }
@@ -981,7 +983,7 @@ impl Processor {
                 // Dropped: left pending. Stopped while it waited out an
                 // outage, its run did not crash the process: the next
                 // delivery must not count it.
-                crate::worker::apply::take_back_start_through_outages(&self.stage, &delivery);
+                crate::worker::apply::ended_without_crash(&self.stage, [&delivery]);
                 Outcome::Other
             }
             Flow::Struck => {

@@ -563,6 +563,45 @@ fn graceful_restarts_during_an_outage_are_not_crash_loops() {
     assert_eq!(dead_letters(&mut conn, &stream), vec![]);
 }
 
+/// With `--max-attempts 1`, events whose runs a graceful restart stopped
+/// while PostgreSQL was down were dead-lettered `crash_loop` without ever
+/// failing: a first delivery that did not finish counted as a crash,
+/// however it ended (found by a hostile test). A run stopped that way is
+/// now marked in Redis as ended without one, and costs no attempt.
+#[test]
+fn a_graceful_restart_during_an_outage_costs_no_attempt() {
+    let db = TestDb::new();
+    fault_switch(&db, "08006");
+    let mut conn = redis(&redis_url());
+    let stream = unique("stopped");
+    let group = stream.clone(); // run_on names the group after the stream
+    let events = ids("healthy", 3);
+    add_events(&mut conn, &stream, &events, "p");
+    let run = |extra: &[&str]| {
+        let mut cmd = run_on(&db.url, &stream);
+        cmd.args(["--consumer", "c1", "--max-attempts", "1"])
+            .args(extra);
+        cmd
+    };
+    let mut p = Proc::spawn(run(&[]));
+    assert!(
+        p.wait_for("Postgres: unavailable", RUN_TIMEOUT),
+        "the outage was never seen\n{}",
+        p.stderr()
+    );
+    p.signal("TERM");
+    let status = p.wait(RUN_TIMEOUT);
+    assert!(status.success(), "{status}\n{}", p.stderr());
+    assert_eq!(pending(&mut conn, &stream, &group), 3);
+
+    set_fault(&db, false);
+    let out = output(run(&["--until-idle"]), None, RUN_TIMEOUT);
+    assert!(out.status.success(), "{}", out.stderr);
+    let summary = parse_summary(&out.stdout);
+    assert_eq!(summary["applied"], 3, "{summary:?}\n{}", out.stderr);
+    assert_eq!(dead_letters(&mut conn, &stream), vec![]);
+}
+
 #[test]
 fn a_read_only_window_is_an_outage() {
     let db = TestDb::new();
