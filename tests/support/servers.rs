@@ -63,31 +63,10 @@ impl PrivateRedis {
 
     /// Starts the server (again) on the same port and directory.
     pub fn start_again(&mut self) {
-        let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--dir", self.dir.0.to_str().unwrap()])
-            .args([
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "always",
-                "--save",
-                "",
-            ])
-            .args(&self.extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server is installed (scripts/test.sh installs it)");
-        self.child = Some(child);
+        self.spawn();
         let url = self.url();
         assert!(
-            wait_until(Duration::from_secs(10), || redis::Client::open(
-                url.as_str()
-            )
-            .and_then(|c| c.get_connection())
-            .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
-            .is_ok()),
+            wait_until(Duration::from_secs(10), || ping(&url).is_ok()),
             "private redis did not start"
         );
     }
@@ -97,6 +76,17 @@ impl PrivateRedis {
     /// every command with `LOADING`).
     pub fn start_again_loading(&mut self, extra: &[&str]) {
         self.extra.extend(extra.iter().map(|s| s.to_string()));
+        self.spawn();
+        let url = self.url();
+        assert!(
+            wait_until(Duration::from_secs(10), || ping(&url).is_err_and(|e| e
+                .kind()
+                == redis::ErrorKind::Server(redis::ServerErrorKind::BusyLoading))),
+            "private redis did not start loading"
+        );
+    }
+
+    fn spawn(&mut self) {
         let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--dir", self.dir.0.to_str().unwrap()])
@@ -114,18 +104,6 @@ impl PrivateRedis {
             .spawn()
             .expect("redis-server is installed (scripts/test.sh installs it)");
         self.child = Some(child);
-        let url = self.url();
-        assert!(
-            wait_until(Duration::from_secs(10), || redis::Client::open(
-                url.as_str()
-            )
-            .and_then(|c| c.get_connection())
-            .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
-            .is_err_and(
-                |e| e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::BusyLoading)
-            )),
-            "private redis did not start loading"
-        );
     }
 
     /// Stops the server (SIGKILL: like a crash; AOF always keeps the data).
@@ -135,6 +113,12 @@ impl PrivateRedis {
             let _ = c.wait();
         }
     }
+}
+
+fn ping(url: &str) -> redis::RedisResult<String> {
+    redis::Client::open(url)
+        .and_then(|c| c.get_connection())
+        .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
 }
 
 impl Drop for PrivateRedis {
