@@ -100,6 +100,11 @@ if [[ -n ${PG_PRIVATE:-} ]]; then
     # initdb and postgres refuse to run as root: root hands over to `postgres`.
     as_pg() { if [[ $EUID -eq 0 ]]; then runuser -u postgres -- "$@"; else "$@"; fi; }
     PG_PRIVATE_DIR=$(mktemp -d "${TMPDIR:-/tmp}/taskhub-bench-pg.XXXXXX")
+    if [[ $(stat -f -c %T "$PG_PRIVATE_DIR") == tmpfs ]]; then
+        echo "bench: $PG_PRIVATE_DIR is on tmpfs (memory): its commits would not wait for a disk; set TMPDIR to a directory on the disk" >&2
+        rmdir "$PG_PRIVATE_DIR"
+        exit 2
+    fi
     chmod 755 "$PG_PRIVATE_DIR"
     if [[ $EUID -eq 0 ]]; then chown postgres "$PG_PRIVATE_DIR"; fi
     trap stop_private_pg EXIT
@@ -150,7 +155,7 @@ fi
 export DATABASE_URL=$BENCH_URL
 
 work=$(mktemp -d)
-trap 'rm -rf "$work"; stop_private_pg' EXIT
+trap 'stop_private_pg; rm -rf "$work"' EXIT
 # By default the probe's file goes in the temporary directory, which may
 # not be on the database's disk (see DISK_PROBE_DIR above).
 probe_where=${DISK_PROBE_DIR:-"this run's temporary directory (DISK_PROBE_DIR not set: it may not be on the database's disk)"}

@@ -11,9 +11,10 @@
 //!   scope `g:x` with event `1` would be one key. Its value is its own
 //!   tag ([`marker_tag`]): a reply counts as the marker only when it carries
 //!   the tag of the key that was asked for (see `markers.rs`).
-//! - The runs of a redelivered entry that started and did not finish (a
-//!   hash: delivery count -> when and on which consumer it started; a new
-//!   name each time its form changed: a counter, then a set),
+//! - The runs of an entry that started and did not finish (a hash:
+//!   delivery count -> when and on which consumer it started), and the
+//!   deliveries stopped by a shutdown without a crash (`e<delivery>`); a
+//!   new name each time its form changed: a counter, then a set,
 //!   `th:r:<len>:<group>:<len>:<stream>:<entry_id>` (see `apply.rs`).
 //! - The record of the instance running as a consumer,
 //!   `th:c:<len>:<group>:<len>:<stream>:<consumer>`: its token, process id

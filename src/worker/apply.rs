@@ -47,7 +47,7 @@ use crate::redis::streams::{self, Owned};
 use crate::worker::delivery::{Delivery, FRESH};
 use crate::worker::process::Stage;
 use crate::worker::process::{event, Processor};
-use crate::worker::stats::Stats;
+use crate::worker::stats::{Server, Stats};
 
 const INSERT_PROCESSED: &str = "INSERT INTO processed_events (scope, event_id) VALUES ($1, $2) \
      ON CONFLICT DO NOTHING RETURNING txid_current()";
@@ -1179,7 +1179,13 @@ impl Runs {
     /// counts: not counted.)
     fn prior_attempts(&self, member: u64) -> u64 {
         let started = self.started.iter().filter(|(d, _)| *d < member).count() as u64;
-        let ended = self.ended.iter().filter(|d| **d < member).count() as u64;
+        // (A delivery both recorded and marked, its start's reply lost, or
+        // left over from before a destroy, counts as started.)
+        let ended = self
+            .ended
+            .iter()
+            .filter(|d| **d < member && !self.started.iter().any(|(s, _)| s == *d))
+            .count() as u64;
         let unknown = member.saturating_sub(1) > started + ended;
         (started + u64::from(unknown)).min(member.saturating_sub(1))
     }
@@ -1255,61 +1261,66 @@ pub(crate) fn take_back_start(stage: &Stage, delivery: &Delivery) -> bool {
 
 /// Marks `deliveries`, left pending by a shutdown that stopped their run
 /// while it waited out an outage, as ended without a crash, so that their
-/// next delivery charges them nothing: a run recorded as started takes its
-/// start back ([`take_back_start_through_outages`]); a delivery never
-/// recorded (a first delivery) gets an `e<delivery>` field beside the
-/// runs. Without it, a graceful restart while PostgreSQL was down cost
-/// every event it held one attempt, and one with `--max-attempts 1` became
-/// a `crash_loop` letter without ever failing (found by a hostile test).
-/// A few quick tries (the worker is stopping); where Redis does not take
-/// them, the next delivery counts one attempt, as after a crash.
+/// next delivery charges them nothing: an `e<delivery>` field beside the
+/// runs, written before the run's own start, if recorded, is taken back
+/// (so that no moment leaves the delivery unaccounted for). Without it, a
+/// graceful restart while PostgreSQL was down cost every event it held one
+/// attempt, and one with `--max-attempts 1` became a `crash_loop` letter
+/// without ever failing (found by a hostile test). A retry (its failures
+/// here are known only here) and a run that lost its database session
+/// (which may be its own doing) only take their start back: their next
+/// delivery's one charge stands for them. A few quick tries, none during a
+/// Redis outage (the worker is stopping); where Redis does not take them,
+/// the next delivery counts one attempt, as after a crash.
 pub(crate) fn ended_without_crash<'a>(
     stage: &Stage,
     deliveries: impl IntoIterator<Item = &'a Delivery>,
 ) {
     let settings = &stage.settings;
-    let ttl = settings.marker_ttl.as_secs().max(1);
-    let value = format!("{} {}", millis(SystemTime::now()), settings.consumer);
-    let mut marks = redis::pipe();
-    let mut any = false;
+    let mut marks: Vec<(String, u64, Option<u64>)> = Vec::new();
     for delivery in deliveries {
-        if delivery.started_as.is_some() {
+        if !delivery.failures.is_empty() || delivery.strikes > 0 {
             take_back_start_through_outages(stage, delivery);
             continue;
         }
-        // A retry's earlier failures are known only here: its next
-        // delivery's one charge stands for them.
-        let Some(number) = delivery.fence().filter(|_| delivery.failures.is_empty()) else {
-            continue;
-        };
-        let key = started_key(stage, delivery);
-        marks
-            .cmd("HSET")
-            .arg(&key)
-            .arg(format!("e{number}"))
-            .arg(&value)
-            .ignore()
-            .cmd("EXPIRE")
-            .arg(&key)
-            .arg(ttl)
-            .ignore();
-        any = true;
+        if let Some(number) = delivery.started_as.or(delivery.fence()) {
+            marks.push((started_key(stage, delivery), number, delivery.started_as));
+        }
     }
-    if !any {
+    if marks.is_empty() {
         return;
     }
-    let began = Instant::now();
-    let marked = (0..3).any(|_| {
-        began.elapsed() < Duration::from_secs(1)
-            && stage
-                .common
-                .redis_conn()
-                .and_then(|mut conn| marks.query::<()>(&mut *conn))
-                .is_ok()
-    });
-    if !marked {
-        log::warn!("redis: the runs stopped by the shutdown were not marked as ended (Redis did not answer); their next delivery counts one attempt each");
+    if !stage.common.health.is_down(Server::Redis) {
+        let ttl = settings.marker_ttl.as_secs().max(1);
+        let value = format!("{} {}", millis(SystemTime::now()), settings.consumer);
+        let began = Instant::now();
+        let marked = (0..3).any(|_| {
+            began.elapsed() < Duration::from_secs(1)
+                && stage
+                    .common
+                    .redis_conn()
+                    .and_then(|mut conn| {
+                        let mut pipe = conn.pipe();
+                        for (key, number, started) in &marks {
+                            pipe.cmd("HSET")
+                                .arg(key)
+                                .arg(format!("e{number}"))
+                                .arg(&value)
+                                .ignore();
+                            if let Some(started) = started {
+                                pipe.cmd("HDEL").arg(key).arg(started).ignore();
+                            }
+                            pipe.cmd("EXPIRE").arg(key).arg(ttl).ignore();
+                        }
+                        pipe.query::<()>(&mut conn)
+                    })
+                    .is_ok()
+        });
+        if marked {
+            return;
+        }
     }
+    log::warn!("redis: {} runs stopped by the shutdown were not marked as ended (Redis did not answer); their next delivery counts one attempt each", marks.len());
 }
 
 /// [`take_back_start`], then through a Redis outage if it has to: with one
@@ -1747,6 +1758,8 @@ mod tests {
         assert_eq!(runs(&[4], &[1, 2, 3]).prior_attempts(4), 0);
         // Runs of the group before it was destroyed and created again.
         assert_eq!(runs(&[2, 5, 6], &[]).prior_attempts(2), 1);
+        // A delivery both recorded and marked counts once, as started.
+        assert_eq!(runs(&[2, 3], &[2]).prior_attempts(3), 2);
     }
 
     /// The earlier runs recorded for an entry become its history's

@@ -269,6 +269,11 @@ impl Health {
         first
     }
 
+    /// Whether `server` is in an outage this process noticed.
+    pub fn is_down(&self, server: Server) -> bool {
+        self.flag(server).load(Ordering::SeqCst)
+    }
+
     /// Records that `server` works; logs the end of an outage.
     pub fn up(&self, server: Server) {
         if self.flag(server).swap(false, Ordering::SeqCst) {

@@ -581,6 +581,67 @@ fn a_graceful_restart_during_an_outage_costs_no_attempt() {
     restarts_during_an_outage_cost_nothing("1", 1);
 }
 
+/// The same when the stopped run had got as far as its handler: a
+/// redelivery records its start there, and a shutdown that stopped it
+/// while it waited out the outage took that start back, which left its
+/// delivery unaccounted for, charged as a crash again (found by review).
+/// Stopped: its first delivery at the dedup insert, its second in the
+/// effect (a fault of `notifications`), each while PostgreSQL was down.
+#[test]
+fn a_restart_that_stops_a_redelivered_run_in_its_handler_costs_no_attempt() {
+    let db = TestDb::new();
+    fault_switch(&db, "08006");
+    db.client()
+        .batch_execute(
+            "CREATE TABLE effect_fault (on_ boolean NOT NULL);
+             INSERT INTO effect_fault VALUES (false);
+             CREATE FUNCTION effect_fault() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF (SELECT on_ FROM effect_fault) THEN
+                     RAISE EXCEPTION 'injected fault' USING ERRCODE = '08006';
+                 END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER effect_fault BEFORE INSERT ON notifications
+                 FOR EACH ROW EXECUTE FUNCTION effect_fault();",
+        )
+        .unwrap();
+    let mut conn = redis(&redis_url());
+    let stream = unique("stopped2");
+    add_events(&mut conn, &stream, &ids("healthy", 3), "p");
+    let run = |extra: &[&str]| {
+        let mut cmd = run_on(&db.url, &stream);
+        cmd.args(["--consumer", "c1", "--max-attempts", "1"])
+            .args(extra);
+        cmd
+    };
+    let stop_during_outage = || {
+        let mut p = Proc::spawn(run(&[]));
+        assert!(
+            p.wait_for("Postgres: unavailable", RUN_TIMEOUT),
+            "the outage was never seen\n{}",
+            p.stderr()
+        );
+        p.signal("TERM");
+        let status = p.wait(RUN_TIMEOUT);
+        assert!(status.success(), "{status}\n{}", p.stderr());
+    };
+    stop_during_outage();
+    set_fault(&db, false);
+    db.client()
+        .batch_execute("BEGIN READ WRITE; UPDATE effect_fault SET on_ = true; COMMIT")
+        .unwrap();
+    stop_during_outage();
+    db.client()
+        .batch_execute("BEGIN READ WRITE; UPDATE effect_fault SET on_ = false; COMMIT")
+        .unwrap();
+    let out = output(run(&["--until-idle"]), None, RUN_TIMEOUT);
+    assert!(out.status.success(), "{}", out.stderr);
+    let summary = parse_summary(&out.stdout);
+    assert_eq!(summary["applied"], 3, "{summary:?}\n{}", out.stderr);
+    assert_eq!(dead_letters(&mut conn, &stream), vec![]);
+}
+
 #[test]
 fn a_read_only_window_is_an_outage() {
     let db = TestDb::new();
