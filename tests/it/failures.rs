@@ -3397,13 +3397,8 @@ fn a_worker_starts_on_a_full_redis_whose_group_exists() {
         .arg("MKSTREAM")
         .query(&mut conn)
         .unwrap();
-    for i in 0..20 {
-        xadd(
-            &mut conn,
-            &stream,
-            &[("event_id", &format!("e{i}")), ("payload", "p")],
-        );
-    }
+    let events: Vec<String> = (0..20).map(|i| format!("e{i}")).collect();
+    xadd_events(&mut conn, &stream, &events);
     // Full: the limit below what it uses already.
     let used: String = redis::cmd("INFO").arg("memory").query(&mut conn).unwrap();
     let used: u64 = used
@@ -3635,21 +3630,16 @@ fn a_run_refused_at_commit_takes_its_start_back() {
     assert_failed_run_takes_its_start_back(&redis_server, &db, handler, &calls);
 }
 
-/// A worker started while Redis loads its data (after a restart it
-/// answers every command with `LOADING` until it is done: seconds, or
-/// minutes for a large dataset) waits for it and then works. It exited 1
-/// with "cannot create group g: BusyLoading", blaming the group (found by
-/// a hostile test; a service manager started Redis and taskhub together).
-#[test]
-fn a_worker_started_while_redis_loads_its_data_waits_for_it() {
+/// A private Redis holding one event (`e1`) on a new stream, restarted
+/// so that it loads its data for about 6 s (30,000 keys at 200 µs each,
+/// in the AOF's RDB preamble, which is what the key-load delay slows);
+/// returned while it still answers `LOADING`, with its URL and the stream.
+fn redis_loading_its_data() -> (PrivateRedis, String, String) {
     let mut redis_server = PrivateRedis::start_with(&["--enable-debug-command", "yes"]);
     let url = redis_server.url();
-    let db = TestDb::new();
     let stream = unique("loading");
     let mut conn = redis(&url);
     xadd(&mut conn, &stream, &[("event_id", "e1"), ("payload", "p")]);
-    // Enough keys that loading them, 200 µs each, takes about 6 s; in the
-    // AOF's RDB preamble, which is what the key-load delay slows.
     let _: () = redis::cmd("DEBUG")
         .arg(&["POPULATE", "30000", "filler", "10"])
         .query(&mut conn)
@@ -3669,6 +3659,18 @@ fn a_worker_started_while_redis_loads_its_data_waits_for_it() {
         "--loading-process-events-interval-bytes",
         "1024",
     ]);
+    (redis_server, url, stream)
+}
+
+/// A worker started while Redis loads its data (after a restart it
+/// answers every command with `LOADING` until it is done: seconds, or
+/// minutes for a large dataset) waits for it and then works. It exited 1
+/// with "cannot create group g: BusyLoading", blaming the group (found by
+/// a hostile test; a service manager started Redis and taskhub together).
+#[test]
+fn a_worker_started_while_redis_loads_its_data_waits_for_it() {
+    let db = TestDb::new();
+    let (_redis_server, url, stream) = redis_loading_its_data();
     let mut cmd = taskhub(&url, &db.url);
     cmd.args(["run", "--stream", &stream, "--group", "g", "--until-idle"])
         .args(["--block-ms", "100"]);
@@ -3676,4 +3678,29 @@ fn a_worker_started_while_redis_loads_its_data_waits_for_it() {
     assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
     assert!(out.stderr.contains("loading"), "{}", out.stderr);
     assert_eq!(db.effects("e1"), 1, "{}", out.stderr);
+}
+
+/// SIGTERM while the worker waits for Redis to load its data stops it at
+/// once, exit 0, nothing read (as the README says).
+#[test]
+fn sigterm_while_redis_loads_its_data_stops_the_wait() {
+    let db = TestDb::new();
+    let (_redis_server, url, stream) = redis_loading_its_data();
+    let mut cmd = taskhub(&url, &db.url);
+    cmd.args(["run", "--stream", &stream, "--group", "g"]);
+    let mut p = Proc::spawn(cmd);
+    assert!(
+        p.wait_for("loading its data", Duration::from_secs(20)),
+        "{}",
+        p.stderr()
+    );
+    p.signal("TERM");
+    let status = p.wait(Duration::from_secs(3));
+    assert!(status.success(), "{status}\n{}", p.stderr());
+    assert!(
+        p.stderr().contains("stopped while Redis loaded its data"),
+        "{}",
+        p.stderr()
+    );
+    assert_eq!(db.effects("e1"), 0);
 }

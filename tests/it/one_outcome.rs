@@ -497,28 +497,40 @@ fn owner_held_up(db: &TestDb, mode: &str, point: &str, payloads: &[&str]) {
 /// connection (08006) or is read-only (25006) would, while the worker can
 /// still start.
 fn fault_switch(db: &TestDb, code: &str) {
+    fault_on_insert(db, "fault", "processed_events", code, true);
+}
+
+/// Makes every insert into `table` fail with SQLSTATE `code` while
+/// `<name>_switch.on` is true (it starts `on`): the trigger and its
+/// function are called `name`.
+fn fault_on_insert(db: &TestDb, name: &str, table: &str, code: &str, on: bool) {
     db.client()
         .batch_execute(&format!(
-            "CREATE TABLE fault_switch (on_ boolean NOT NULL);
-             INSERT INTO fault_switch VALUES (true);
-             CREATE FUNCTION fault() RETURNS trigger LANGUAGE plpgsql AS $$
+            "CREATE TABLE {name}_switch (on_ boolean NOT NULL);
+             INSERT INTO {name}_switch VALUES ({on});
+             CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$
              BEGIN
-                 IF (SELECT on_ FROM fault_switch) THEN
+                 IF (SELECT on_ FROM {name}_switch) THEN
                      RAISE EXCEPTION 'injected fault {code}' USING ERRCODE = '{code}';
                  END IF;
                  RETURN NEW;
              END $$;
-             CREATE TRIGGER fault BEFORE INSERT ON processed_events
-                 FOR EACH ROW EXECUTE FUNCTION fault();"
+             CREATE TRIGGER {name} BEFORE INSERT ON {table}
+                 FOR EACH ROW EXECUTE FUNCTION {name}();"
         ))
         .unwrap();
 }
 
 fn set_fault(db: &TestDb, on: bool) {
+    set_switch(db, "fault", on);
+}
+
+/// Turns the fault `name` of [`fault_on_insert`] on or off.
+fn set_switch(db: &TestDb, name: &str, on: bool) {
     // (The database may default to read-only sessions meanwhile.)
     db.client()
         .batch_execute(&format!(
-            "BEGIN READ WRITE; UPDATE fault_switch SET on_ = {on}; COMMIT"
+            "BEGIN READ WRITE; UPDATE {name}_switch SET on_ = {on}; COMMIT"
         ))
         .unwrap();
 }
@@ -591,21 +603,7 @@ fn a_graceful_restart_during_an_outage_costs_no_attempt() {
 fn a_restart_that_stops_a_redelivered_run_in_its_handler_costs_no_attempt() {
     let db = TestDb::new();
     fault_switch(&db, "08006");
-    db.client()
-        .batch_execute(
-            "CREATE TABLE effect_fault (on_ boolean NOT NULL);
-             INSERT INTO effect_fault VALUES (false);
-             CREATE FUNCTION effect_fault() RETURNS trigger LANGUAGE plpgsql AS $$
-             BEGIN
-                 IF (SELECT on_ FROM effect_fault) THEN
-                     RAISE EXCEPTION 'injected fault' USING ERRCODE = '08006';
-                 END IF;
-                 RETURN NEW;
-             END $$;
-             CREATE TRIGGER effect_fault BEFORE INSERT ON notifications
-                 FOR EACH ROW EXECUTE FUNCTION effect_fault();",
-        )
-        .unwrap();
+    fault_on_insert(&db, "effect_fault", "notifications", "08006", false);
     let mut conn = redis(&redis_url());
     let stream = unique("stopped2");
     add_events(&mut conn, &stream, &ids("healthy", 3), "p");
@@ -628,13 +626,9 @@ fn a_restart_that_stops_a_redelivered_run_in_its_handler_costs_no_attempt() {
     };
     stop_during_outage();
     set_fault(&db, false);
-    db.client()
-        .batch_execute("BEGIN READ WRITE; UPDATE effect_fault SET on_ = true; COMMIT")
-        .unwrap();
+    set_switch(&db, "effect_fault", true);
     stop_during_outage();
-    db.client()
-        .batch_execute("BEGIN READ WRITE; UPDATE effect_fault SET on_ = false; COMMIT")
-        .unwrap();
+    set_switch(&db, "effect_fault", false);
     let out = output(run(&["--until-idle"]), None, RUN_TIMEOUT);
     assert!(out.status.success(), "{}", out.stderr);
     let summary = parse_summary(&out.stdout);
