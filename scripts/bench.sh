@@ -3,13 +3,22 @@
 #
 # Usage:  bash scripts/bench.sh    (EVENTS=100000 WORKERS=8 DURATION=15 CAPACITY_SECS=20 STEADY_SECS=30 PAIRS=3 SSLMODE=disable
 #                                   DISK_PROBE_DIR=<a temporary directory>)
-#         PG_PRIVATE="max_wal_size=16GB" bash scripts/bench.sh
-#                                  the same on a private PostgreSQL (initdb in
-#                                  a temporary directory, a free port, the
-#                                  default settings but those given, written
-#                                  to its postgresql.conf: see "Deploying" in
-#                                  the README), stopped at the end;
-#                                  DATABASE_URL is then ignored
+#
+# The database measured: by default a private PostgreSQL (initdb in a
+# temporary directory on the disk, a free port, initdb's settings but
+# max_wal_size=16GB, so that its checkpoints come from the clock and not
+# from the WAL a fast run writes: see "Deploying" in the README), stopped
+# and removed at the end; DATABASE_URL is then ignored. fsync and
+# synchronous_commit stay on.
+#         PG_PRIVATE="max_wal_size=16GB shared_buffers=256MB" bash scripts/bench.sh
+#                                  a private PostgreSQL with these settings
+#         PG_PRIVATE=off bash scripts/bench.sh
+#                                  the server DATABASE_URL names, as it is set
+#                                  up (scripts/services.sh starts one if none
+#                                  runs at 127.0.0.1:5432)
+# Where initdb/pg_ctl are missing, or the temporary directory is on tmpfs,
+# the default falls back to DATABASE_URL's server and says so; a PG_PRIVATE
+# that was asked for stops the run instead.
 #
 # 1. makes sure Redis and PostgreSQL run (scripts/services.sh) and builds the
 #    release benchmark (examples/bench.rs);
@@ -82,29 +91,43 @@ if ! [[ $PAIRS =~ ^[1-9][0-9]*$ ]]; then
     exit 2
 fi
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379}
-# A private PostgreSQL, with settings of its own (PG_PRIVATE), if asked.
+# A private PostgreSQL, with settings of its own (PG_PRIVATE), by default.
+PG_PRIVATE_ASKED=${PG_PRIVATE+yes}
+PG_PRIVATE=${PG_PRIVATE-max_wal_size=16GB}
+if [[ $PG_PRIVATE == off ]]; then PG_PRIVATE=""; fi
 PG_PRIVATE_DIR=""
+# No private server after all: stop if one was asked for, else say why and
+# measure DATABASE_URL's server.
+no_private_pg() {
+    if [[ -n $PG_PRIVATE_ASKED ]]; then
+        echo "bench: $1" >&2
+        exit 2
+    fi
+    echo "bench: $1; measuring the server of DATABASE_URL instead, as it is set up (PG_PRIVATE=off says so)" >&2
+    PG_PRIVATE=""
+}
 stop_private_pg() {
     if [[ -n $PG_PRIVATE_DIR ]]; then
         as_pg "$PG_BIN/pg_ctl" -D "$PG_PRIVATE_DIR/data" -m fast -w stop >/dev/null 2>&1 || true
         rm -rf "$PG_PRIVATE_DIR"
     fi
 }
-if [[ -n ${PG_PRIVATE:-} ]]; then
+if [[ -n $PG_PRIVATE ]]; then
     # shellcheck source=pg_bin_dir.sh
     source scripts/pg_bin_dir.sh
-    PG_BIN=$(pg_bin_dir) || {
-        echo "bench: initdb/pg_ctl not found; set TASKHUB_PG_BIN" >&2
-        exit 2
-    }
-    # initdb and postgres refuse to run as root: root hands over to `postgres`.
-    as_pg() { if [[ $EUID -eq 0 ]]; then runuser -u postgres -- "$@"; else "$@"; fi; }
+    PG_BIN=$(pg_bin_dir) || no_private_pg "initdb/pg_ctl not found for a private PostgreSQL (set TASKHUB_PG_BIN)"
+fi
+if [[ -n $PG_PRIVATE ]]; then
     PG_PRIVATE_DIR=$(mktemp -d "${TMPDIR:-/tmp}/taskhub-bench-pg.XXXXXX")
     if [[ $(stat -f -c %T "$PG_PRIVATE_DIR") == tmpfs ]]; then
-        echo "bench: $PG_PRIVATE_DIR is on tmpfs (memory): its commits would not wait for a disk; set TMPDIR to a directory on the disk" >&2
         rmdir "$PG_PRIVATE_DIR"
-        exit 2
+        PG_PRIVATE_DIR=""
+        no_private_pg "${TMPDIR:-/tmp} is on tmpfs (memory): a private PostgreSQL's commits there would not wait for a disk (set TMPDIR to a directory on the disk)"
     fi
+fi
+if [[ -n $PG_PRIVATE ]]; then
+    # initdb and postgres refuse to run as root: root hands over to `postgres`.
+    as_pg() { if [[ $EUID -eq 0 ]]; then runuser -u postgres -- "$@"; else "$@"; fi; }
     chmod 755 "$PG_PRIVATE_DIR"
     if [[ $EUID -eq 0 ]]; then chown postgres "$PG_PRIVATE_DIR"; fi
     trap stop_private_pg EXIT
