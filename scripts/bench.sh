@@ -12,7 +12,7 @@
 # synchronous_commit stay on.
 #         PG_PRIVATE="max_wal_size=16GB shared_buffers=256MB" bash scripts/bench.sh
 #                                  a private PostgreSQL with these settings
-#         PG_PRIVATE=off bash scripts/bench.sh
+#         PG_PRIVATE=off bash scripts/bench.sh    (or PG_PRIVATE="")
 #                                  the server DATABASE_URL names, as it is set
 #                                  up (scripts/services.sh starts one if none
 #                                  runs at 127.0.0.1:5432)
@@ -103,7 +103,7 @@ no_private_pg() {
         echo "bench: $1" >&2
         exit 2
     fi
-    echo "bench: $1; measuring the server of DATABASE_URL instead, as it is set up (PG_PRIVATE=off says so)" >&2
+    echo "bench: $1; measuring the server of DATABASE_URL instead, as it is set up (PG_PRIVATE=off asks for that without this message)" >&2
     PG_PRIVATE=""
 }
 stop_private_pg() {
