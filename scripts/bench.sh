@@ -153,7 +153,12 @@ BENCH_URL="${DATABASE_URL%/*}/taskhub_bench?sslmode=$SSLMODE"
 ADMIN_URL="${DATABASE_URL%/*}/postgres?sslmode=$SSLMODE"
 export RUST_LOG=${RUST_LOG:-warn}
 
-bash scripts/services.sh >/dev/null
+# Redis, and the server of DATABASE_URL unless a private one is measured.
+if [[ -n $PG_PRIVATE ]]; then
+    TASKHUB_SERVICES=redis bash scripts/services.sh >/dev/null
+else
+    bash scripts/services.sh >/dev/null
+fi
 cargo build --release --quiet --example bench
 
 psql "$ADMIN_URL" -X -q -v ON_ERROR_STOP=1 \

@@ -23,6 +23,8 @@
 #   TASKHUB_STATE_DIR          where started servers keep their data
 #                              (default /var/tmp/taskhub)
 #   TASKHUB_SERVICES_TIMEOUT   seconds to wait for the servers (default 30)
+#   TASKHUB_SERVICES           "redis" to see to Redis alone (scripts/bench.sh
+#                              on a private PostgreSQL of its own); default both
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -34,6 +36,14 @@ PG_PASSWORD=taskhub # the password in the default DATABASE_URL
 DB_NAME=taskhub
 STATE_DIR=${TASKHUB_STATE_DIR:-/var/tmp/taskhub}
 TIMEOUT=${TASKHUB_SERVICES_TIMEOUT:-30}
+case ${TASKHUB_SERVICES:-both} in
+redis) WANT_PG=0 ;;
+both) WANT_PG=1 ;;
+*)
+    echo "services: ERROR: TASKHUB_SERVICES must be 'redis' or 'both', not '$TASKHUB_SERVICES'" >&2
+    exit 2
+    ;;
+esac
 
 REDIS_HOW="" # what we used, for the summary lines at the end
 PG_HOW=""
@@ -280,9 +290,9 @@ ensure_database() {
 
 # ----------------------------------------------------------------- main ----
 
-redis_ok=0 pg_ok=0
+redis_ok=0 pg_ok=$((!WANT_PG))
 ensure_redis_local && redis_ok=1
-ensure_postgres_local && pg_ok=1
+((pg_ok)) || ensure_postgres_local && pg_ok=1
 
 if ((!redis_ok || !pg_ok)) && docker_ok; then
     say "starting Docker services from $ROOT/docker-compose.yml"
@@ -307,8 +317,8 @@ fi
 
 wait_for redis_up ||
     die "Redis does not answer PING on $HOST:$REDIS_PORT after ${TIMEOUT}s ($REDIS_HOW); a password, or another program on that port?"
+printf 'redis:    %s\n' "$REDIS_HOW"
+((WANT_PG)) || exit 0
 wait_for pg_up || die "PostgreSQL does not answer on $HOST:$PG_PORT after ${TIMEOUT}s ($PG_HOW)"
 ensure_database
-
-printf 'redis:    %s\n' "$REDIS_HOW"
 printf 'postgres: %s\n' "$PG_HOW"

@@ -475,3 +475,28 @@ fn the_instruction_count_runs_in_both_modes() {
     assert_eq!(out.status.code(), Some(2), "{}", out.stderr);
     assert!(out.stderr.contains("not 'fast'"), "{}", out.stderr);
 }
+
+/// `scripts/bench.sh` refuses a private PostgreSQL asked for on tmpfs,
+/// where its commits would wait for no disk (the README, "Which database
+/// it measures"): exit 2 with the reason, before anything is built or
+/// measured, and no directory of it left behind.
+#[test]
+fn the_benchmark_refuses_a_private_postgresql_on_tmpfs() {
+    let shm = std::path::Path::new("/dev/shm");
+    let kind = Command::new("stat")
+        .args(["-f", "-c", "%T"])
+        .arg(shm)
+        .output();
+    let on_tmpfs = kind.is_ok_and(|k| String::from_utf8_lossy(&k.stdout).trim() == "tmpfs");
+    assert!(on_tmpfs, "this test needs /dev/shm on tmpfs, as on Linux");
+    let dir = TempDir(shm.join(unique("bench-tmpfs")));
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let mut cmd = Command::new("bash");
+    cmd.arg(repo_path("scripts/bench.sh"))
+        .env("PG_PRIVATE", "max_wal_size=16GB")
+        .env("TMPDIR", &dir.0);
+    let out = output(cmd, None, Duration::from_secs(60));
+    assert_eq!(out.status.code(), Some(2), "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stderr.contains("is on tmpfs"), "{}", out.stderr);
+    assert_eq!(std::fs::read_dir(&dir.0).unwrap().count(), 0);
+}
