@@ -282,6 +282,14 @@ pgbench_latency() { # script transactions-per-second
         target/release/examples/bench --calm-latency "$work/steal"
 }
 
+# pgbench_latency, and the passes of autovacuum that ended while it ran.
+floor_latency() { # script transactions-per-second
+    local before line
+    before=$(maintenance)
+    line=$(pgbench_latency "$@")
+    echo "$line autovacuum=$(($(maintenance) - before))"
+}
+
 # A figure of a RESULT line ("rate", "sustained", ...).
 field() { # line name
     sed -E "s/.* $2=([^ ]+).*/\1/" <<<"$1"
@@ -291,15 +299,29 @@ result_of() { # label
     grep "^$1 " "$work/results" || true
 }
 
-# One benchmark run; prints its RESULT line.
+# How many passes of autovacuum and autoanalyze over the two tables have
+# ended so far. A pass takes a burst of the machine's CPU (on two cores at
+# 75% of capacity, one over these tables raised a per-event run's p99 from
+# about 7 ms to 12-69 ms: see docs/performance-log.md). The launcher visits
+# a database once a minute, and tables emptied before each run are due
+# again after a thousand inserts, so a 30 s run meets one or none: the
+# steady table says which.
+maintenance() {
+    psql "$BENCH_URL" -X -A -t -q -v ON_ERROR_STOP=1 -c "SELECT coalesce(sum(autovacuum_count + autoanalyze_count), 0)
+        FROM pg_stat_user_tables WHERE relid IN ('processed_events'::regclass, 'notifications'::regclass)"
+}
+
+# One benchmark run; prints its RESULT line, and the passes of autovacuum
+# that ended while it ran.
 bench() { # label args...
     local label=$1
     shift
     echo "running: $label..." >&2
     fresh_tables
-    local line
+    local line before
+    before=$(maintenance)
     line=$(target/release/examples/bench --events "$EVENTS" --workers "$WORKERS" "$@" | grep '^RESULT')
-    echo "$label $line"
+    echo "$label $line autovacuum=$(($(maintenance) - before))"
 }
 
 # Each mode's runs sit between two measurements of its ceiling, so a drift
@@ -385,9 +407,9 @@ for mode in per-event batch; do
             --presize --disk-probe "$DISK_PROBE_DIR" >>"$work/results"
         echo "running: the database alone at $rate events/s..." >&2
         if [[ $mode == per-event ]]; then
-            floor=$(pgbench_latency "$work/per_event_one.sql" "$rate")
+            floor=$(floor_latency "$work/per_event_one.sql" "$rate")
         else
-            floor=$(pgbench_latency "$work/floor50.sql" $(((rate + 49) / 50)))
+            floor=$(floor_latency "$work/floor50.sql" $(((rate + 49) / 50)))
         fi
         echo "steady-$mode-$share% rate=$rate $floor" >>"$work/floors"
     done
@@ -403,9 +425,9 @@ echo "measuring the database alone at 75% of its own ceiling..." >&2
 own_event=$(pgbench_tps "$work/per_event_one.sql" -M prepared)
 own_batch=$(($(pgbench_tps "$work/floor50.sql" -M prepared) * 50))
 rate=$((own_event * 75 / 100))
-echo "database-per-event-75% rate=$rate $(pgbench_latency "$work/per_event_one.sql" "$rate")" >>"$work/floors"
+echo "database-per-event-75% rate=$rate $(floor_latency "$work/per_event_one.sql" "$rate")" >>"$work/floors"
 rate=$((own_batch * 75 / 100))
-echo "database-batch-75% rate=$rate $(pgbench_latency "$work/floor50.sql" $(((rate + 49) / 50)))" >>"$work/floors"
+echo "database-batch-75% rate=$rate $(floor_latency "$work/floor50.sql" $(((rate + 49) / 50)))" >>"$work/floors"
 
 printf '\nceilings (pgbench, %d connections, %s; before / after the runs of that mode):\n' "$WORKERS" "$db_path"
 printf '  per-event transaction %d / %d tps; 50 per transaction %d / %d events/s\n' \
@@ -463,8 +485,8 @@ clean=$(healthy_rate batch)
 printf 'healthy events with 1%% rejected by the database, batch: %s/s vs %s/s clean = %.2fx\n' \
     "$poison" "$clean" "$(awk "BEGIN { print $poison / $clean }")"
 printf '\nsteady load, taskhub next to the database alone at the same rate (pgbench -R, prepared):\n'
-printf '%-22s %10s %27s %28s %27s %28s\n' run events/s "taskhub p50 / p99 / max ms" "calm p99 (share, steal, stall)" \
-    "database p50 / p99 / max ms" "calm p99 (share, steal, stall)"
+printf '%-22s %10s %27s %28s %7s %27s %28s %7s\n' run events/s "taskhub p50 / p99 / max ms" "calm p99 (share, steal, stall)" \
+    autovac "database p50 / p99 / max ms" "calm p99 (share, steal, stall)" autovac
 # p50 / p99 / max of a RESULT or floor line, and its calm p99 with the
 # share of events it counts, and how long the host's steal bursts and the
 # disk's stalls lasted.
@@ -479,13 +501,19 @@ calm_p99() { # line
     printf '%s (%s%%, %ss, %s)' "$(field "$1" calm_p99_ms)" "$(field "$1" calm_share)" "$(field "$1" burst_s)" \
         "$stalls"
 }
+# The passes of autovacuum over the tables that ended during a run.
+autovacuum() { # line
+    [[ $1 == *autovacuum=* ]] || { printf -- -; return; }
+    field "$1" autovacuum
+}
 while read -r label line; do
     ours=$(result_of "$label")
-    taskhub=- taskhub_calm=-
-    [[ -n $ours ]] && taskhub=$(latencies "$ours") && taskhub_calm=$(calm_p99 "$ours")
+    taskhub=- taskhub_calm=- taskhub_vacuum=-
+    [[ -n $ours ]] && taskhub=$(latencies "$ours") && taskhub_calm=$(calm_p99 "$ours") &&
+        taskhub_vacuum=$(autovacuum "$ours")
     line=" $line"
-    printf '%-22s %10s %27s %28s %27s %28s\n' "$label" "$(field "$line" rate)" "$taskhub" "$taskhub_calm" \
-        "$(latencies "$line")" "$(calm_p99 "$line")"
+    printf '%-22s %10s %27s %28s %7s %27s %28s %7s\n' "$label" "$(field "$line" rate)" "$taskhub" "$taskhub_calm" \
+        "$taskhub_vacuum" "$(latencies "$line")" "$(calm_p99 "$line")" "$(autovacuum "$line")"
 done <"$work/floors"
 cat <<EOF
 
@@ -524,6 +552,12 @@ the end of the probe's sync before it: every commit waits for such a sync
 of the WAL, on the database's disk (a stall may also be the probe waiting
 for a core). An event that queued behind a burst's or a stall's backlog
 but was sent after it counts as calm.
+autovac: how many passes of autovacuum or autoanalyze over processed_events
+and notifications ended during the run. Each takes a burst of CPU from the
+two cores; the launcher visits the database once a minute and the emptied
+tables are due again after a thousand inserts, so a ${STEADY_SECS} s run meets one
+or none, by chance. A p99 far above the calm figures with a pass beside it
+is that pass's backlog (see docs/performance-log.md, 2026-12-08).
 disk probe: ${probe_where}
 EOF
 
