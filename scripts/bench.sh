@@ -55,9 +55,10 @@
 #    write and fdatasync, then 10 ms asleep, in DISK_PROBE_DIR, which
 #    should be on the database's disk: bench --disk-probe) counts its
 #    stalls;
-# 6. prints one table: events/s, latency, CPU per event, peak RSS, the
-#    host's steal during each run, and each rate as a ratio of the matching
-#    ceiling;
+# 6. prints two tables: events/s, latency, CPU per event, peak RSS, the
+#    host's steal during each run, the passes of autovacuum over the two
+#    tables that ended during it (autovac), and each rate as a ratio of the
+#    matching ceiling; then the steady runs beside the database alone;
 # 7. with valgrind, our instructions per event in a drain of each mode
 #    (scripts/instructions.sh), which the machine's load does not move.
 set -euo pipefail
@@ -282,33 +283,56 @@ pgbench_latency() { # script transactions-per-second
         target/release/examples/bench --calm-latency "$work/steal"
 }
 
-# pgbench_latency, and the passes of autovacuum that ended while it ran.
+# pgbench_latency, and the passes of autovacuum that ended while it ran
+# (its window also holds the tables' TRUNCATE and CHECKPOINT, and the 3 s
+# the steal watcher outlives pgbench).
 floor_latency() { # script transactions-per-second
     local before line
     before=$(maintenance)
     line=$(pgbench_latency "$@")
-    echo "$line autovacuum=$(($(maintenance) - before))"
+    echo "$line autovacuum=$(passes_since "$before")"
 }
 
 # A figure of a RESULT line ("rate", "sustained", ...).
 field() { # line name
     sed -E "s/.* $2=([^ ]+).*/\1/" <<<"$1"
 }
+# The passes of autovacuum and autoanalyze over the tables that ended
+# during a run ("-" where none were counted).
+autovacuum() { # line
+    [[ $1 == *autovacuum=* ]] || { printf -- -; return; }
+    field "$1" autovacuum
+}
 # The RESULT line of a run by its label (empty if there is none).
 result_of() { # label
     grep "^$1 " "$work/results" || true
 }
 
-# How many passes of autovacuum and autoanalyze over the two tables have
-# ended so far. A pass takes a burst of the machine's CPU (on two cores at
-# 75% of capacity, one over these tables raised a per-event run's p99 from
-# about 7 ms to 12-69 ms: see docs/performance-log.md). The launcher visits
-# a database once a minute, and tables emptied before each run are due
-# again after a thousand inserts, so a 30 s run meets one or none: the
-# steady table says which.
+# The passes of autovacuum and of autoanalyze over the two tables that have
+# ended so far ("VACUUMS ANALYZES"; nothing if they cannot be read). A pass
+# takes a burst of the machine's CPU: on two cores at 75% of capacity, a
+# per-event run that met one visit had a p99 of 12-13 ms where runs with
+# autovacuum off had 7-10 ms (docs/performance-log.md, 2026-12-08). The
+# launcher visits a database once a minute by default, and tables emptied
+# before each run are due again after a thousand inserts, so a 30 s run
+# meets one visit or none, by chance: the tables say which.
 maintenance() {
-    psql "$BENCH_URL" -X -A -t -q -v ON_ERROR_STOP=1 -c "SELECT coalesce(sum(autovacuum_count + autoanalyze_count), 0)
-        FROM pg_stat_user_tables WHERE relid IN ('processed_events'::regclass, 'notifications'::regclass)"
+    psql "$BENCH_URL" -X -A -t -q -F ' ' -c "SELECT coalesce(sum(autovacuum_count), 0), coalesce(sum(autoanalyze_count), 0)
+        FROM pg_stat_user_tables WHERE relid IN ('processed_events'::regclass, 'notifications'::regclass)" 2>/dev/null || true
+}
+# The passes that ended since `maintenance` printed BEFORE, as
+# "VACUUMS+ANALYZES" (a visit that vacuums and analyzes both tables is
+# 2+2), or "?" when either count could not be read.
+passes_since() { # before
+    local now v0 a0 v1 a1
+    now=$(maintenance)
+    if [[ $1 =~ ^[0-9]+\ [0-9]+$ && $now =~ ^[0-9]+\ [0-9]+$ ]]; then
+        read -r v0 a0 <<<"$1"
+        read -r v1 a1 <<<"$now"
+        echo "$((v1 - v0))+$((a1 - a0))"
+    else
+        echo "?"
+    fi
 }
 
 # One benchmark run; prints its RESULT line, and the passes of autovacuum
@@ -321,7 +345,7 @@ bench() { # label args...
     local line before
     before=$(maintenance)
     line=$(target/release/examples/bench --events "$EVENTS" --workers "$WORKERS" "$@" | grep '^RESULT')
-    echo "$label $line autovacuum=$(($(maintenance) - before))"
+    echo "$label $line autovacuum=$(passes_since "$before")"
 }
 
 # Each mode's runs sit between two measurements of its ceiling, so a drift
@@ -434,7 +458,8 @@ printf '  per-event transaction %d / %d tps; 50 per transaction %d / %d events/s
     "$event_before" "$event_after" "$batch_before" "$batch_after"
 printf '  prepared, in the forms of the steady floors: one statement per event %d tps; 50 per transaction %d events/s\n\n' \
     "$own_event" "$own_batch"
-printf '%-22s %10s %10s %9s %9s %9s %9s %8s %6s %s\n' run events/s healthy/s p50_ms p99_ms max_ms cpu_us rss_MB steal% "vs ceiling"
+printf '%-22s %10s %10s %9s %9s %9s %9s %8s %6s %7s %s\n' run events/s healthy/s p50_ms p99_ms max_ms cpu_us rss_MB steal% autovac \
+    "vs ceiling"
 while read -r label line; do
     rate=$(field "$line" rate)
     # Under an overloading producer: what was committed while it ran.
@@ -443,11 +468,11 @@ while read -r label line; do
     [[ $label == *per-event* ]] && ceiling=$ceiling_event
     share=$(awk "BEGIN { printf \"%.0f%%\", 100 * $rate / $ceiling }")
     [[ $label == steady-* || $label == growing-* ]] && share=-
-    printf '%-22s %10s %10s %9s %9s %9s %9s %8.1f %6s %s\n' "$label" "$rate" \
+    printf '%-22s %10s %10s %9s %9s %9s %9s %8.1f %6s %7s %s\n' "$label" "$rate" \
         "$(field "$line" healthy_rate)" "$(field "$line" p50_ms)" "$(field "$line" p99_ms)" \
         "$(field "$line" max_ms)" \
         "$(field "$line" cpu_us)" "$(awk "BEGIN { print $(field "$line" rss_kb) / 1024 }")" \
-        "$(field "$line" steal_pct)" "$share"
+        "$(field "$line" steal_pct)" "$(autovacuum "$line")" "$share"
 done <"$work/results"
 healthy_rate() { # label
     field "$(result_of "$1")" healthy_rate
@@ -485,7 +510,7 @@ clean=$(healthy_rate batch)
 printf 'healthy events with 1%% rejected by the database, batch: %s/s vs %s/s clean = %.2fx\n' \
     "$poison" "$clean" "$(awk "BEGIN { print $poison / $clean }")"
 printf '\nsteady load, taskhub next to the database alone at the same rate (pgbench -R, prepared):\n'
-printf '%-22s %10s %27s %28s %7s %27s %28s %7s\n' run events/s "taskhub p50 / p99 / max ms" "calm p99 (share, steal, stall)" \
+printf '%-22s %10s %27s %30s %7s %27s %30s %7s\n' run events/s "taskhub p50 / p99 / max ms" "calm p99 (share, steal, stall)" \
     autovac "database p50 / p99 / max ms" "calm p99 (share, steal, stall)" autovac
 # p50 / p99 / max of a RESULT or floor line, and its calm p99 with the
 # share of events it counts, and how long the host's steal bursts and the
@@ -501,18 +526,13 @@ calm_p99() { # line
     printf '%s (%s%%, %ss, %s)' "$(field "$1" calm_p99_ms)" "$(field "$1" calm_share)" "$(field "$1" burst_s)" \
         "$stalls"
 }
-# The passes of autovacuum over the tables that ended during a run.
-autovacuum() { # line
-    [[ $1 == *autovacuum=* ]] || { printf -- -; return; }
-    field "$1" autovacuum
-}
 while read -r label line; do
     ours=$(result_of "$label")
     taskhub=- taskhub_calm=- taskhub_vacuum=-
     [[ -n $ours ]] && taskhub=$(latencies "$ours") && taskhub_calm=$(calm_p99 "$ours") &&
         taskhub_vacuum=$(autovacuum "$ours")
     line=" $line"
-    printf '%-22s %10s %27s %28s %7s %27s %28s %7s\n' "$label" "$(field "$line" rate)" "$taskhub" "$taskhub_calm" \
+    printf '%-22s %10s %27s %30s %7s %27s %30s %7s\n' "$label" "$(field "$line" rate)" "$taskhub" "$taskhub_calm" \
         "$taskhub_vacuum" "$(latencies "$line")" "$(calm_p99 "$line")" "$(autovacuum "$line")"
 done <"$work/floors"
 cat <<EOF
@@ -552,12 +572,15 @@ the end of the probe's sync before it: every commit waits for such a sync
 of the WAL, on the database's disk (a stall may also be the probe waiting
 for a core). An event that queued behind a burst's or a stall's backlog
 but was sent after it counts as calm.
-autovac: how many passes of autovacuum or autoanalyze over processed_events
-and notifications ended during the run. Each takes a burst of CPU from the
-two cores; the launcher visits the database once a minute and the emptied
-tables are due again after a thousand inserts, so a ${STEADY_SECS} s run meets one
-or none, by chance. A p99 far above the calm figures with a pass beside it
-is that pass's backlog (see docs/performance-log.md, 2026-12-08).
+autovac: the passes of autovacuum over processed_events and notifications
+that ended during the run, as vacuums+analyzes (one visit of the launcher
+that vacuums and analyzes both tables is 2+2; ? where they could not be
+read). Each takes a burst of CPU from the two cores; the launcher visits
+the database every autovacuum_naptime (a minute by default) and the
+emptied tables are due again after a thousand inserts, so a ${STEADY_SECS} s run meets
+one visit or none, by chance. A p99 far above the calm figures with a
+pass beside it is likely that pass's backlog (docs/performance-log.md,
+2026-12-08).
 disk probe: ${probe_where}
 EOF
 
