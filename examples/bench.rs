@@ -179,6 +179,11 @@ fn parse_args() -> Result<Option<Args>, String> {
     Ok(Some(args))
 }
 
+/// The most events one pipeline of the steady producer carries (`--rate`):
+/// on schedule it sends a millisecond's events (4 to 80 at the rates
+/// `scripts/bench.sh` asks for), behind it catches up in these.
+const CATCH_UP: usize = 1_000;
+
 /// `--presize`: fills Redis with placeholder keys `<prefix><n>` (expiring
 /// after an hour; the run's cleanup deletes them with the stream's keys) so
 /// that both of its tables of keys (every key, and the keys with a TTL) take
@@ -811,15 +816,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let began = Instant::now();
             let began_us = now_micros();
             // One small pipeline per millisecond, each event stamped with
-            // the producer's clock; then wait for the last commit.
+            // the producer's clock; then wait for the last commit. A
+            // producer behind its schedule (Redis slow to answer) catches
+            // up in pipelines of at most CATCH_UP events, back to back:
+            // one pipeline of all that was due grew to hundreds of
+            // thousands of events when it fell behind for seconds (a peak
+            // RSS of 490-520 MB, and a batch capacity run that measured
+            // half the drain rate).
             let total = (args.rate as f64 * args.duration.as_secs_f64()) as usize;
             let mut sent = 0;
             while sent < total && !running.is_finished() {
                 let due = (began.elapsed().as_secs_f64() * args.rate as f64) as usize;
                 let due = due.min(total);
-                if due > sent {
+                let upto = due.min(sent + CATCH_UP);
+                if upto > sent {
                     let now = now_micros().to_string();
-                    let batch: Vec<Vec<(String, String)>> = (sent..due)
+                    let batch: Vec<Vec<(String, String)>> = (sent..upto)
                         .map(|n| {
                             let mut f = fields(n);
                             f.push(("sent_us".to_owned(), now.clone()));
@@ -827,7 +839,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         })
                         .collect();
                     producer.send_batch(&batch)?;
-                    sent = due;
+                    sent = upto;
+                    if sent < due {
+                        continue; // still behind: the next pipeline at once
+                    }
                 }
                 std::thread::sleep(Duration::from_millis(1));
             }
