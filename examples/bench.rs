@@ -179,9 +179,9 @@ fn parse_args() -> Result<Option<Args>, String> {
     Ok(Some(args))
 }
 
-/// The most events one pipeline of the steady producer carries (`--rate`):
-/// on schedule it sends a millisecond's events (4 to 80 at the rates
-/// `scripts/bench.sh` asks for), behind it catches up in these.
+/// The most events in one pipeline of the `--rate` producer: on schedule
+/// it sends about a millisecond's worth (3 to 80 at `scripts/bench.sh`'s
+/// rates); when behind, it catches up in pipelines of this size.
 const CATCH_UP: usize = 1_000;
 
 /// `--presize`: fills Redis with placeholder keys `<prefix><n>` (expiring
@@ -816,13 +816,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let began = Instant::now();
             let began_us = now_micros();
             // One small pipeline per millisecond, each event stamped with
-            // the producer's clock; then wait for the last commit. A
-            // producer behind its schedule (Redis slow to answer) catches
-            // up in pipelines of at most CATCH_UP events, back to back:
-            // one pipeline of all that was due grew to hundreds of
-            // thousands of events when it fell behind for seconds (a peak
-            // RSS of 490-520 MB, and a batch capacity run that measured
-            // half the drain rate).
+            // the producer's clock when its pipeline is built; then wait
+            // for the last commit. A producer behind its schedule (Redis
+            // slow to answer, or this thread not scheduled) catches up in
+            // pipelines of at most CATCH_UP events, back to back: one
+            // pipeline of everything due grows with the lag (about 500 MB
+            // after seconds behind). The time an event waited in a
+            // producer behind its schedule is not in its latency (nor was
+            // it before).
             let total = (args.rate as f64 * args.duration.as_secs_f64()) as usize;
             let mut sent = 0;
             while sent < total && !running.is_finished() {

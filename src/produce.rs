@@ -41,9 +41,10 @@ impl Producer {
 
     /// Adds several entries in one round trip and returns their entry ids.
     ///
-    /// The whole slice is one pipeline, held in memory on both sides until
-    /// Redis has answered it: send many thousands in slices of a few
-    /// hundred or a thousand.
+    /// The slice goes as one pipeline: it is encoded in memory and written
+    /// in full before any reply is read, and the replies wait in Redis
+    /// until then. To send many thousands of entries, call this on slices
+    /// of a few hundred to a thousand.
     pub fn send_batch<K, V, F>(&mut self, entries: &[F]) -> Result<Vec<String>, Error>
     where
         K: redis::ToRedisArgs,
