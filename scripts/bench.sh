@@ -578,8 +578,9 @@ that vacuums and analyzes both tables is 2+2; ? where they could not be
 read). Each takes a burst of CPU from the two cores; the launcher visits
 the database every autovacuum_naptime (a minute by default) and the
 emptied tables are due again after a thousand inserts, so a ${STEADY_SECS} s run meets
-one visit or none, by chance. A p99 far above the calm figures with a
-pass beside it is likely that pass's backlog (docs/performance-log.md,
+one visit or none, by chance. The calm figures leave out steal bursts and
+disk stalls, not passes: a p99 far above the database alone's with a pass
+beside it is likely that pass's backlog (docs/performance-log.md,
 2026-12-08).
 disk probe: ${probe_where}
 EOF
