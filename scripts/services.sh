@@ -292,7 +292,9 @@ ensure_database() {
 
 redis_ok=0 pg_ok=$((!WANT_PG))
 ensure_redis_local && redis_ok=1
-((pg_ok)) || ensure_postgres_local && pg_ok=1
+if ((WANT_PG)); then
+    ensure_postgres_local && pg_ok=1
+fi
 
 if ((!redis_ok || !pg_ok)) && docker_ok; then
     say "starting Docker services from $ROOT/docker-compose.yml"

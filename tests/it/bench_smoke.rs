@@ -500,3 +500,39 @@ fn the_benchmark_refuses_a_private_postgresql_on_tmpfs() {
     assert!(out.stderr.contains("is on tmpfs"), "{}", out.stderr);
     assert_eq!(std::fs::read_dir(&dir.0).unwrap().count(), 0);
 }
+
+/// `scripts/services.sh` with `TASKHUB_SERVICES=redis` (what bench.sh uses
+/// beside a private PostgreSQL) sees to Redis alone and says nothing of
+/// PostgreSQL; a value it does not know is refused with exit 2.
+#[test]
+fn the_services_script_sees_to_redis_alone_or_refuses_what_it_does_not_know() {
+    let services = |which: &str| {
+        let mut cmd = Command::new("bash");
+        cmd.arg(repo_path("scripts/services.sh"))
+            .env("TASKHUB_SERVICES", which);
+        output(cmd, None, Duration::from_secs(60))
+    };
+    let redis = services("redis");
+    assert_eq!(
+        redis.status.code(),
+        Some(0),
+        "{}\n{}",
+        redis.stdout,
+        redis.stderr
+    );
+    assert!(redis.stdout.contains("redis:"), "{}", redis.stdout);
+    assert!(!redis.stdout.contains("postgres:"), "{}", redis.stdout);
+    let unknown = services("pg");
+    assert_eq!(
+        unknown.status.code(),
+        Some(2),
+        "{}\n{}",
+        unknown.stdout,
+        unknown.stderr
+    );
+    assert!(
+        unknown.stderr.contains("must be 'redis' or 'both'"),
+        "{}",
+        unknown.stderr
+    );
+}
